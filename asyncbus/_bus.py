@@ -1,0 +1,790 @@
+"""The bus: subscriptions become stages, publishes are routed to them, shutdown is accounted."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any, Literal, TypeVar, overload
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.from_thread import BlockingPortal
+from anyio.lowlevel import checkpoint
+
+from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
+from ._dispatch import current_dispatch, describe_error
+from ._envelope import EMPTY_HEADERS, HEADER_KEY, HEADER_REPLAYED, Envelope, Receipt, new_id
+from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
+from ._routing import Router, compile_pattern, validate_topic
+from ._runtime import FREE_THREADED
+from ._stage import Admission, Backpressure, Stage
+from ._stats import BusStatistics, ShutdownReport
+from ._subscription import Subscription, adapt_handler, build_chain, make_subscription
+from ._types import Middleware
+from .middleware.retry import Retry
+
+__all__ = ["DEADLETTER_TOPIC", "Bus"]
+
+logger = logging.getLogger("asyncbus")
+
+#: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
+DEADLETTER_TOPIC = "$deadletter"
+
+F = TypeVar("F", bound=Callable[..., Any])
+_State = Literal["new", "running", "closing", "closed"]
+
+
+class _PendingReply:
+    __slots__ = ("error", "event", "value")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class Bus:
+    """An in-process message bus of SEDA stages; ``async with bus:`` runs it.
+
+    :param transport: where envelopes wait between publish and handle; ``None`` (the
+        default) keeps them in each stage's anyio memory stream.
+    :param middleware: bus-wide middleware, wrapped around every subscription's own.
+    :param workers: size of the worker pool shared by offloaded sync handlers
+        (default: the CPU count).
+    :param dead_letter_ttl: seconds a dead letter is kept.
+    :param dead_letter_maxlen: most dead letters kept; the oldest is evicted past it.
+    :param codec: serialisation for transports that need it (unused in memory).
+    :param name: name of this bus, used as the ``sender`` of what it publishes.
+    """
+
+    def __init__(
+        self,
+        transport: object | None = None,
+        *,
+        middleware: Sequence[Middleware] = (),
+        workers: int | None = None,
+        dead_letter_ttl: float = 7 * 24 * 3600,
+        dead_letter_maxlen: int = 100_000,
+        codec: object | None = None,
+        name: str = "asyncbus",
+    ) -> None:
+        if transport is not None:
+            raise ConfigurationError(
+                "only the in-memory transport (transport=None) is available in this version"
+            )
+        workers = workers if workers is not None else (os.cpu_count() or 1)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigurationError(f"Bus: workers must be an int >= 1, got {workers!r}")
+        if dead_letter_ttl <= 0 or dead_letter_maxlen < 0:
+            raise ConfigurationError(
+                "Bus: dead_letter_ttl must be > 0 and dead_letter_maxlen >= 0, got "
+                f"{dead_letter_ttl!r}, {dead_letter_maxlen!r}"
+            )
+        for layer in middleware:
+            if not callable(layer):
+                raise ConfigurationError(f"Bus: middleware {layer!r} is not callable")
+        self.name = name
+        self.codec = codec
+        self.workers = workers
+        self._middleware = tuple(middleware)
+        self._router: Router[Stage] = Router()
+        self._stages: dict[tuple[str, str], Stage] = {}
+        self._stages_by_name: dict[str, Stage] = {}
+        #: Dead letters of every stage, newest last.
+        self.dead_letters = DeadLetterQueue(
+            ttl=dead_letter_ttl,
+            maxlen=dead_letter_maxlen,
+            resend=self._resend,
+            on_add=self._announce,
+        )
+        self._state: _State = "new"
+        #: Envelopes admitted to some stage and not yet settled (one per stage).
+        self.outstanding = 0
+        self._background = 0
+        self._idle_waiters: list[anyio.Event] = []
+        self._threadsafe_lock = threading.Lock()
+        self._threadsafe_pending = 0
+        self._requests: dict[str, _PendingReply] = {}
+        self._task_group: TaskGroup | None = None
+        self._portal: BlockingPortal | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._loop_thread: int | None = None
+        self._report: ShutdownReport | None = None
+
+    # -- life cycle -------------------------------------------------------------
+
+    @property
+    def task_group(self) -> TaskGroup:
+        """The one task group that owns every task of the running bus."""
+        if self._task_group is None:
+            raise BusClosedError("the bus is not running: use `async with bus:`")
+        return self._task_group
+
+    @property
+    def running(self) -> bool:
+        """Whether the bus accepts publishes from outside its handlers."""
+        return self._state == "running"
+
+    async def __aenter__(self) -> Bus:
+        if self._state in ("running", "closing"):
+            raise RuntimeError("this Bus is already running")
+        self._loop_thread = threading.get_ident()
+        self._limiter = anyio.CapacityLimiter(self.workers)
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        portal = BlockingPortal()
+        await portal.__aenter__()
+        self._portal = portal
+        self._report = None
+        self._state = "running"
+        for stage in self._stages.values():
+            stage.open_stream()
+            for subscription in stage.subscriptions:
+                self._start(stage, subscription)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            if self._state in ("running", "closing"):
+                self._state = "closing"
+                await self._stop(drained=False)
+            return
+        await self.aclose()
+
+    async def aclose(self, timeout: float | None = 30.0) -> ShutdownReport:
+        """Stop accepting outside publishes, drain, cancel what is left, and report.
+
+        Routing-slip hops, retries, replies and ``$deadletter`` keep flowing until the
+        bus is drained or ``timeout`` seconds have passed; then the rest is cancelled
+        and listed in the report's ``abandoned``. Call it from the task that entered
+        ``async with bus`` (or let ``__aexit__`` do it). A second call returns the
+        first report.
+        """
+        if self._state == "closed" or self._state == "new":
+            if self._report is None:
+                self._report = self._make_report(drained=True, abandoned=())
+            return self._report
+        if self._state == "closing":
+            raise RuntimeError("aclose() is already running")
+        self._state = "closing"
+        drained = True
+        try:
+            await self.drain(timeout)
+        except TimeoutError:
+            drained = False
+        return await self._stop(drained)
+
+    async def _stop(self, drained: bool) -> ShutdownReport:
+        for pending in self._requests.values():
+            if not pending.event.is_set():
+                pending.error = BusClosedError("the bus closed before the reply came")
+                pending.event.set()
+        portal, task_group = self._portal, self._task_group
+        self._portal = None
+        try:
+            try:
+                if portal is not None:
+                    await portal.stop(cancel_remaining=True)
+                    await portal.__aexit__(None, None, None)
+            finally:
+                if task_group is not None:
+                    task_group.cancel_scope.cancel()
+                    try:
+                        await task_group.__aexit__(None, None, None)
+                    finally:
+                        self._task_group = None
+        except BaseException:
+            self._finish(drained=False)
+            raise
+        return self._finish(drained)
+
+    def _finish(self, drained: bool = False) -> ShutdownReport:
+        if self._report is not None:
+            return self._report
+        abandoned: list[str] = []
+        for stage in self._stages.values():
+            abandoned += stage.close()
+        self.outstanding = 0
+        self._background = 0
+        self._state = "closed"
+        for waiter in self._idle_waiters:
+            waiter.set()
+        self._idle_waiters.clear()
+        self._report = self._make_report(
+            drained=drained and not abandoned, abandoned=tuple(abandoned)
+        )
+        return self._report
+
+    def _make_report(self, *, drained: bool, abandoned: tuple[str, ...]) -> ShutdownReport:
+        stages = self._stages.values()
+        return ShutdownReport(
+            drained=drained,
+            published=sum(stage.published for stage in stages),
+            completed=sum(stage.acked for stage in stages),
+            dead_lettered=sum(stage.dead_lettered for stage in stages),
+            abandoned=abandoned,
+        )
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until every queue is empty and nothing is in flight or waiting for a retry.
+
+        Thread-safe publishes made before the call (or by handlers it waits for) are
+        waited for too.
+
+        :raises TimeoutError: when that has not happened within ``timeout`` seconds.
+        """
+        with anyio.fail_after(timeout):
+            while not self._idle():
+                if self._state == "closed":
+                    return
+                waiter = anyio.Event()
+                self._idle_waiters.append(waiter)
+                await waiter.wait()
+
+    def _idle(self) -> bool:
+        return not (self.outstanding or self._background or self._threadsafe_pending)
+
+    def settled(self) -> None:
+        """One admitted envelope reached its end (called by stages)."""
+        self.outstanding -= 1
+        if not self.outstanding and self._idle_waiters:
+            self._wake_drainers()
+
+    def _wake_drainers(self) -> None:
+        if self._idle():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.set()
+
+    # -- subscribing ------------------------------------------------------------
+
+    @overload
+    def subscribe(
+        self,
+        topic: str,
+        handler: None = None,
+        *,
+        group: str | None = None,
+        concurrency: int = 1,
+        capacity: int = 1024,
+        backpressure: Backpressure = Backpressure.BLOCK,
+        retry: Retry | None = None,
+        timeout: float | None = None,
+        offload: Literal["thread", "process", "inline"] | None = None,
+        middleware: Sequence[Middleware] = (),
+    ) -> Callable[[F], F]: ...
+
+    @overload
+    def subscribe(
+        self,
+        topic: str,
+        handler: Callable[..., Any],
+        *,
+        group: str | None = None,
+        concurrency: int = 1,
+        capacity: int = 1024,
+        backpressure: Backpressure = Backpressure.BLOCK,
+        retry: Retry | None = None,
+        timeout: float | None = None,
+        offload: Literal["thread", "process", "inline"] | None = None,
+        middleware: Sequence[Middleware] = (),
+    ) -> Subscription: ...
+
+    def subscribe(
+        self,
+        topic: str,
+        handler: Callable[..., Any] | None = None,
+        *,
+        group: str | None = None,
+        concurrency: int = 1,
+        capacity: int = 1024,
+        backpressure: Backpressure = Backpressure.BLOCK,
+        retry: Retry | None = None,
+        timeout: float | None = None,
+        offload: Literal["thread", "process", "inline"] | None = None,
+        middleware: Sequence[Middleware] = (),
+    ) -> Callable[[F], F] | Subscription:
+        """Register a handler for ``topic`` (NATS pattern: ``*`` one token, ``>`` the rest).
+
+        As a decorator it returns the function unchanged; called with ``handler`` it
+        returns the :class:`Subscription`. Subscribing while the bus runs takes effect
+        at once.
+
+        :raises ConfigurationError: for a malformed pattern, ``capacity`` or
+            ``concurrency`` below 1, a non-callable handler, or a stage (same pattern
+            and group) already configured with another capacity or back-pressure.
+        """
+        options: dict[str, Any] = {
+            "group": group,
+            "concurrency": concurrency,
+            "capacity": capacity,
+            "backpressure": backpressure,
+            "retry": retry,
+            "timeout": timeout,
+            "offload": offload,
+            "middleware": middleware,
+        }
+        if handler is None:
+            compile_pattern(topic)  # a malformed pattern fails here, not at decoration
+
+            def decorator(function: F) -> F:
+                self._subscribe(make_subscription(topic, function, **options))
+                return function
+
+            return decorator
+        return self._subscribe(make_subscription(topic, handler, **options))
+
+    def _subscribe(self, subscription: Subscription) -> Subscription:
+        key = (subscription.topic, subscription.group)
+        stage = self._stages.get(key)
+        if stage is None:
+            stage = Stage(
+                self,
+                subscription.topic,
+                subscription.group,
+                subscription.capacity,
+                subscription.backpressure,
+            )
+            if self._task_group is not None:
+                stage.open_stream()
+            self._stages[key] = stage
+            self._stages_by_name[stage.name] = stage
+            self._router.add(subscription.topic, subscription.group, stage)
+        elif (stage.capacity, stage.backpressure) != (
+            subscription.capacity,
+            subscription.backpressure,
+        ):
+            raise ConfigurationError(
+                f"stage {stage.name!r} already has capacity={stage.capacity}, "
+                f"backpressure={stage.backpressure.name}; a subscription in the same group "
+                f"asked for capacity={subscription.capacity}, "
+                f"backpressure={subscription.backpressure.name}"
+            )
+        stage.subscriptions.append(subscription)
+        if self._task_group is not None:
+            self._start(stage, subscription)
+        return subscription
+
+    def _start(self, stage: Stage, subscription: Subscription) -> None:
+        assert self._limiter is not None
+        handler = adapt_handler(subscription, self._limiter)
+        stage.start_consumers(subscription, build_chain(subscription, handler, self._middleware))
+
+    # -- publishing -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        state = self._state
+        if state == "running" or (state == "closing" and current_dispatch() is not None):
+            return
+        if state == "new":
+            raise BusClosedError("the bus has not started: publish inside `async with bus:`")
+        raise BusClosedError(f"the bus is {state}: it accepts no new publishes")
+
+    def _envelope(
+        self,
+        topic: str,
+        payload: Any,
+        headers: Mapping[str, str] | None,
+        ttl: float | None,
+        slip: Iterable[str],
+        key: str | None,
+        id: str | None,
+        reply_to: str | None = None,
+    ) -> Envelope:
+        if headers or key is not None:
+            fields = dict(headers or {})
+            if key is not None:
+                fields[HEADER_KEY] = str(key)
+            frozen_headers: Mapping[str, str] = MappingProxyType(fields)
+        else:
+            frozen_headers = EMPTY_HEADERS
+        route = tuple(slip) if slip else ()
+        for hop in route:
+            validate_topic(hop)
+        if ttl is not None and not ttl > 0:
+            raise ConfigurationError(f"publish({topic!r}): ttl must be > 0, got {ttl!r}")
+        envelope_id = id if id is not None else new_id()
+        return Envelope(
+            envelope_id,
+            topic,
+            payload,
+            frozen_headers,
+            time.time(),
+            ttl,
+            1,
+            route,
+            envelope_id,
+            None,
+            reply_to,
+            self.name,
+        )
+
+    async def publish(
+        self,
+        topic: str,
+        payload: Any = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        slip: Sequence[str] = (),
+        key: str | None = None,
+        id: str | None = None,
+        timeout: float | None = None,
+    ) -> Receipt:
+        """Publish ``payload`` on ``topic`` to every matching stage (once per group).
+
+        :param slip: topics the result is forwarded to, one after another.
+        :param ttl: seconds after which the envelope expires unhandled.
+        :param timeout: longest wait for room in ``BLOCK`` stages.
+        :raises BusClosedError: before start or after ``aclose`` began.
+        :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``
+            (``.receipt`` tells which stages accepted).
+        """
+        self._check_open()
+        await checkpoint()
+        envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        return await self._route(envelope, timeout)
+
+    def publish_nowait(
+        self,
+        topic: str,
+        payload: Any = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        slip: Sequence[str] = (),
+        key: str | None = None,
+        id: str | None = None,
+    ) -> Receipt:
+        """Publish without waiting; nothing is admitted anywhere if a ``BLOCK`` stage is full.
+
+        :raises anyio.WouldBlock: when a matching ``BLOCK`` stage has no room.
+        :raises BusClosedError: before start or after ``aclose`` began.
+        """
+        self._check_open()
+        envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        stages = self._router.route(envelope.topic)
+        for stage in stages:
+            if stage.backpressure is Backpressure.BLOCK and not stage.has_room():
+                raise anyio.WouldBlock(f"stage {stage.name!r} is full")
+        receipt, blocked = self._offer(envelope, stages)
+        assert not blocked
+        return receipt
+
+    def publish_threadsafe(
+        self,
+        topic: str,
+        payload: Any = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        slip: Sequence[str] = (),
+        key: str | None = None,
+        id: str | None = None,
+        timeout: float | None = None,
+    ) -> concurrent.futures.Future[Receipt]:
+        """Publish from any thread (worker threads included); the receipt arrives in a future.
+
+        Errors (``BusClosedError``, ``PublishTimeout``, …) are set on the future.
+        """
+        inside = current_dispatch() is not None
+        with self._threadsafe_lock:
+            self._threadsafe_pending += 1
+        arguments = (inside, topic, payload, headers, ttl, tuple(slip), key, id, timeout)
+        portal = self._portal
+        try:
+            if threading.get_ident() == self._loop_thread and self._task_group is not None:
+                future: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
+                self._task_group.start_soon(self._publish_into, future, *arguments)
+                return future
+            if portal is None:
+                raise BusClosedError("the bus is not running")
+            return portal.start_task_soon(self._publish_from_thread, *arguments)
+        except BaseException as error:
+            self._threadsafe_done()
+            failed: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
+            failed.set_exception(
+                error if isinstance(error, BusClosedError) else BusClosedError(str(error))
+            )
+            return failed
+
+    async def _publish_into(
+        self, future: concurrent.futures.Future[Receipt], *arguments: Any
+    ) -> None:
+        try:
+            receipt = await self._publish_from_thread(*arguments)
+        except Exception as error:
+            future.set_exception(error)
+        else:
+            future.set_result(receipt)
+
+    async def _publish_from_thread(
+        self,
+        inside: bool,
+        topic: str,
+        payload: Any,
+        headers: Mapping[str, str] | None,
+        ttl: float | None,
+        slip: tuple[str, ...],
+        key: str | None,
+        id: str | None,
+        timeout: float | None,
+    ) -> Receipt:
+        try:
+            if not (self._state == "running" or (self._state == "closing" and inside)):
+                raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
+            envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+            return await self._route(envelope, timeout)
+        finally:
+            self._threadsafe_done()
+
+    def _threadsafe_done(self) -> None:
+        with self._threadsafe_lock:
+            self._threadsafe_pending -= 1
+        if self._idle_waiters and threading.get_ident() == self._loop_thread:
+            self._wake_drainers()
+
+    def _offer(self, envelope: Envelope, stages: tuple[Stage, ...]) -> tuple[Receipt, list[Stage]]:
+        if not stages:
+            self._no_subscribers(envelope)
+            return Receipt(envelope.id), []
+        if len(stages) == 1:
+            stage = stages[0]
+            admission = stage.offer(envelope)
+            if admission is Admission.ACCEPTED:
+                return Receipt(envelope.id, (stage.name,)), []
+            if admission is Admission.BLOCKED:
+                return Receipt(envelope.id), [stage]
+            if admission is Admission.REJECTED:
+                return Receipt(envelope.id, rejected=(stage.name,)), []
+            return Receipt(envelope.id, dropped=(stage.name,)), []
+        accepted: list[str] = []
+        rejected: list[str] = []
+        dropped: list[str] = []
+        blocked: list[Stage] = []
+        for stage in stages:
+            admission = stage.offer(envelope)
+            if admission is Admission.ACCEPTED:
+                accepted.append(stage.name)
+            elif admission is Admission.BLOCKED:
+                blocked.append(stage)
+            elif admission is Admission.REJECTED:
+                rejected.append(stage.name)
+            else:
+                dropped.append(stage.name)
+        return Receipt(envelope.id, tuple(accepted), tuple(rejected), tuple(dropped)), blocked
+
+    async def _route(self, envelope: Envelope, timeout: float | None) -> Receipt:
+        receipt, blocked = self._offer(envelope, self._router.route(envelope.topic))
+        if not blocked:
+            return receipt
+        accepted = list(receipt.accepted)
+        waiting_on = blocked[0]
+        with anyio.move_on_after(timeout) as scope:
+            for waiting_on in blocked:
+                await waiting_on.put(envelope)
+                accepted.append(waiting_on.name)
+        receipt = Receipt(envelope.id, tuple(accepted), receipt.rejected, receipt.dropped)
+        if scope.cancelled_caught:
+            raise PublishTimeout(
+                f"stage {waiting_on.name!r} stayed full for {timeout}s", receipt=receipt
+            )
+        return receipt
+
+    def _no_subscribers(self, envelope: Envelope) -> None:
+        if envelope.topic == DEADLETTER_TOPIC:
+            return  # a dead letter never begets one
+        self.dead_letter(
+            envelope,
+            DeadLetterReason.NO_SUBSCRIBERS,
+            f"no subscription matches topic {envelope.topic!r}",
+            None,
+            0,
+        )
+
+    # -- dead letters -----------------------------------------------------------
+
+    def dead_letter(
+        self,
+        envelope: Envelope,
+        reason: DeadLetterReason,
+        error: str | None,
+        stage: str | None,
+        attempts: int,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Record ``envelope`` as dead (called by stages and middleware)."""
+        if envelope.topic == DEADLETTER_TOPIC:
+            logger.warning("a $deadletter envelope failed in %s (%s); discarded", stage, reason)
+            return
+        entry = DeadLetter(envelope, reason, error, stage, attempts, time.time())
+        self.dead_letters.add(entry)
+        if envelope.reply_to is not None:
+            pending = self._requests.get(envelope.reply_to)
+            if pending is not None and not pending.event.is_set():
+                failure = HandlerError(
+                    f"{reason.value} in stage {stage}: {error}"
+                    if stage
+                    else f"{reason.value}: {error}",
+                    envelope=envelope,
+                    stage=stage,
+                    attempts=attempts,
+                )
+                failure.__cause__ = cause
+                pending.error = failure
+                pending.event.set()
+
+    def _announce(self, entry: DeadLetter) -> None:
+        if self._state not in ("running", "closing"):
+            return
+        stages = self._router.route(DEADLETTER_TOPIC)
+        if not stages:
+            return
+        envelope = Envelope(
+            topic=DEADLETTER_TOPIC,
+            payload=entry,
+            correlation_id=entry.envelope.correlation_id,
+            causation_id=entry.envelope.id,
+            sender=self.name,
+        )
+        for stage in stages:
+            if stage.offer(envelope) is Admission.BLOCKED:
+                self._background += 1
+                self.task_group.start_soon(self._put_later, stage, envelope)
+
+    async def _put_later(self, stage: Stage, envelope: Envelope) -> None:
+        try:
+            await stage.put(envelope)
+        finally:
+            self._background -= 1
+            if self._idle_waiters:
+                self._wake_drainers()
+
+    async def _resend(self, entry: DeadLetter) -> Receipt:
+        if self._state not in ("running", "closing"):
+            raise BusClosedError("replay needs a running bus")
+        headers = dict(entry.envelope.headers)
+        headers[HEADER_REPLAYED] = "1"
+        envelope = entry.envelope.evolve(
+            attempt=1, timestamp=time.time(), headers=MappingProxyType(headers)
+        )
+        stage = self._stages_by_name.get(entry.stage) if entry.stage else None
+        if stage is None:
+            return await self._route(envelope, None)
+        await stage.put(envelope)
+        return Receipt(envelope.id, (stage.name,))
+
+    # -- slips and replies ------------------------------------------------------
+
+    async def forward(self, envelope: Envelope, result: Any) -> None:
+        """Send a handled envelope's result on: to its next slip hop, or to its requester."""
+        if envelope.slip:
+            hop = Envelope(
+                new_id(),
+                envelope.slip[0],
+                envelope.payload if result is None else result,
+                envelope.headers,
+                envelope.timestamp,
+                envelope.ttl,
+                1,
+                envelope.slip[1:],
+                envelope.correlation_id,
+                envelope.id,
+                envelope.reply_to,
+                envelope.sender,
+            )
+            try:
+                await self._route(hop, None)
+            except Exception as error:
+                self.dead_letter(
+                    hop, DeadLetterReason.NO_SUBSCRIBERS, describe_error(error), None, 0, error
+                )
+            return
+        if envelope.reply_to is not None:
+            pending = self._requests.get(envelope.reply_to)
+            if pending is not None and not pending.event.is_set():
+                pending.value = result
+                pending.event.set()
+
+    async def request(
+        self,
+        topic: str,
+        payload: Any = None,
+        *,
+        slip: Sequence[str] = (),
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+    ) -> Any:
+        """Publish and wait for the return value of the last stage of the route.
+
+        :raises HandlerError: when no stage subscribes, a stage rejects it at the door,
+            or it is dead-lettered anywhere on the route (the first failure wins).
+        :raises TimeoutError: when no reply came within ``timeout``; the work goes on.
+        """
+        self._check_open()
+        await checkpoint()
+        envelope_id = new_id()
+        envelope = self._envelope(
+            topic, payload, headers, ttl, slip, None, envelope_id, reply_to=envelope_id
+        )
+        pending = _PendingReply()
+        self._requests[envelope_id] = pending
+        try:
+            with anyio.fail_after(timeout):
+                receipt = await self._route(envelope, None)
+                if pending.error is None and not pending.event.is_set():
+                    if receipt.rejected:
+                        raise HandlerError(
+                            f"request to {topic!r} rejected at the door of "
+                            f"{', '.join(receipt.rejected)}",
+                            envelope=envelope,
+                            stage=receipt.rejected[0],
+                            attempts=0,
+                        )
+                    await pending.event.wait()
+        finally:
+            del self._requests[envelope_id]
+        if pending.error is not None:
+            raise pending.error
+        return pending.value
+
+    # -- statistics -------------------------------------------------------------
+
+    def statistics(self) -> BusStatistics:
+        """Snapshot every stage's ledger and the bus-wide totals."""
+        stages = tuple(stage.statistics() for stage in self._stages.values())
+
+        def total(field: str) -> int:
+            return sum(getattr(stage, field) for stage in stages)
+
+        return BusStatistics(
+            stages=stages,
+            published=total("published"),
+            acked=total("acked"),
+            failed=total("failed"),
+            retried=total("retried"),
+            dead_lettered=total("dead_lettered"),
+            rejected=total("rejected"),
+            dropped=total("dropped"),
+            expired=total("expired"),
+            abandoned=total("abandoned"),
+            depth=total("depth"),
+            in_flight=total("in_flight"),
+            dead_letter_queue=len(self.dead_letters),
+            free_threaded=FREE_THREADED,
+        )
+
+    def __repr__(self) -> str:
+        return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"

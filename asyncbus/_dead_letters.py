@@ -1,0 +1,166 @@
+"""The dead-letter queue: where envelopes that could not be handled wait for a person."""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ._envelope import Envelope, Receipt
+
+__all__ = ["DeadLetter", "DeadLetterQueue", "DeadLetterReason"]
+
+
+class DeadLetterReason(StrEnum):
+    """Why an envelope was dead-lettered."""
+
+    NO_SUBSCRIBERS = "no_subscribers"
+    HANDLER_FAILED = "handler_failed"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    DROPPED = "dropped"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One envelope that ended in the dead-letter queue.
+
+    :ivar error: ``"ExceptionType: message"`` (and a short traceback) when an
+        exception caused it, else ``None``.
+    :ivar stage: name of the stage that dead-lettered it, ``None`` when it reached none.
+    :ivar attempts: how many times a handler was tried.
+    :ivar dead_at: epoch seconds when it died; it expires ``dead_letter_ttl`` later.
+    """
+
+    envelope: Envelope
+    reason: DeadLetterReason
+    error: str | None
+    stage: str | None
+    attempts: int
+    dead_at: float
+
+
+Resend = Callable[[DeadLetter], Awaitable[Receipt]]
+
+
+class DeadLetterQueue:
+    """Bounded, expiring store of :class:`DeadLetter` entries, oldest first.
+
+    When full, the oldest entry is evicted (counted in :attr:`evicted`); entries
+    expire ``ttl`` seconds after they died. One envelope id may have several
+    entries (a fan-out that failed in two stages); id-based methods act on all of them.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl: float,
+        maxlen: int,
+        resend: Resend,
+        on_add: Callable[[DeadLetter], None] | None = None,
+    ) -> None:
+        self.ttl = ttl
+        self.maxlen = maxlen
+        #: Entries evicted because the queue was full.
+        self.evicted = 0
+        self._resend = resend
+        self._on_add = on_add
+        self._entries: OrderedDict[int, DeadLetter] = OrderedDict()
+        self._by_id: dict[str, list[int]] = {}
+        self._next_key = 0
+
+    def add(self, dead_letter: DeadLetter) -> None:
+        """Store ``dead_letter``, evicting the oldest entry when the queue is full."""
+        self._expire()
+        while len(self._entries) >= self.maxlen > 0:
+            self._pop_key(next(iter(self._entries)))
+            self.evicted += 1
+        if self.maxlen > 0:
+            key = self._next_key
+            self._next_key += 1
+            self._entries[key] = dead_letter
+            self._by_id.setdefault(dead_letter.envelope.id, []).append(key)
+        else:
+            self.evicted += 1
+        if self._on_add is not None:
+            self._on_add(dead_letter)
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._entries)
+
+    def len(self) -> int:
+        """Return how many entries are stored (same as ``len(queue)``)."""
+        return self.__len__()
+
+    def list(self, reason: str | None = None, topic: str | None = None) -> list[DeadLetter]:
+        """Return the entries, oldest first, optionally only those of one reason or topic."""
+        self._expire()
+        return [
+            entry
+            for entry in self._entries.values()
+            if (reason is None or entry.reason == reason)
+            and (topic is None or entry.envelope.topic == topic)
+        ]
+
+    def get(self, id: str) -> DeadLetter | None:
+        """Return the oldest entry for envelope ``id``, or ``None``."""
+        self._expire()
+        keys = self._by_id.get(id)
+        return self._entries[keys[0]] if keys else None
+
+    async def replay(self, *ids: str) -> builtins.list[Receipt]:
+        """Re-send the envelopes ``ids`` to the stage that dead-lettered them.
+
+        Each is re-sent with ``attempt`` 1, a fresh ``timestamp`` and the header
+        ``asyncbus-replayed``, and its entry leaves the queue.
+
+        :raises KeyError: naming the ids that are not in the queue; nothing is replayed then.
+        """
+        self._expire()
+        missing = [id for id in ids if id not in self._by_id]
+        if missing:
+            raise KeyError(f"not in the dead-letter queue: {', '.join(missing)}")
+        receipts: builtins.list[Receipt] = []
+        for id in ids:
+            for key in list(self._by_id.get(id, ())):
+                entry = self._entries.get(key)
+                if entry is None:
+                    continue
+                self._pop_key(key)
+                receipts.append(await self._resend(entry))
+        return receipts
+
+    def purge(self, *ids: str) -> int:
+        """Remove the entries of ``ids`` (all entries when none given); return how many."""
+        if not ids:
+            removed = len(self._entries)
+            self._entries.clear()
+            self._by_id.clear()
+            return removed
+        removed = 0
+        for id in ids:
+            for key in self._by_id.get(id, [])[:]:
+                self._pop_key(key)
+                removed += 1
+        return removed
+
+    def _pop_key(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        keys = self._by_id[entry.envelope.id]
+        keys.remove(key)
+        if not keys:
+            del self._by_id[entry.envelope.id]
+
+    def _expire(self) -> None:
+        deadline = time.time() - self.ttl
+        entries = self._entries
+        while entries:
+            key = next(iter(entries))
+            if entries[key].dead_at > deadline:
+                break
+            self._pop_key(key)

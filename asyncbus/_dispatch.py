@@ -1,0 +1,120 @@
+"""The context a middleware sees while one envelope is being handled.
+
+Each consumer task owns one :class:`Dispatch`, set once in a context variable and
+reset per envelope, so built-in middleware can settle the envelope (dead-letter it,
+schedule a retry) without the chain's signature carrying anything but the envelope.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+from ._dead_letters import DeadLetterReason
+from ._exceptions import Reject
+
+if TYPE_CHECKING:
+    from ._bus import Bus
+    from ._envelope import Envelope
+    from ._stage import Stage
+
+__all__ = ["Dispatch", "Outcome", "current_dispatch", "describe_error"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_current: ContextVar[Dispatch | None] = ContextVar("asyncbus_dispatch", default=None)
+
+
+class Outcome:
+    """How a dispatch ended when the chain returned (``None`` means: ack it)."""
+
+    DEFERRED = "deferred"
+    DEAD = "dead"
+    SKIPPED = "skipped"
+
+
+def current_dispatch() -> Dispatch | None:
+    """Return the dispatch being handled by the calling task, or ``None`` outside one."""
+    return _current.get()
+
+
+def describe_error(error: BaseException) -> str:
+    """``"Type: message"`` followed by the last frames of the traceback."""
+    text = f"{type(error).__name__}: {error}"
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith(_PACKAGE_DIR)
+    ][-3:]
+    return text + ("\n" + "".join(traceback.format_list(frames)).rstrip() if frames else "")
+
+
+class Dispatch:
+    """One consumer task's view of the envelope it is handling now.
+
+    :ivar stage: the stage the consumer belongs to.
+    :ivar bus: the bus that owns the stage.
+    :ivar envelope: the envelope being handled.
+    :ivar outcome: ``None`` while it will be acked, else an :class:`Outcome` value.
+    """
+
+    __slots__ = ("bus", "envelope", "outcome", "stage")
+
+    def __init__(self, stage: Stage, bus: Bus) -> None:
+        self.stage = stage
+        self.bus = bus
+        self.envelope: Envelope | None = None
+        self.outcome: str | None = None
+
+    def activate(self) -> None:
+        """Make this the calling task's dispatch (once, when the consumer starts)."""
+        _current.set(self)
+
+    def dead_letter(
+        self,
+        reason: DeadLetterReason,
+        error: str | None = None,
+        *,
+        failed: bool = False,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Dead-letter the current envelope now; the consumer will not ack it.
+
+        :param failed: count a failed attempt (the handler raised).
+        :param cause: the exception, chained to a requester's :class:`HandlerError`.
+        """
+        if self.outcome is not None or self.envelope is None:
+            return
+        self.outcome = Outcome.DEAD
+        self.stage.settle_dead(self.envelope, reason, error, failed=failed, cause=cause)
+
+    def fail(self, error: BaseException) -> None:
+        """Dead-letter the current envelope for ``error`` (a handler's exception)."""
+        from .middleware.timeout import HandlerTimeout
+
+        if isinstance(error, Reject):
+            reason = DeadLetterReason.REJECTED
+            text = f"Reject: {error.reason}"
+        elif isinstance(error, HandlerTimeout):
+            reason = DeadLetterReason.TIMEOUT
+            text = describe_error(error)
+        else:
+            reason = DeadLetterReason.HANDLER_FAILED
+            text = describe_error(error)
+        self.dead_letter(reason, text, failed=True, cause=error)
+
+    def skip(self) -> None:
+        """Ack the current envelope without handling it further (nothing is forwarded)."""
+        if self.outcome is None:
+            self.outcome = Outcome.SKIPPED
+
+    def retry(self, delay: float) -> None:
+        """Re-enter the current envelope into its own stage after ``delay`` seconds.
+
+        The envelope stays in flight (for the ledger and ``drain``) while it waits.
+        """
+        if self.outcome is not None or self.envelope is None:
+            return
+        self.outcome = Outcome.DEFERRED
+        self.stage.schedule_retry(self.envelope, delay)

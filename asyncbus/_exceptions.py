@@ -1,0 +1,105 @@
+"""The exceptions asyncbus raises, in one tree.
+
+::
+
+    AsyncbusError
+    ├── ConfigurationError (also ValueError)   bad capacity / concurrency / attempts / pattern
+    ├── BusClosedError (also RuntimeError)     publish before start or after aclose
+    ├── PublishTimeout (also TimeoutError)     BLOCK stage stayed full past timeout
+    ├── HandlerError                           .envelope .stage .attempts, __cause__ set
+    ├── Reject                                 raised by handlers: dead-letter now, no retry
+    ├── SerializationError ── EncodeError, DecodeError
+    └── TransportError ── ConnectError
+
+anyio's ``WouldBlock``, ``ClosedResourceError`` and ``EndOfStream`` are reused, not
+redefined.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._envelope import Envelope, Receipt
+
+__all__ = [
+    "AsyncbusError",
+    "BusClosedError",
+    "ConfigurationError",
+    "ConnectError",
+    "DecodeError",
+    "EncodeError",
+    "HandlerError",
+    "PublishTimeout",
+    "Reject",
+    "SerializationError",
+    "TransportError",
+]
+
+
+class AsyncbusError(Exception):
+    """Base class of every error asyncbus raises."""
+
+
+class ConfigurationError(AsyncbusError, ValueError):
+    """A subscription or bus was configured with values that cannot work."""
+
+
+class BusClosedError(AsyncbusError, RuntimeError):
+    """A publish was made before the bus started or after it began to close."""
+
+
+class PublishTimeout(AsyncbusError, TimeoutError):
+    """A ``BLOCK`` stage stayed full past the publish timeout.
+
+    :ivar receipt: what was admitted before time ran out (earlier stages of a fan-out).
+    """
+
+    def __init__(self, message: str, *, receipt: Receipt) -> None:
+        super().__init__(message)
+        self.receipt = receipt
+
+
+class HandlerError(AsyncbusError):
+    """A request's route failed: the handler failed after its retries, or was dead-lettered.
+
+    :ivar envelope: the envelope that failed.
+    :ivar stage: the name of the stage where it failed, ``None`` when it reached none.
+    :ivar attempts: how many times the handler was tried.
+    """
+
+    def __init__(
+        self, message: str, *, envelope: Envelope, stage: str | None, attempts: int
+    ) -> None:
+        super().__init__(message)
+        self.envelope = envelope
+        self.stage = stage
+        self.attempts = attempts
+
+
+class Reject(AsyncbusError):
+    """Raised by a handler to dead-letter the envelope at once, without retrying."""
+
+    def __init__(self, reason: str = "rejected") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class SerializationError(AsyncbusError):
+    """A payload could not be encoded or decoded."""
+
+
+class EncodeError(SerializationError):
+    """A payload could not be encoded for the wire."""
+
+
+class DecodeError(SerializationError):
+    """A payload could not be decoded into what the handler asked for."""
+
+
+class TransportError(AsyncbusError):
+    """A transport failed to talk to its broker."""
+
+
+class ConnectError(TransportError):
+    """A transport could not connect to its broker."""

@@ -1,0 +1,103 @@
+"""Topic patterns in NATS syntax and the table that routes a topic to its stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+from ._exceptions import ConfigurationError
+
+__all__ = ["Router", "compile_pattern", "validate_topic"]
+
+T = TypeVar("T")
+
+_ROUTE_CACHE_LIMIT = 8192
+
+
+def validate_topic(topic: str) -> None:
+    """Raise :class:`ConfigurationError` unless ``topic`` is a concrete topic name."""
+    if not isinstance(topic, str) or not topic:
+        raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+    tokens = topic.split(".")
+    for token in tokens:
+        if not token or token in ("*", ">"):
+            raise ConfigurationError(
+                f"topic {topic!r} is not publishable: every token must be a non-empty name "
+                "(wildcards '*' and '>' belong in subscription patterns)"
+            )
+
+
+def compile_pattern(pattern: str) -> Callable[[str], bool]:
+    """Return a predicate telling whether a topic matches ``pattern``.
+
+    Tokens split on ``.``; ``*`` matches exactly one token, ``>`` (last token only)
+    matches one or more remaining tokens.
+
+    :raises ConfigurationError: for an empty pattern, an empty token, ``>`` before the
+        end, or a wildcard mixed into a token such as ``a*``.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ConfigurationError(f"pattern must be a non-empty string, got {pattern!r}")
+    tokens = pattern.split(".")
+    for index, token in enumerate(tokens):
+        if not token:
+            raise ConfigurationError(f"pattern {pattern!r} has an empty token at position {index}")
+        if token == ">" and index != len(tokens) - 1:
+            raise ConfigurationError(f"pattern {pattern!r}: '>' may only be the last token")
+        if token not in ("*", ">") and ("*" in token or ">" in token):
+            raise ConfigurationError(
+                f"pattern {pattern!r}: token {token!r} mixes a wildcard with a name"
+            )
+    if "*" not in tokens and ">" not in tokens:
+        return pattern.__eq__
+    tail = tokens[-1] == ">"
+    fixed = tokens[:-1] if tail else tokens
+    width = len(fixed)
+
+    def matches(topic: str) -> bool:
+        parts = topic.split(".")
+        if (len(parts) <= width) if tail else (len(parts) != width):
+            return False
+        return all(want == "*" or want == got for want, got in zip(fixed, parts, strict=False))
+
+    return matches
+
+
+class Router(Generic[T]):
+    """Routes a topic to at most one target per group, first-registered pattern first.
+
+    Results are cached per topic; adding a route clears the cache.
+    """
+
+    __slots__ = ("_cache", "_routes")
+
+    def __init__(self) -> None:
+        self._routes: list[tuple[Callable[[str], bool], str, T]] = []
+        self._cache: dict[str, tuple[T, ...]] = {}
+
+    def add(self, pattern: str, group: str, target: T) -> None:
+        """Register ``target`` for ``pattern`` in ``group``."""
+        self._routes.append((compile_pattern(pattern), group, target))
+        self._cache.clear()
+
+    def targets(self) -> Iterable[T]:
+        """Every registered target, in registration order."""
+        return (target for _, _, target in self._routes)
+
+    def route(self, topic: str) -> tuple[T, ...]:
+        """Return the targets ``topic`` goes to: one per group, first match wins."""
+        found = self._cache.get(topic)
+        if found is not None:
+            return found
+        validate_topic(topic)
+        groups: set[str] = set()
+        chosen: list[T] = []
+        for matches, group, target in self._routes:
+            if group not in groups and matches(topic):
+                groups.add(group)
+                chosen.append(target)
+        result = tuple(chosen)
+        if len(self._cache) >= _ROUTE_CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[topic] = result
+        return result

@@ -1,0 +1,306 @@
+"""A stage: one (pattern, group)'s bounded queue, its consumers and its ledger."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from enum import Enum, StrEnum
+from typing import TYPE_CHECKING
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._dead_letters import DeadLetterReason
+from ._dispatch import Dispatch, Outcome
+from ._stats import LatencyHistogram, StageStatistics
+
+if TYPE_CHECKING:
+    from ._bus import Bus
+    from ._envelope import Envelope
+    from ._subscription import Subscription
+    from ._types import Handler
+
+__all__ = ["Admission", "Backpressure", "Stage"]
+
+_clock = time.perf_counter
+
+
+class Backpressure(StrEnum):
+    """What a publish does when it finds a stage's queue full."""
+
+    #: Wait for room (up to the publish ``timeout``, then :class:`PublishTimeout`).
+    BLOCK = "block"
+    #: Enqueue nothing for this stage; the receipt lists it in ``rejected``.
+    REJECT = "reject"
+    #: Do not enqueue the new envelope; it is dead-lettered ``dropped``.
+    DROP_NEWEST = "drop_newest"
+    #: Evict (and dead-letter ``dropped``) the oldest queued envelope, admit the new one.
+    DROP_OLDEST = "drop_oldest"
+
+
+class Admission(Enum):
+    """What happened at a stage's door."""
+
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"
+    DROPPED = "dropped"
+    BLOCKED = "blocked"
+
+
+class Stage:
+    """One subscription group on one pattern: a bounded anyio stream plus its consumers.
+
+    Every counter here is touched only from the event-loop thread, and every change
+    to the ledger happens without an ``await`` in between, so
+    ``published == acked + dead_lettered + abandoned + depth + in_flight`` holds
+    whenever another task can look.
+    """
+
+    def __init__(
+        self, bus: Bus, pattern: str, group: str, capacity: int, backpressure: Backpressure
+    ) -> None:
+        self.bus = bus
+        self.pattern = pattern
+        self.group = group
+        self.name = f"{pattern}@{group}"
+        self.capacity = capacity
+        self.backpressure = backpressure
+        self.subscriptions: list[Subscription] = []
+        self.published = self.acked = self.failed = self.retried = 0
+        self.dead_lettered = self.rejected = self.dropped = self.expired = 0
+        self.abandoned = self.in_flight = self.queued = 0
+        self.latency = LatencyHistogram()
+        self.wait = LatencyHistogram()
+        # id(envelope) -> envelope, for everything admitted and not yet settled.
+        self.open: dict[int, Envelope] = {}
+        self._room_waiters: deque[anyio.Event] = deque()
+        self._send: MemoryObjectSendStream[tuple[float, Envelope]] | None = None
+        self._receive: MemoryObjectReceiveStream[tuple[float, Envelope]] | None = None
+
+    # -- life cycle -------------------------------------------------------------
+
+    @property
+    def concurrency(self) -> int:
+        """Consumer tasks of all subscriptions sharing this stage."""
+        return sum(subscription.concurrency for subscription in self.subscriptions)
+
+    def open_stream(self) -> None:
+        """Create the bounded stream (when the bus starts, or at once if it runs)."""
+        self._send, self._receive = anyio.create_memory_object_stream["tuple[float, Envelope]"](
+            self.capacity
+        )
+
+    def start_consumers(self, subscription: Subscription, chain: Handler) -> None:
+        """Start ``subscription.concurrency`` consumers running ``chain`` in the bus's group."""
+        task_group = self.bus.task_group
+        for _ in range(subscription.concurrency):
+            task_group.start_soon(self._consume, chain, name=f"asyncbus consumer {self.name}")
+
+    def close(self) -> list[str]:
+        """After the consumers are gone: count what is left as abandoned, close the stream.
+
+        :return: ids of the abandoned envelopes.
+        """
+        left = [envelope.id for envelope in self.open.values()]
+        self.abandoned += len(left)
+        self.open.clear()
+        self.queued = self.in_flight = 0
+        for waiter in self._room_waiters:
+            waiter.set()
+        self._room_waiters.clear()
+        if self._send is not None and self._receive is not None:
+            self._send.close()
+            self._receive.close()
+        self._send = self._receive = None
+        return left
+
+    # -- the door ---------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        """Whether a publish can be admitted now without waiting or dropping."""
+        return self.queued < self.capacity and not self._room_waiters
+
+    def offer(self, envelope: Envelope) -> Admission:
+        """Admit ``envelope`` now if the policy allows it, without waiting."""
+        if self.queued < self.capacity and not self._room_waiters:
+            self._enqueue(envelope)
+            self.published += 1
+            return Admission.ACCEPTED
+        policy = self.backpressure
+        if policy is Backpressure.BLOCK:
+            return Admission.BLOCKED
+        if policy is Backpressure.REJECT:
+            self.rejected += 1
+            return Admission.REJECTED
+        if policy is Backpressure.DROP_NEWEST:
+            return self._drop_at_door(envelope)
+        while self.queued >= self.capacity:
+            if not self._evict_oldest():
+                # What fills the stage was handed to consumers that have not woken yet:
+                # nothing queued can be evicted, so the newcomer is the one dropped.
+                return self._drop_at_door(envelope)
+        self._enqueue(envelope)
+        self.published += 1
+        return Admission.ACCEPTED
+
+    async def put(self, envelope: Envelope) -> None:
+        """Admit ``envelope``, waiting for room whatever the policy."""
+        await self._wait_for_room()
+        self._enqueue(envelope)
+        self.published += 1
+
+    async def _wait_for_room(self) -> None:
+        while self.queued >= self.capacity:
+            waiter = anyio.Event()
+            self._room_waiters.append(waiter)
+            try:
+                await waiter.wait()
+            except BaseException:
+                try:
+                    self._room_waiters.remove(waiter)
+                except ValueError:
+                    self._wake_one()  # we were handed the room: pass it on
+                raise
+        if self._room_waiters and self.queued < self.capacity:
+            self._wake_one()  # room for more than us: keep the queue of waiters moving
+
+    def _wake_one(self) -> None:
+        if self._room_waiters:
+            self._room_waiters.popleft().set()
+
+    def _enqueue(self, envelope: Envelope) -> None:
+        assert self._send is not None
+        self._send.send_nowait((_clock(), envelope))
+        self.queued += 1
+        self.open[id(envelope)] = envelope
+        self.bus.outstanding += 1
+
+    def _drop_at_door(self, envelope: Envelope) -> Admission:
+        self.published += 1
+        self._count_dead(DeadLetterReason.DROPPED)
+        self.bus.dead_letter(envelope, DeadLetterReason.DROPPED, None, self.name, 0)
+        return Admission.DROPPED
+
+    def _evict_oldest(self) -> bool:
+        assert self._receive is not None
+        try:
+            _, oldest = self._receive.receive_nowait()
+        except anyio.WouldBlock:
+            return False
+        self.queued -= 1
+        del self.open[id(oldest)]
+        self._count_dead(DeadLetterReason.DROPPED)
+        self.bus.dead_letter(oldest, DeadLetterReason.DROPPED, None, self.name, 0)
+        self.bus.settled()
+        return True
+
+    # -- settling ---------------------------------------------------------------
+
+    def _count_dead(self, reason: DeadLetterReason) -> None:
+        self.dead_lettered += 1
+        if reason is DeadLetterReason.DROPPED:
+            self.dropped += 1
+        elif reason is DeadLetterReason.EXPIRED:
+            self.expired += 1
+
+    def settle_ack(self, envelope: Envelope) -> None:
+        """The envelope in flight was handled: count it acked."""
+        self.acked += 1
+        self.in_flight -= 1
+        del self.open[id(envelope)]
+        self.bus.settled()
+
+    def settle_dead(
+        self,
+        envelope: Envelope,
+        reason: DeadLetterReason,
+        error: str | None,
+        *,
+        failed: bool,
+        cause: BaseException | None = None,
+    ) -> None:
+        """The envelope in flight is dead: count it and hand it to the dead-letter queue."""
+        if failed:
+            self.failed += 1
+        self._count_dead(reason)
+        self.in_flight -= 1
+        del self.open[id(envelope)]
+        self.bus.dead_letter(envelope, reason, error, self.name, envelope.attempt, cause)
+        self.bus.settled()
+
+    def schedule_retry(self, envelope: Envelope, delay: float) -> None:
+        """Count a failed attempt and re-enter the envelope after ``delay`` seconds."""
+        self.failed += 1
+        self.retried += 1
+        self.bus.task_group.start_soon(self._retry_later, envelope, delay)
+
+    async def _retry_later(self, envelope: Envelope, delay: float) -> None:
+        await anyio.sleep(delay)
+        again = envelope.evolve(attempt=envelope.attempt + 1)
+        await self._wait_for_room()
+        assert self._send is not None
+        del self.open[id(envelope)]
+        self.open[id(again)] = again
+        self.in_flight -= 1
+        self._send.send_nowait((_clock(), again))
+        self.queued += 1
+
+    # -- consuming --------------------------------------------------------------
+
+    async def _consume(self, chain: Handler) -> None:
+        dispatch = Dispatch(self, self.bus)
+        dispatch.activate()
+        assert self._receive is not None
+        receive = self._receive.receive
+        wait_record = self.wait.record
+        latency_record = self.latency.record
+        while True:
+            admitted_at, envelope = await receive()
+            self.queued -= 1
+            if self._room_waiters:
+                self._wake_one()
+            self.in_flight += 1
+            started = _clock()
+            wait_record(started - admitted_at)
+            dispatch.envelope = envelope
+            dispatch.outcome = None
+            try:
+                await chain(envelope)
+            except Exception as error:  # a chain without the dead_letter middleware
+                dispatch.fail(error)
+            outcome = dispatch.outcome
+            if outcome is None or outcome is Outcome.SKIPPED:
+                self.settle_ack(envelope)
+            latency_record(_clock() - started)
+            dispatch.envelope = None
+
+    # -- statistics -------------------------------------------------------------
+
+    def statistics(self) -> StageStatistics:
+        """Snapshot this stage's ledger and timings."""
+        return StageStatistics(
+            name=self.name,
+            topic=self.pattern,
+            group=self.group,
+            published=self.published,
+            acked=self.acked,
+            failed=self.failed,
+            retried=self.retried,
+            dead_lettered=self.dead_lettered,
+            rejected=self.rejected,
+            dropped=self.dropped,
+            expired=self.expired,
+            abandoned=self.abandoned,
+            depth=self.queued,
+            in_flight=self.in_flight,
+            concurrency=self.concurrency,
+            capacity=self.capacity,
+            latency_p50=_finite(self.latency.quantile(0.5)),
+            latency_p99=_finite(self.latency.quantile(0.99)),
+            wait_p99=_finite(self.wait.quantile(0.99)),
+        )
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0

@@ -1,0 +1,216 @@
+"""A subscription's configuration, and how its handler becomes a stage's chain."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.to_process
+import anyio.to_thread
+
+from ._envelope import Envelope
+from ._exceptions import ConfigurationError
+from ._routing import compile_pattern
+from ._stage import Backpressure
+
+if TYPE_CHECKING:
+    from ._types import Handler, Middleware
+    from .middleware.retry import Retry
+
+__all__ = ["Offload", "Subscription", "build_chain", "default_group"]
+
+Offload = Literal["thread", "process", "inline"]
+_OFFLOADS = ("thread", "process", "inline")
+_unique = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Subscription:
+    """One handler registered on a topic pattern; returned by ``bus.subscribe(topic, handler)``.
+
+    :ivar stage: the name of the stage it belongs to, ``"pattern@group"``.
+    """
+
+    topic: str
+    handler: Callable[..., Any]
+    group: str
+    concurrency: int
+    capacity: int
+    backpressure: Backpressure
+    retry: Retry | None
+    timeout: float | None
+    offload: Offload | None
+    middleware: tuple[Middleware, ...]
+
+    @property
+    def stage(self) -> str:
+        """Name of the stage this subscription feeds: ``"pattern@group"``."""
+        return f"{self.topic}@{self.group}"
+
+
+def default_group(handler: Callable[..., Any]) -> str:
+    """``module:qualname`` of ``handler``, made unique for lambdas and nested functions."""
+    module = getattr(handler, "__module__", None) or "?"
+    qualname = getattr(handler, "__qualname__", None) or type(handler).__qualname__
+    group = f"{module}:{qualname}"
+    if "<" in qualname:
+        group += f"#{next(_unique)}"
+    return group
+
+
+def make_subscription(
+    topic: str,
+    handler: Any,
+    *,
+    group: str | None,
+    concurrency: int,
+    capacity: int,
+    backpressure: Backpressure | str,
+    retry: Retry | None,
+    timeout: float | None,
+    offload: str | None,
+    middleware: Sequence[Middleware],
+) -> Subscription:
+    """Validate everything ``subscribe`` was given and return the :class:`Subscription`.
+
+    :raises ConfigurationError: naming the argument that cannot work.
+    """
+    from .middleware.retry import Retry
+
+    compile_pattern(topic)
+    where = f"subscribe({topic!r})"
+    if not callable(handler):
+        raise ConfigurationError(f"{where}: handler must be callable, got {handler!r}")
+    for name, value in (("concurrency", concurrency), ("capacity", capacity)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{where}: {name} must be an int >= 1, got {value!r}")
+    try:
+        policy = Backpressure(backpressure)
+    except ValueError:
+        raise ConfigurationError(
+            f"{where}: backpressure must be a Backpressure, got {backpressure!r}"
+        ) from None
+    if retry is not None and not isinstance(retry, Retry):
+        raise ConfigurationError(f"{where}: retry must be a Retry or None, got {retry!r}")
+    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
+        raise ConfigurationError(f"{where}: timeout must be a positive number, got {timeout!r}")
+    if offload is not None and offload not in _OFFLOADS:
+        raise ConfigurationError(
+            f"{where}: offload must be one of {', '.join(_OFFLOADS)} or None, got {offload!r}"
+        )
+    is_async = _is_async(handler)
+    if is_async and offload in ("thread", "process"):
+        raise ConfigurationError(f"{where}: offload={offload!r} needs a sync handler")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise ConfigurationError(f"{where}: group must be a non-empty string, got {group!r}")
+    for layer in middleware:
+        if not callable(layer):
+            raise ConfigurationError(f"{where}: middleware {layer!r} is not callable")
+    return Subscription(
+        topic=topic,
+        handler=handler,
+        group=group if group is not None else default_group(handler),
+        concurrency=concurrency,
+        capacity=capacity,
+        backpressure=policy,
+        retry=retry,
+        timeout=float(timeout) if timeout is not None else None,
+        offload=None if is_async else typing.cast("Offload", offload or "thread"),
+        middleware=tuple(middleware),
+    )
+
+
+def _is_async(handler: Any) -> bool:
+    while isinstance(handler, functools.partial):
+        handler = handler.func
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        getattr(handler, "__call__", None)  # noqa: B004 - callable objects with async __call__
+    )
+
+
+def wants_envelope(handler: Any) -> bool:
+    """Whether the handler's first parameter is annotated :class:`Envelope`."""
+    try:
+        parameters = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if not parameters:
+        return False
+    annotation: object = parameters[0].annotation
+    if isinstance(annotation, str):
+        written = annotation
+        try:
+            annotation = typing.get_type_hints(handler).get(parameters[0].name, written)
+        except Exception:
+            return written.rpartition(".")[2] == "Envelope"
+    return bool(annotation is Envelope)
+
+
+def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) -> Handler:
+    """Turn the user's function into a :data:`Handler` (the innermost, offloading layer)."""
+    function = subscription.handler
+    envelope = wants_envelope(function)
+    if subscription.offload is None:
+        if envelope:
+            return typing.cast("Handler", function)
+
+        def call_async(env: Envelope) -> Any:
+            return function(env.payload)
+
+        return call_async
+    if subscription.offload == "inline":
+
+        async def call_inline(env: Envelope) -> Any:
+            return function(env if envelope else env.payload)
+
+        return call_inline
+    if subscription.offload == "process":
+
+        async def call_in_process(env: Envelope) -> Any:
+            return await anyio.to_process.run_sync(
+                function, env if envelope else env.payload, cancellable=True, limiter=limiter
+            )
+
+        return call_in_process
+
+    run_sync = anyio.to_thread.run_sync
+
+    async def call_in_thread(env: Envelope) -> Any:
+        return await run_sync(
+            function, env if envelope else env.payload, abandon_on_cancel=True, limiter=limiter
+        )
+
+    return call_in_thread
+
+
+def build_chain(
+    subscription: Subscription, handler: Handler, bus_middleware: Sequence[Middleware]
+) -> Handler:
+    """Wrap ``handler`` in the stage's middleware, first listed outermost.
+
+    Default order: ``dead_letter ▸ routing_slip ▸ expire ▸ retry ▸ timeout ▸ bus
+    middleware ▸ subscription middleware ▸ handler``. A built-in the user lists
+    replaces the default of its kind, at the place the user put it.
+    """
+    from .middleware import dead_letter, expire, routing_slip
+    from .middleware.timeout import timeout as timeout_middleware
+
+    user = [*bus_middleware, *subscription.middleware]
+    listed = {getattr(layer, "asyncbus_builtin", None) for layer in user}
+    defaults: list[Middleware] = [dead_letter(), routing_slip(), expire()]
+    if subscription.retry is not None:
+        defaults.append(subscription.retry)
+    if subscription.timeout is not None:
+        defaults.append(timeout_middleware(subscription.timeout))
+    layers = [layer for layer in defaults if getattr(layer, "asyncbus_builtin", None) not in listed]
+    layers += user
+    chain = handler
+    for layer in reversed(layers):
+        chain = layer(chain)
+    return chain

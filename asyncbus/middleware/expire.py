@@ -1,0 +1,38 @@
+"""Expiry: an envelope past its ``ttl`` when picked up is dead-lettered, not handled."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .._dead_letters import DeadLetterReason
+from .._dispatch import current_dispatch
+from .._envelope import Envelope
+from .._types import Handler, Middleware
+from ._builtin import mark_builtin
+
+__all__ = ["expire"]
+
+
+def expire() -> Middleware:
+    """Dead-letter (reason ``expired``) an envelope whose ``ttl`` has passed."""
+
+    def wrap(call_next: Handler) -> Handler:
+        def handle(envelope: Envelope) -> Any:
+            ttl = envelope.ttl
+            if ttl is not None and time.time() >= envelope.timestamp + ttl:
+                return _expired(envelope)
+            return call_next(envelope)
+
+        return handle
+
+    return mark_builtin(wrap, "expire")
+
+
+async def _expired(envelope: Envelope) -> None:
+    dispatch = current_dispatch()
+    if dispatch is not None:
+        age = time.time() - envelope.timestamp
+        dispatch.dead_letter(
+            DeadLetterReason.EXPIRED, f"expired {age - (envelope.ttl or 0.0):.3f}s ago"
+        )

@@ -1,0 +1,37 @@
+"""Routing slips and replies: what happens to a handler's return value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._dispatch import current_dispatch
+from .._envelope import Envelope
+from .._types import Handler, Middleware
+from ._builtin import mark_builtin
+
+__all__ = ["routing_slip"]
+
+
+def routing_slip() -> Middleware:
+    """Forward a handled envelope's result along its slip, or reply to its requester.
+
+    After the handler succeeded, the return value (the unchanged payload when it
+    returns ``None``) is published once to the next topic of ``envelope.slip`` as a
+    new envelope (new id, same correlation id, ``causation_id`` = this id, same
+    timestamp and ttl). At the end of the slip the raw return value answers a
+    pending :meth:`Bus.request`. Nothing is forwarded for an envelope that was
+    dead-lettered, deferred to a retry or skipped.
+    """
+
+    def wrap(call_next: Handler) -> Handler:
+        async def handle(envelope: Envelope) -> Any:
+            result = await call_next(envelope)
+            if envelope.slip or envelope.reply_to is not None:
+                dispatch = current_dispatch()
+                if dispatch is not None and dispatch.outcome is None:
+                    await dispatch.bus.forward(envelope, result)
+            return result
+
+        return handle
+
+    return mark_builtin(wrap, "routing_slip")
