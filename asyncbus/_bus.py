@@ -115,6 +115,9 @@ class Bus:
         self._limiter: anyio.CapacityLimiter | None = None
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
+        #: Called with every envelope routed (publishes, slip hops, replays); for test
+        #: helpers such as :func:`asyncbus.testing.capture`.
+        self.observers: list[Callable[[Envelope], None]] = []
 
     # -- life cycle -------------------------------------------------------------
 
@@ -474,6 +477,8 @@ class Bus:
         """
         self._check_open()
         envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        for observe in self.observers:
+            observe(envelope)
         stages = self._router.route(envelope.topic)
         for stage in stages:
             if stage.backpressure is Backpressure.BLOCK and not stage.has_room():
@@ -586,6 +591,9 @@ class Bus:
         return Receipt(envelope.id, tuple(accepted), tuple(rejected), tuple(dropped)), blocked
 
     async def _route(self, envelope: Envelope, timeout: float | None) -> Receipt:
+        if self.observers:
+            for observe in self.observers:
+                observe(envelope)
         receipt, blocked = self._offer(envelope, self._router.route(envelope.topic))
         if not blocked:
             return receipt

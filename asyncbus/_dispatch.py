@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 from ._dead_letters import DeadLetterReason
-from ._exceptions import Reject
+from ._exceptions import DecodeError, Reject
 
 if TYPE_CHECKING:
     from ._bus import Bus
@@ -96,6 +96,9 @@ class Dispatch:
         if isinstance(error, Reject):
             reason = DeadLetterReason.REJECTED
             text = f"Reject: {error.reason}"
+        elif isinstance(error, DecodeError):
+            reason = DeadLetterReason.REJECTED
+            text = f"DecodeError: {error}"
         elif isinstance(error, HandlerTimeout):
             reason = DeadLetterReason.TIMEOUT
             text = describe_error(error)

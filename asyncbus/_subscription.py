@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import pickle
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ import anyio
 import anyio.to_process
 import anyio.to_thread
 
+from ._decoding import payload_decoder
 from ._envelope import Envelope
-from ._exceptions import ConfigurationError
+from ._exceptions import ConfigurationError, Reject
 from ._routing import compile_pattern
 from ._stage import Backpressure
 
@@ -134,47 +136,86 @@ def _is_async(handler: Any) -> bool:
     )
 
 
-def wants_envelope(handler: Any) -> bool:
-    """Whether the handler's first parameter is annotated :class:`Envelope`."""
+def first_parameter_type(handler: Any) -> object:
+    """The resolved annotation of the handler's first parameter (``None`` when absent)."""
     try:
         parameters = list(inspect.signature(handler).parameters.values())
     except (TypeError, ValueError):
-        return False
-    if not parameters:
-        return False
+        return None
+    if not parameters or parameters[0].annotation is inspect.Parameter.empty:
+        return None
     annotation: object = parameters[0].annotation
     if isinstance(annotation, str):
         written = annotation
         try:
             annotation = typing.get_type_hints(handler).get(parameters[0].name, written)
         except Exception:
-            return written.rpartition(".")[2] == "Envelope"
-    return bool(annotation is Envelope)
+            return Envelope if written.rpartition(".")[2] == "Envelope" else None
+    return annotation
+
+
+def argument_of(handler: Any) -> Callable[[Envelope], Any] | None:
+    """How to get the handler's argument from an envelope; ``None`` means the raw payload."""
+    annotation = first_parameter_type(handler)
+    if annotation is Envelope:
+        return _identity
+    decoder = payload_decoder(annotation)
+    if decoder is None:
+        return None
+    return lambda envelope: decoder(envelope.payload)
+
+
+def _identity(envelope: Envelope) -> Envelope:
+    return envelope
+
+
+def _payload(envelope: Envelope) -> Any:
+    return envelope.payload
 
 
 def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) -> Handler:
-    """Turn the user's function into a :data:`Handler` (the innermost, offloading layer)."""
+    """Turn the user's function into a :data:`Handler` (the innermost, offloading layer).
+
+    The handler gets the envelope when its first parameter is annotated
+    :class:`Envelope`, the payload decoded when annotated with a dataclass, msgspec
+    Struct or pydantic model (:class:`DecodeError` otherwise), else the raw payload.
+    """
     function = subscription.handler
-    envelope = wants_envelope(function)
+    argument = argument_of(function)
     if subscription.offload is None:
-        if envelope:
+        if argument is _identity:
             return typing.cast("Handler", function)
+        if argument is None:
 
-        def call_async(env: Envelope) -> Any:
-            return function(env.payload)
+            def call_async(env: Envelope) -> Any:
+                return function(env.payload)
 
-        return call_async
+            return call_async
+
+        def call_async_typed(env: Envelope) -> Any:
+            return function(argument(env))
+
+        return call_async_typed
+    extract = argument or _payload
     if subscription.offload == "inline":
 
         async def call_inline(env: Envelope) -> Any:
-            return function(env if envelope else env.payload)
+            return function(extract(env))
 
         return call_inline
     if subscription.offload == "process":
 
         async def call_in_process(env: Envelope) -> Any:
+            value = extract(env)
+            try:
+                pickle.dumps((function, value))
+            except Exception as error:
+                raise Reject(
+                    f"offload='process' needs a picklable handler and payload; pickling "
+                    f"failed: {type(error).__name__}: {error}"
+                ) from error
             return await anyio.to_process.run_sync(
-                function, env if envelope else env.payload, cancellable=True, limiter=limiter
+                function, value, cancellable=True, limiter=limiter
             )
 
         return call_in_process
@@ -182,9 +223,7 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
     run_sync = anyio.to_thread.run_sync
 
     async def call_in_thread(env: Envelope) -> Any:
-        return await run_sync(
-            function, env if envelope else env.payload, abandon_on_cancel=True, limiter=limiter
-        )
+        return await run_sync(function, extract(env), abandon_on_cancel=True, limiter=limiter)
 
     return call_in_thread
 

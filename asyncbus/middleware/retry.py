@@ -8,7 +8,7 @@ from typing import Any
 
 from .._dispatch import current_dispatch
 from .._envelope import Envelope
-from .._exceptions import ConfigurationError, Reject
+from .._exceptions import ConfigurationError, DecodeError, Reject
 from .._types import Handler
 
 __all__ = ["Retry"]
@@ -75,7 +75,7 @@ class Retry:
         async def handle(envelope: Envelope) -> Any:
             try:
                 return await call_next(envelope)
-            except Reject:
+            except (Reject, DecodeError):
                 raise
             except retry_on:
                 dispatch = current_dispatch()

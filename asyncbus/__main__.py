@@ -1,0 +1,33 @@
+"""``python -m asyncbus demo|bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command."""
+    parser = argparse.ArgumentParser(prog="python -m asyncbus")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run an orders pipeline and print its statistics")
+    demo.add_argument("--orders", type=int, default=2000, help="how many orders to publish")
+    commands.add_parser("bench", help="run the benchmark suite (see --help there)", add_help=False)
+    arguments, rest = parser.parse_known_args(argv)
+    if arguments.command == "bench":
+        from ._bench import main as bench
+
+        return bench(rest)
+    if rest:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    from functools import partial
+
+    from ._demo import run_demo
+    from ._runtime import run
+
+    run(partial(run_demo, arguments.orders))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

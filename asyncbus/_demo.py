@@ -1,0 +1,142 @@
+"""``python -m asyncbus demo``: an orders pipeline that shows what the bus does."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any, TextIO
+
+import anyio
+
+from ._bus import Bus
+from ._envelope import Envelope
+from ._stage import Backpressure
+from ._stats import BusStatistics
+from .middleware.retry import Retry
+
+__all__ = ["format_statistics", "run_demo"]
+
+_COLUMNS = (
+    ("stage", "name"),
+    ("published", "published"),
+    ("acked", "acked"),
+    ("retried", "retried"),
+    ("dead", "dead_lettered"),
+    ("dropped", "dropped"),
+    ("depth", "depth"),
+    ("in flight", "in_flight"),
+    ("p50 ms", "latency_p50"),
+    ("p99 ms", "latency_p99"),
+)
+
+
+def format_statistics(statistics: BusStatistics) -> str:
+    """Render a statistics snapshot as a plain-text table, one row per stage."""
+    rows: list[list[str]] = [[title for title, _ in _COLUMNS]]
+    for stage in statistics.stages:
+        row = []
+        for _, field in _COLUMNS:
+            value = getattr(stage, field)
+            row.append(f"{value * 1000:.2f}" if isinstance(value, float) else str(value))
+        rows.append(row)
+    widths = [max(len(row[index]) for row in rows) for index in range(len(_COLUMNS))]
+    lines = []
+    for number, row in enumerate(rows):
+        cells = [
+            cell.ljust(width) if index == 0 else cell.rjust(width)
+            for index, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+        if number == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def build_demo_bus(orders: int) -> tuple[Bus, dict[str, int]]:
+    """The demo's bus: fan-out, a competing work queue, a slip and a flaky stage."""
+    bus = Bus(name="demo", dead_letter_ttl=3600)
+    seen = {"audited": 0, "mailed": 0, "packed": 0, "shipped": 0}
+
+    @bus.subscribe("orders.created", group="audit")
+    async def audit(order: dict[str, Any]) -> None:
+        seen["audited"] += 1
+
+    # Two handlers in one group compete for the work: each order is mailed once.
+    @bus.subscribe("orders.created", group="mailer", concurrency=4, capacity=64)
+    async def mail_primary(order: dict[str, Any]) -> None:
+        await anyio.sleep(random.uniform(0, 0.002))  # the mail server is slowish
+        seen["mailed"] += 1
+
+    @bus.subscribe("orders.created", group="mailer", concurrency=2, capacity=64)
+    async def mail_fallback(order: dict[str, Any]) -> None:
+        await anyio.sleep(random.uniform(0, 0.004))
+        seen["mailed"] += 1
+
+    # A payment provider that fails for some cards: retried, then dead-lettered.
+    @bus.subscribe(
+        "orders.created",
+        group="payments",
+        concurrency=4,
+        retry=Retry(max_attempts=3, backoff=0.01, jitter=False),
+    )
+    async def charge(env: Envelope) -> dict[str, Any]:
+        order: dict[str, Any] = env.payload
+        if order["card"].endswith("13"):
+            raise RuntimeError(f"card {order['card']} declined")
+        return order
+
+    # A routing slip through a CPU-ish sync stage (runs on the worker pool).
+    @bus.subscribe("warehouse.pack", group="packers", concurrency=2)
+    def pack(order: dict[str, Any]) -> dict[str, Any]:
+        seen["packed"] += 1
+        return {**order, "parcel": f"P{order['id']:05d}"}
+
+    @bus.subscribe("warehouse.ship", group="shipping", backpressure=Backpressure.BLOCK)
+    async def ship(order: dict[str, Any]) -> None:
+        seen["shipped"] += 1
+
+    del audit, mail_primary, mail_fallback, charge, pack, ship
+    seen["orders"] = orders
+    return bus, seen
+
+
+async def run_demo(orders: int = 2000, out: TextIO = sys.stdout) -> BusStatistics:
+    """Run the demo pipeline, printing progress and the statistics table; return the stats."""
+    bus, seen = build_demo_bus(orders)
+    async with bus:
+        for number in range(1, orders + 1):
+            order = {"id": number, "card": f"4111-{number % 100:02d}", "total": number % 97}
+            await bus.publish("orders.created", order)
+            await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
+            if number % 200 == 0 or number == orders:
+                stats = bus.statistics()
+                out.write(
+                    f"\rpublished {number}/{orders} orders | acked {stats.acked} | "
+                    f"dead letters {len(bus.dead_letters)} | in flight {stats.in_flight}   "
+                )
+                out.flush()
+        await bus.drain(timeout=60)
+        out.write("\n\n")
+        statistics = bus.statistics()
+        out.write(format_statistics(statistics) + "\n\n")
+        by_reason: dict[str, int] = {}
+        for entry in bus.dead_letters.list():
+            by_reason[entry.reason.value] = by_reason.get(entry.reason.value, 0) + 1
+        out.write(
+            f"audited {seen['audited']}, mailed {seen['mailed']} (each once, by competing "
+            f"consumers), packed {seen['packed']}, shipped {seen['shipped']}\n"
+        )
+        out.write(f"dead letters by reason: {by_reason}\n")
+        first = bus.dead_letters.list()[:1]
+        if first:
+            out.write(
+                f"first dead letter: {first[0].error.splitlines()[0] if first[0].error else ''}"
+                f" (stage {first[0].stage}, attempts {first[0].attempts})\n"
+            )
+    report = await bus.aclose()
+    out.write(
+        f"shutdown: drained={report.drained} published={report.published} "
+        f"completed={report.completed} dead_lettered={report.dead_lettered} "
+        f"abandoned={len(report.abandoned)}\n"
+    )
+    return statistics

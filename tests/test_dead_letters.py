@@ -1,0 +1,312 @@
+"""The dead-letter queue: reasons, `$deadletter`, bounds, expiry, list, get, purge, replay."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from asyncbus import (
+    DEADLETTER_TOPIC,
+    HEADER_REPLAYED,
+    Bus,
+    DeadLetter,
+    DeadLetterReason,
+    Envelope,
+    Reject,
+    Retry,
+    StageStatistics,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def stage_stats(bus: Bus, name: str) -> StageStatistics:
+    """Return the statistics of the stage called ``name``."""
+    for stage in bus.statistics().stages:
+        if stage.name == name:
+            return stage
+    raise KeyError(name)
+
+
+async def test_publish_without_subscribers_is_dead_lettered_at_once() -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            receipt = await bus.publish("nobody.home", {"n": 1}, headers={"k": "v"})
+
+            # no drain, no checkpoint: it is already there
+            assert receipt.accepted == ()
+            assert len(bus.dead_letters) == 1
+            letter = bus.dead_letters.get(receipt.id)
+            assert letter is not None
+            assert letter.reason == DeadLetterReason.NO_SUBSCRIBERS
+            assert letter.reason == "no_subscribers"
+            assert letter.stage is None
+            assert letter.envelope.id == receipt.id
+            assert letter.envelope.topic == "nobody.home"
+            assert letter.envelope.payload == {"n": 1}
+            assert letter.envelope.headers["k"] == "v"
+
+
+async def test_deadletter_subscriber_receives_dead_letter_payloads() -> None:
+    letters: list[DeadLetter] = []
+    bus = Bus()
+
+    @bus.subscribe(DEADLETTER_TOPIC, group="watch")
+    async def watch(letter: DeadLetter) -> None:
+        letters.append(letter)
+
+    @bus.subscribe("orders", group="broken")
+    async def broken(payload: int) -> None:
+        raise ValueError(f"boom {payload}")
+
+    with anyio.fail_after(5):
+        async with bus:
+            lost = await bus.publish("nobody.home", 1)
+            failed = await bus.publish("orders", 7)
+            await bus.drain()
+
+            assert all(isinstance(letter, DeadLetter) for letter in letters)
+            assert sorted((d.envelope.id, d.reason, d.stage) for d in letters) == sorted(
+                [
+                    (lost.id, DeadLetterReason.NO_SUBSCRIBERS, None),
+                    (failed.id, DeadLetterReason.HANDLER_FAILED, "orders@broken"),
+                ]
+            )
+            by_id = {d.envelope.id: d for d in letters}
+            assert by_id[failed.id].error is not None
+            assert "ValueError" in by_id[failed.id].error
+            assert "boom 7" in by_id[failed.id].error
+            assert by_id[failed.id].attempts == 1
+            # the $deadletter deliveries are not dead letters themselves
+            assert len(bus.dead_letters) == 2
+            stats = stage_stats(bus, f"{DEADLETTER_TOPIC}@watch")
+            assert (stats.published, stats.acked, stats.dead_lettered) == (2, 2, 0)
+
+
+async def test_a_failing_deadletter_handler_adds_nothing_to_the_queue() -> None:
+    calls: list[str] = []
+    bus = Bus()
+
+    @bus.subscribe(DEADLETTER_TOPIC, group="watch")
+    async def watch(letter: DeadLetter) -> None:
+        calls.append(letter.envelope.id)
+        raise RuntimeError("the watcher is broken too")
+
+    @bus.subscribe(DEADLETTER_TOPIC, group="refuse")
+    async def refuse(letter: DeadLetter) -> None:
+        calls.append(letter.envelope.id)
+        raise Reject("not today")
+
+    with anyio.fail_after(5):
+        async with bus:
+            receipt = await bus.publish("nobody.home", 1)
+            await bus.drain()
+
+            assert calls == [receipt.id, receipt.id]
+            assert [d.envelope.id for d in bus.dead_letters.list()] == [receipt.id]
+            assert len(bus.dead_letters) == 1
+            for name in (f"{DEADLETTER_TOPIC}@watch", f"{DEADLETTER_TOPIC}@refuse"):
+                stats = stage_stats(bus, name)
+                assert stats.published == 1
+                assert (stats.depth, stats.in_flight) == (0, 0)
+                assert stats.published == stats.acked + stats.dead_lettered
+
+
+async def test_publishing_to_deadletter_without_subscribers_adds_nothing() -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            receipt = await bus.publish(DEADLETTER_TOPIC, "a letter nobody reads")
+            await bus.drain()
+
+            assert receipt.accepted == ()
+            assert len(bus.dead_letters) == 0
+            assert bus.dead_letters.list() == []
+            assert bus.dead_letters.get(receipt.id) is None
+
+
+async def test_dead_letter_queue_is_bounded_and_evicts_the_oldest() -> None:
+    with anyio.fail_after(5):
+        async with Bus(dead_letter_maxlen=3) as bus:
+            receipts = [await bus.publish("nobody.home", n) for n in range(5)]
+
+            assert len(bus.dead_letters) == 3
+            assert [d.envelope.id for d in bus.dead_letters.list()] == [r.id for r in receipts[2:]]
+            assert bus.dead_letters.get(receipts[0].id) is None
+            assert bus.dead_letters.get(receipts[1].id) is None
+
+
+async def test_dead_letters_expire_after_the_dead_letter_ttl() -> None:
+    with anyio.fail_after(5):
+        async with Bus(dead_letter_ttl=0.05) as bus:
+            receipt = await bus.publish("nobody.home", 1)
+            assert len(bus.dead_letters) == 1
+            assert bus.dead_letters.get(receipt.id) is not None
+
+            # waiting for the clock, not for work
+            await anyio.sleep(0.12)
+
+            assert len(bus.dead_letters) == 0
+            assert bus.dead_letters.list() == []
+            assert bus.dead_letters.get(receipt.id) is None
+            fresh = await bus.publish("nobody.home", 2)
+            assert [d.envelope.id for d in bus.dead_letters.list()] == [fresh.id]
+
+
+async def test_list_filters_by_reason_and_topic() -> None:
+    bus = Bus()
+
+    @bus.subscribe("b.fail", group="grp")
+    async def fail(payload: int) -> None:
+        raise ValueError("boom")
+
+    @bus.subscribe("c.rej", group="grp")
+    async def refuse(payload: int) -> None:
+        raise Reject("not for me")
+
+    with anyio.fail_after(5):
+        async with bus:
+            lost_a = await bus.publish("a.x", 1)
+            failed = await bus.publish("b.fail", 2)
+            refused = await bus.publish("c.rej", 3)
+            lost_b = await bus.publish("a.y", 4)
+            await bus.drain()
+
+            def ids(letters: list[DeadLetter]) -> list[str]:
+                return [d.envelope.id for d in letters]
+
+            assert len(bus.dead_letters) == 4
+            assert sorted(ids(bus.dead_letters.list())) == sorted(
+                [lost_a.id, failed.id, refused.id, lost_b.id]
+            )
+            assert ids(bus.dead_letters.list(reason=DeadLetterReason.NO_SUBSCRIBERS)) == [
+                lost_a.id,
+                lost_b.id,
+            ]
+            assert ids(bus.dead_letters.list(reason="no_subscribers")) == [lost_a.id, lost_b.id]
+            assert ids(bus.dead_letters.list(reason=DeadLetterReason.HANDLER_FAILED)) == [failed.id]
+            assert ids(bus.dead_letters.list(reason=DeadLetterReason.REJECTED)) == [refused.id]
+            assert ids(bus.dead_letters.list(topic="a.x")) == [lost_a.id]
+            assert ids(bus.dead_letters.list(topic="b.fail")) == [failed.id]
+            assert ids(bus.dead_letters.list(reason="no_subscribers", topic="a.y")) == [lost_b.id]
+            assert bus.dead_letters.list(reason="handler_failed", topic="a.x") == []
+            assert bus.dead_letters.list(reason=DeadLetterReason.EXPIRED) == []
+
+            failed_letter = bus.dead_letters.get(failed.id)
+            assert failed_letter is not None
+            assert failed_letter.stage == "b.fail@grp"
+            assert failed_letter.attempts == 1
+            assert failed_letter.error is not None
+            assert "ValueError" in failed_letter.error
+            assert "boom" in failed_letter.error
+            refused_letter = bus.dead_letters.get(refused.id)
+            assert refused_letter is not None
+            assert refused_letter.stage == "c.rej@grp"
+            assert refused_letter.reason == DeadLetterReason.REJECTED
+
+
+async def test_get_returns_the_entry_by_envelope_id() -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            first = await bus.publish("nobody.home", "first")
+            second = await bus.publish("nobody.home", "second")
+
+            got = bus.dead_letters.get(second.id)
+            assert got is not None
+            assert got.envelope.id == second.id
+            assert got.envelope.payload == "second"
+            other = bus.dead_letters.get(first.id)
+            assert other is not None
+            assert other.envelope.payload == "first"
+            assert bus.dead_letters.purge(first.id) == 1
+            assert bus.dead_letters.get(first.id) is None
+
+
+async def test_purge_removes_the_given_ids_or_everything() -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            receipts = [await bus.publish("nobody.home", n) for n in range(4)]
+
+            assert bus.dead_letters.purge(receipts[0].id, receipts[2].id) == 2
+            assert [d.envelope.id for d in bus.dead_letters.list()] == [
+                receipts[1].id,
+                receipts[3].id,
+            ]
+            assert bus.dead_letters.purge(receipts[0].id) == 0
+            assert bus.dead_letters.purge() == 2
+            assert len(bus.dead_letters) == 0
+            assert bus.dead_letters.list() == []
+
+
+async def test_replay_reruns_the_handler_with_attempt_one_and_removes_the_entry() -> None:
+    seen: list[Envelope] = []
+    healthy = False
+    bus = Bus()
+
+    @bus.subscribe(
+        "orders",
+        group="flaky",
+        retry=Retry(max_attempts=2, backoff=0.01, jitter=False),
+    )
+    async def flaky(env: Envelope) -> None:
+        seen.append(env)
+        if not healthy:
+            raise ValueError("database down")
+
+    with anyio.fail_after(5):
+        async with bus:
+            receipt = await bus.publish("orders", {"id": 1})
+            await bus.drain()
+
+            assert [env.attempt for env in seen] == [1, 2]
+            letter = bus.dead_letters.get(receipt.id)
+            assert letter is not None
+            assert (letter.reason, letter.stage, letter.attempts) == (
+                DeadLetterReason.HANDLER_FAILED,
+                "orders@flaky",
+                2,
+            )
+            assert HEADER_REPLAYED not in seen[0].headers
+
+            healthy = True
+            await bus.dead_letters.replay(receipt.id)
+            await bus.drain()
+
+            assert [env.attempt for env in seen] == [1, 2, 1]
+            replayed = seen[-1]
+            assert replayed.id == receipt.id
+            assert replayed.payload == {"id": 1}
+            assert HEADER_REPLAYED in replayed.headers
+            assert bus.dead_letters.get(receipt.id) is None
+            assert len(bus.dead_letters) == 0
+            stats = stage_stats(bus, "orders@flaky")
+            assert (stats.published, stats.acked, stats.dead_lettered, stats.retried) == (
+                2,
+                1,
+                1,
+                1,
+            )
+            assert (stats.depth, stats.in_flight) == (0, 0)
+
+
+async def test_replay_of_a_no_subscribers_letter_goes_to_its_topic() -> None:
+    seen: list[Envelope] = []
+
+    async def late(env: Envelope) -> None:
+        seen.append(env)
+
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            receipt = await bus.publish("late.topic", "hello")
+            assert bus.dead_letters.get(receipt.id) is not None
+
+            bus.subscribe("late.topic", late, group="late")
+            await bus.dead_letters.replay(receipt.id)
+            await bus.drain()
+
+            assert [env.id for env in seen] == [receipt.id]
+            assert seen[0].attempt == 1
+            assert seen[0].payload == "hello"
+            assert HEADER_REPLAYED in seen[0].headers
+            assert len(bus.dead_letters) == 0
+            stats = stage_stats(bus, "late.topic@late")
+            assert (stats.published, stats.acked, stats.dead_lettered) == (1, 1, 0)
