@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TypeVar, overload
 
@@ -18,10 +18,19 @@ from anyio.lowlevel import checkpoint
 
 from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._dispatch import current_dispatch, describe_error
-from ._envelope import EMPTY_HEADERS, HEADER_KEY, HEADER_REPLAYED, Envelope, Receipt, new_id
+from ._envelope import (
+    EMPTY_HEADERS,
+    HEADER_KEY,
+    HEADER_REPLAYED,
+    Envelope,
+    Receipt,
+    make_envelope,
+    make_receipt,
+    new_id,
+)
 from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
 from ._routing import Router, compile_pattern, validate_topic
-from ._runtime import FREE_THREADED
+from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Admission, Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, adapt_handler, build_chain, make_subscription
@@ -106,7 +115,7 @@ class Bus:
         #: Envelopes admitted to some stage and not yet settled (one per stage).
         self.outstanding = 0
         self._background = 0
-        self._idle_waiters: list[anyio.Event] = []
+        self.idle_waiters: list[anyio.Event] = []
         self._threadsafe_lock = threading.Lock()
         self._threadsafe_pending = 0
         self._requests: dict[str, _PendingReply] = {}
@@ -115,6 +124,8 @@ class Bus:
         self._limiter: anyio.CapacityLimiter | None = None
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
+        #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
+        self.yield_now: Callable[[], Awaitable[None]] = checkpoint
         #: Called with every envelope routed (publishes, slip hops, replays); for test
         #: helpers such as :func:`asyncbus.testing.capture`.
         self.observers: list[Callable[[Envelope], None]] = []
@@ -137,6 +148,7 @@ class Bus:
         if self._state in ("running", "closing"):
             raise RuntimeError("this Bus is already running")
         self._loop_thread = threading.get_ident()
+        self.yield_now = fast_checkpoint()
         self._limiter = anyio.CapacityLimiter(self.workers)
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
@@ -221,9 +233,9 @@ class Bus:
         self.outstanding = 0
         self._background = 0
         self._state = "closed"
-        for waiter in self._idle_waiters:
+        for waiter in self.idle_waiters:
             waiter.set()
-        self._idle_waiters.clear()
+        self.idle_waiters.clear()
         self._report = self._make_report(
             drained=drained and not abandoned, abandoned=tuple(abandoned)
         )
@@ -252,7 +264,7 @@ class Bus:
                 if self._state == "closed":
                     return
                 waiter = anyio.Event()
-                self._idle_waiters.append(waiter)
+                self.idle_waiters.append(waiter)
                 await waiter.wait()
 
     def _idle(self) -> bool:
@@ -261,12 +273,13 @@ class Bus:
     def settled(self) -> None:
         """One admitted envelope reached its end (called by stages)."""
         self.outstanding -= 1
-        if not self.outstanding and self._idle_waiters:
-            self._wake_drainers()
+        if not self.outstanding and self.idle_waiters:
+            self.wake_drainers()
 
-    def _wake_drainers(self) -> None:
+    def wake_drainers(self) -> None:
+        """Release every ``drain()`` waiting, if the bus is idle now."""
         if self._idle():
-            waiters, self._idle_waiters = self._idle_waiters, []
+            waiters, self.idle_waiters = self.idle_waiters, []
             for waiter in waiters:
                 waiter.set()
 
@@ -418,7 +431,7 @@ class Bus:
         if ttl is not None and not ttl > 0:
             raise ConfigurationError(f"publish({topic!r}): ttl must be > 0, got {ttl!r}")
         envelope_id = id if id is not None else new_id()
-        return Envelope(
+        return make_envelope(
             envelope_id,
             topic,
             payload,
@@ -454,9 +467,25 @@ class Bus:
         :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``
             (``.receipt`` tells which stages accepted).
         """
-        self._check_open()
-        await checkpoint()
-        envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        if self._state != "running":
+            self._check_open()
+        await self.yield_now()
+        if headers or ttl is not None or slip or key is not None:
+            envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        else:
+            envelope_id = id if id is not None else new_id()
+            envelope = make_envelope(
+                envelope_id, topic, payload, EMPTY_HEADERS, time.time(), None, 1, (),
+                envelope_id, None, None, self.name,
+            )
+        if not self.observers:
+            # The common case, without the general path's calls: one stage, with room.
+            stages = self._router.route(topic)
+            if len(stages) == 1:
+                stage = stages[0]
+                if stage.queued < stage.capacity and not stage.room_waiters:
+                    stage.admit(envelope)
+                    return make_receipt(envelope.id, stage.names)
         return await self._route(envelope, timeout)
 
     def publish_nowait(
@@ -557,8 +586,8 @@ class Bus:
     def _threadsafe_done(self) -> None:
         with self._threadsafe_lock:
             self._threadsafe_pending -= 1
-        if self._idle_waiters and threading.get_ident() == self._loop_thread:
-            self._wake_drainers()
+        if self.idle_waiters and threading.get_ident() == self._loop_thread:
+            self.wake_drainers()
 
     def _offer(self, envelope: Envelope, stages: tuple[Stage, ...]) -> tuple[Receipt, list[Stage]]:
         if not stages:
@@ -568,7 +597,7 @@ class Bus:
             stage = stages[0]
             admission = stage.offer(envelope)
             if admission is Admission.ACCEPTED:
-                return Receipt(envelope.id, (stage.name,)), []
+                return make_receipt(envelope.id, stage.names), []
             if admission is Admission.BLOCKED:
                 return Receipt(envelope.id), [stage]
             if admission is Admission.REJECTED:
@@ -676,8 +705,8 @@ class Bus:
             await stage.put(envelope)
         finally:
             self._background -= 1
-            if self._idle_waiters:
-                self._wake_drainers()
+            if self.idle_waiters:
+                self.wake_drainers()
 
     async def _resend(self, entry: DeadLetter) -> Receipt:
         if self._state not in ("running", "closing"):

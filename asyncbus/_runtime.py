@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 import sysconfig
-from collections.abc import Awaitable, Callable
+import types
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-__all__ = ["FREE_THREADED", "run"]
+__all__ = ["FREE_THREADED", "fast_checkpoint", "run"]
 
 T = TypeVar("T")
 
@@ -17,6 +18,35 @@ FREE_THREADED: bool = (
     bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
     and not getattr(sys, "_is_gil_enabled", lambda: True)()
 )
+
+
+@types.coroutine
+def _asyncio_yield() -> Generator[None, None, None]:
+    # What asyncio.sleep(0) does underneath: the task is stepped again on the next
+    # loop iteration, and a pending cancellation is delivered then.
+    yield
+
+
+def fast_checkpoint() -> Callable[[], Awaitable[None]]:
+    """The running backend's own checkpoint, looked up once.
+
+    ``anyio.lowlevel.checkpoint`` finds the backend on every call; the bus yields on
+    every publish and every envelope, so it resolves it once at start: on asyncio a
+    bare yield (exactly ``asyncio.sleep(0)``), on trio ``trio.lowlevel.checkpoint``,
+    elsewhere anyio's own.
+    """
+    import anyio.lowlevel
+    import sniffio
+
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        return _asyncio_yield
+    if library == "trio":
+        import trio
+
+        checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
+        return checkpoint
+    return anyio.lowlevel.checkpoint  # pragma: no cover - another backend
 
 
 def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:

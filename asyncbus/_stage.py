@@ -64,6 +64,8 @@ class Stage:
         self.pattern = pattern
         self.group = group
         self.name = f"{pattern}@{group}"
+        #: ``(name,)``, shared by every receipt that names only this stage.
+        self.names = (self.name,)
         self.capacity = capacity
         self.backpressure = backpressure
         self.subscriptions: list[Subscription] = []
@@ -72,11 +74,15 @@ class Stage:
         self.abandoned = self.in_flight = self.queued = 0
         self.latency = LatencyHistogram()
         self.wait = LatencyHistogram()
-        # id(envelope) -> envelope, for everything admitted and not yet settled.
-        self.open: dict[int, Envelope] = {}
-        self._room_waiters: deque[anyio.Event] = deque()
+        # Where an admitted, unsettled envelope can be, besides the stream's buffer:
+        # with a consumer (its Dispatch) or on a retry timer (id(envelope) -> envelope).
+        self._dispatches: list[Dispatch] = []
+        self._retrying: dict[int, Envelope] = {}
+        self.room_waiters: deque[anyio.Event] = deque()
         self._send: MemoryObjectSendStream[tuple[float, Envelope]] | None = None
         self._receive: MemoryObjectReceiveStream[tuple[float, Envelope]] | None = None
+        self._admitted = 0
+        self._consumer_waiters: deque[anyio.Event] = deque()
 
     # -- life cycle -------------------------------------------------------------
 
@@ -102,13 +108,25 @@ class Stage:
 
         :return: ids of the abandoned envelopes.
         """
-        left = [envelope.id for envelope in self.open.values()]
+        left: list[str] = []
+        if self._receive is not None:
+            while True:
+                try:
+                    left.append(self._receive.receive_nowait()[1].id)
+                except anyio.WouldBlock:
+                    break
+        for dispatch in self._dispatches:
+            if dispatch.envelope is not None and dispatch.outcome in (None, Outcome.SKIPPED):
+                left.append(dispatch.envelope.id)
+        left += [envelope.id for envelope in self._retrying.values()]
+        self._dispatches.clear()
+        self._retrying.clear()
         self.abandoned += len(left)
-        self.open.clear()
         self.queued = self.in_flight = 0
-        for waiter in self._room_waiters:
+        for waiter in self.room_waiters:
             waiter.set()
-        self._room_waiters.clear()
+        self.room_waiters.clear()
+        self._consumer_waiters.clear()
         if self._send is not None and self._receive is not None:
             self._send.close()
             self._receive.close()
@@ -119,13 +137,12 @@ class Stage:
 
     def has_room(self) -> bool:
         """Whether a publish can be admitted now without waiting or dropping."""
-        return self.queued < self.capacity and not self._room_waiters
+        return self.queued < self.capacity and not self.room_waiters
 
     def offer(self, envelope: Envelope) -> Admission:
         """Admit ``envelope`` now if the policy allows it, without waiting."""
-        if self.queued < self.capacity and not self._room_waiters:
-            self._enqueue(envelope)
-            self.published += 1
+        if self.queued < self.capacity and not self.room_waiters:
+            self.admit(envelope)
             return Admission.ACCEPTED
         policy = self.backpressure
         if policy is Backpressure.BLOCK:
@@ -136,44 +153,43 @@ class Stage:
         if policy is Backpressure.DROP_NEWEST:
             return self._drop_at_door(envelope)
         while self.queued >= self.capacity:
-            if not self._evict_oldest():
-                # What fills the stage was handed to consumers that have not woken yet:
-                # nothing queued can be evicted, so the newcomer is the one dropped.
-                return self._drop_at_door(envelope)
-        self._enqueue(envelope)
-        self.published += 1
+            self._evict_oldest()
+        self.admit(envelope)
         return Admission.ACCEPTED
 
     async def put(self, envelope: Envelope) -> None:
         """Admit ``envelope``, waiting for room whatever the policy."""
         await self._wait_for_room()
-        self._enqueue(envelope)
-        self.published += 1
+        self.admit(envelope)
 
     async def _wait_for_room(self) -> None:
         while self.queued >= self.capacity:
             waiter = anyio.Event()
-            self._room_waiters.append(waiter)
+            self.room_waiters.append(waiter)
             try:
                 await waiter.wait()
             except BaseException:
                 try:
-                    self._room_waiters.remove(waiter)
+                    self.room_waiters.remove(waiter)
                 except ValueError:
                     self._wake_one()  # we were handed the room: pass it on
                 raise
-        if self._room_waiters and self.queued < self.capacity:
+        if self.room_waiters and self.queued < self.capacity:
             self._wake_one()  # room for more than us: keep the queue of waiters moving
 
     def _wake_one(self) -> None:
-        if self._room_waiters:
-            self._room_waiters.popleft().set()
+        if self.room_waiters:
+            self.room_waiters.popleft().set()
 
-    def _enqueue(self, envelope: Envelope) -> None:
+    def admit(self, envelope: Envelope) -> None:
+        """Enqueue ``envelope`` as a new publish; the caller checked :meth:`has_room`."""
         assert self._send is not None
-        self._send.send_nowait((_clock(), envelope))
+        self._admitted += 1
+        self._send.send_nowait((0.0 if self._admitted & 7 else _clock(), envelope))
         self.queued += 1
-        self.open[id(envelope)] = envelope
+        if self._consumer_waiters:
+            self._consumer_waiters.popleft().set()
+        self.published += 1
         self.bus.outstanding += 1
 
     def _drop_at_door(self, envelope: Envelope) -> Admission:
@@ -182,18 +198,13 @@ class Stage:
         self.bus.dead_letter(envelope, DeadLetterReason.DROPPED, None, self.name, 0)
         return Admission.DROPPED
 
-    def _evict_oldest(self) -> bool:
+    def _evict_oldest(self) -> None:
         assert self._receive is not None
-        try:
-            _, oldest = self._receive.receive_nowait()
-        except anyio.WouldBlock:
-            return False
+        _, oldest = self._receive.receive_nowait()
         self.queued -= 1
-        del self.open[id(oldest)]
         self._count_dead(DeadLetterReason.DROPPED)
         self.bus.dead_letter(oldest, DeadLetterReason.DROPPED, None, self.name, 0)
         self.bus.settled()
-        return True
 
     # -- settling ---------------------------------------------------------------
 
@@ -208,7 +219,6 @@ class Stage:
         """The envelope in flight was handled: count it acked."""
         self.acked += 1
         self.in_flight -= 1
-        del self.open[id(envelope)]
         self.bus.settled()
 
     def settle_dead(
@@ -225,7 +235,6 @@ class Stage:
             self.failed += 1
         self._count_dead(reason)
         self.in_flight -= 1
-        del self.open[id(envelope)]
         self.bus.dead_letter(envelope, reason, error, self.name, envelope.attempt, cause)
         self.bus.settled()
 
@@ -233,6 +242,7 @@ class Stage:
         """Count a failed attempt and re-enter the envelope after ``delay`` seconds."""
         self.failed += 1
         self.retried += 1
+        self._retrying[id(envelope)] = envelope
         self.bus.task_group.start_soon(self._retry_later, envelope, delay)
 
     async def _retry_later(self, envelope: Envelope, delay: float) -> None:
@@ -240,40 +250,75 @@ class Stage:
         again = envelope.evolve(attempt=envelope.attempt + 1)
         await self._wait_for_room()
         assert self._send is not None
-        del self.open[id(envelope)]
-        self.open[id(again)] = again
+        del self._retrying[id(envelope)]
         self.in_flight -= 1
-        self._send.send_nowait((_clock(), again))
+        self._send.send_nowait((0.0, again))
         self.queued += 1
+        self._wake_consumer()
 
     # -- consuming --------------------------------------------------------------
 
     async def _consume(self, chain: Handler) -> None:
         dispatch = Dispatch(self, self.bus)
         dispatch.activate()
-        assert self._receive is not None
-        receive = self._receive.receive
-        wait_record = self.wait.record
-        latency_record = self.latency.record
+        self._dispatches.append(dispatch)
+        bus = self.bus
+        stream = self._receive
+        assert stream is not None
+        receive_nowait = stream.receive_nowait
+        checkpoint = self.bus.yield_now
+        waiters = self._consumer_waiters
+        wait_record, latency_record = self.wait.record, self.latency.record
         while True:
-            admitted_at, envelope = await receive()
+            # Items always sit in the stream's buffer (no consumer ever waits inside
+            # anyio's receive), so ``queued`` is exactly what a stage holds and nothing
+            # is ever in a hand-over that cancellation could lose.
+            await checkpoint()  # the one yield per envelope
+            if not self.queued:
+                # Still empty after a yield: park until an admission wakes us. (The
+                # yield first lets a publisher that runs in step with us refill the
+                # stage without anyone paying for an Event.)
+                waiter = anyio.Event()
+                waiters.append(waiter)
+                try:
+                    await waiter.wait()  # the yield, when the stage was empty
+                except BaseException:
+                    if waiter in waiters:
+                        waiters.remove(waiter)
+                    elif self.queued:
+                        self._wake_consumer()  # we were woken for an item: pass it on
+                    raise
+                if not self.queued:
+                    continue
+            admitted_at, envelope = receive_nowait()
             self.queued -= 1
-            if self._room_waiters:
+            if self.room_waiters:
                 self._wake_one()
             self.in_flight += 1
-            started = _clock()
-            wait_record(started - admitted_at)
+            if admitted_at:  # sampled at admission: one envelope in 8
+                started = _clock()
+                wait_record(started - admitted_at)
             dispatch.envelope = envelope
             dispatch.outcome = None
             try:
                 await chain(envelope)
-            except Exception as error:  # a chain without the dead_letter middleware
+            except Exception as error:  # the chain's outermost dead-letter layer
                 dispatch.fail(error)
             outcome = dispatch.outcome
             if outcome is None or outcome is Outcome.SKIPPED:
-                self.settle_ack(envelope)
-            latency_record(_clock() - started)
+                # settle_ack, inlined: this runs once per envelope.
+                self.acked += 1
+                self.in_flight -= 1
+                bus.outstanding -= 1
+                if not bus.outstanding and bus.idle_waiters:
+                    bus.wake_drainers()
+            if admitted_at:
+                latency_record(_clock() - started)
             dispatch.envelope = None
+
+    def _wake_consumer(self) -> None:
+        if self._consumer_waiters:
+            self._consumer_waiters.popleft().set()
 
     # -- statistics -------------------------------------------------------------
 

@@ -249,6 +249,10 @@ def build_chain(
         defaults.append(timeout_middleware(subscription.timeout))
     layers = [layer for layer in defaults if getattr(layer, "asyncbus_builtin", None) not in listed]
     layers += user
+    if layers and getattr(layers[0], "asyncbus_builtin", None) == "dead_letter":
+        # Outermost, the dead-letter layer would catch exactly what the consumer
+        # catches and do the same with it (Dispatch.fail): skip the extra frame.
+        layers = layers[1:]
     chain = handler
     for layer in reversed(layers):
         chain = layer(chain)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from .._dispatch import current_dispatch
@@ -24,13 +25,18 @@ def routing_slip() -> Middleware:
     """
 
     def wrap(call_next: Handler) -> Handler:
-        async def handle(envelope: Envelope) -> Any:
+        async def handle_and_forward(envelope: Envelope) -> Any:
             result = await call_next(envelope)
-            if envelope.slip or envelope.reply_to is not None:
-                dispatch = current_dispatch()
-                if dispatch is not None and dispatch.outcome is None:
-                    await dispatch.bus.forward(envelope, result)
+            dispatch = current_dispatch()
+            if dispatch is not None and dispatch.outcome is None:
+                await dispatch.bus.forward(envelope, result)
             return result
+
+        def handle(envelope: Envelope) -> Awaitable[Any]:
+            # Most envelopes go nowhere after their handler: no extra frame for them.
+            if envelope.slip or envelope.reply_to is not None:
+                return handle_and_forward(envelope)
+            return call_next(envelope)
 
         return handle
 

@@ -1,0 +1,553 @@
+"""Run a bus inside a Starlette or FastAPI app, and administer it over HTTP.
+
+Install with ``pip install 'asyncbus[starlette]'``. ``import asyncbus`` never imports
+this module; importing it imports Starlette.
+
+.. code-block:: python
+
+    from typing import Annotated
+
+    from fastapi import Depends, FastAPI
+
+    from asyncbus import Bus
+    from asyncbus.integrations.starlette import admin_app, get_bus, lifespan
+
+    bus = Bus()
+    app = FastAPI(lifespan=lifespan(bus))          # `async with bus:` for the app's life
+    app.mount("/admin", admin_app(bus, token=ADMIN_TOKEN))
+
+    @app.post("/orders", status_code=202)
+    async def create_order(order: Order, bus: Annotated[Bus, Depends(get_bus)]) -> None:
+        await bus.publish("orders.created", order)
+
+Within a lifespan of your own, enter the bus's next to your other resources::
+
+    @contextlib.asynccontextmanager
+    async def app_lifespan(app):
+        async with database(), lifespan(bus)(app):
+            yield
+
+The admin app is for operators: mount it behind your app's own authentication (or at
+least give it a ``token``), and serve it on the event loop that runs the bus (mounting
+it in the app whose lifespan runs the bus does exactly that).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import datetime
+import decimal
+import enum
+import hashlib
+import hmac
+import importlib.resources
+import json
+import logging
+import math
+import re
+import reprlib
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .._bus import Bus
+from .._dead_letters import DeadLetter, DeadLetterReason
+from .._exceptions import ConfigurationError
+
+__all__ = ["admin_app", "get_bus", "lifespan"]
+
+logger = logging.getLogger("asyncbus")
+
+_STATE_ATTRIBUTE = "asyncbus"
+_REASONS = tuple(reason.value for reason in DeadLetterReason)
+_MAX_BODY = 1 << 20
+_MAX_IDS = 10_000
+_DEFAULT_LIMIT = 100
+_MAX_LIMIT = 1000
+
+
+# -- lifespan and dependency ------------------------------------------------------
+
+
+def lifespan(
+    bus: Bus, *, timeout: float | None = 30.0
+) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """Return a lifespan that runs ``bus`` for the life of a Starlette or FastAPI app.
+
+    Pass it as ``Starlette(lifespan=lifespan(bus))`` / ``FastAPI(lifespan=...)``, or
+    enter ``lifespan(bus)(app)`` inside a lifespan of your own. Startup enters
+    ``async with bus:`` and stores the bus on ``app.state`` for :func:`get_bus`;
+    shutdown drains it (a warning is logged when ``timeout`` seconds were not enough and
+    envelopes were abandoned). If the app fails, the bus is cancelled at once instead.
+
+    :param timeout: seconds to drain at shutdown (``None``: wait as long as it takes).
+    """
+
+    @contextlib.asynccontextmanager
+    async def bus_lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with bus:
+            setattr(app.state, _STATE_ATTRIBUTE, bus)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(AttributeError):
+                    delattr(app.state, _STATE_ATTRIBUTE)
+            report = await bus.aclose(timeout)
+            if not report.drained:
+                logger.warning(
+                    "bus %r did not drain within %ss at shutdown; %d envelope(s) abandoned",
+                    bus.name,
+                    timeout,
+                    len(report.abandoned),
+                )
+
+    return bus_lifespan
+
+
+def get_bus(connection: HTTPConnection) -> Bus:
+    """Return the bus that :func:`lifespan` runs for the app serving ``connection``.
+
+    Use it as a FastAPI dependency (``Annotated[Bus, Depends(get_bus)]``) or call it with
+    the request in a plain Starlette endpoint; websockets work the same.
+
+    :raises RuntimeError: when the app's lifespan does not run a bus (or has ended).
+    """
+    bus = getattr(connection.app.state, _STATE_ATTRIBUTE, None)
+    if not isinstance(bus, Bus):
+        raise RuntimeError(
+            "no running bus on this app: create it with "
+            "lifespan=asyncbus.integrations.starlette.lifespan(bus), or enter "
+            "lifespan(bus)(app) in your own lifespan"
+        )
+    return bus
+
+
+# -- JSON -------------------------------------------------------------------------
+
+_MAX_STRING = 4096
+_MAX_ITEMS = 200
+_MAX_NODES = 5000
+_repr = reprlib.Repr()
+_repr.maxstring = _MAX_STRING
+_repr.maxother = _MAX_STRING
+_repr.maxlevel = 4
+
+
+class _JsonSafe:
+    """Turns an arbitrary payload into JSON-safe data within a budget of nodes.
+
+    Payloads are user objects: anything unknown, too deep or too big becomes a clipped
+    ``repr`` instead of an error, so one odd payload never breaks the admin API.
+    """
+
+    def __init__(self) -> None:
+        self.budget = _MAX_NODES
+
+    def convert(self, value: object, depth: int = 0) -> Any:
+        self.budget -= 1
+        if value is None or isinstance(value, bool | int):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else repr(value)
+        if isinstance(value, str):
+            return _clip(value)
+        if isinstance(value, enum.Enum):
+            return self.convert(value.value, depth + 1)
+        if self.budget <= 0 or depth > 32:
+            return _safe_repr(value)
+        if isinstance(value, bytes | bytearray | memoryview):
+            data = bytes(value[:64])
+            more = len(value) - len(data)
+            return repr(data) + (f"… ({more} more bytes)" if more else "")
+        if isinstance(value, datetime.date | datetime.time):
+            return value.isoformat()
+        if isinstance(value, uuid.UUID | decimal.Decimal):
+            return str(value)
+        if isinstance(value, Mapping):
+            return self._mapping(value.items(), len(value), depth)
+        if isinstance(value, list | tuple | set | frozenset):
+            items = list(value)[:_MAX_ITEMS] if len(value) > _MAX_ITEMS else list(value)
+            converted = [self.convert(item, depth + 1) for item in items]
+            if len(value) > len(items):
+                converted.append(f"… ({len(value) - len(items)} more)")
+            return converted
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = dataclasses.fields(value)
+            return self._mapping(
+                ((f.name, getattr(value, f.name, None)) for f in fields), len(fields), depth
+            )
+        struct_fields = getattr(type(value), "__struct_fields__", None)  # msgspec.Struct
+        if isinstance(struct_fields, tuple):
+            return self._mapping(
+                ((name, getattr(value, name, None)) for name in struct_fields),
+                len(struct_fields),
+                depth,
+            )
+        model_dump = getattr(value, "model_dump", None)  # pydantic v2
+        if callable(model_dump) and not isinstance(value, type):
+            try:
+                return self.convert(model_dump(mode="json"), depth + 1)
+            except Exception:
+                pass
+        return _safe_repr(value)
+
+    def _mapping(self, items: Any, size: int, depth: int) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for index, (key, item) in enumerate(items):
+            if index >= _MAX_ITEMS:
+                result["…"] = f"{size - _MAX_ITEMS} more"
+                break
+            name = key if isinstance(key, str) else _safe_repr(key)
+            result[_clip(name)] = self.convert(item, depth + 1)
+        return result
+
+
+def _clip(text: str) -> str:
+    if len(text) <= _MAX_STRING:
+        return text
+    return f"{text[:_MAX_STRING]}… ({len(text) - _MAX_STRING} more characters)"
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        return _repr.repr(value)
+    except Exception:
+        return f"<unrepresentable {type(value).__qualname__}>"
+
+
+def _json_safe(value: object) -> Any:
+    return _JsonSafe().convert(value)
+
+
+def _dead_letter_json(entry: DeadLetter) -> dict[str, Any]:
+    envelope = entry.envelope
+    return {
+        "id": envelope.id,
+        "topic": envelope.topic,
+        "reason": str(entry.reason),
+        "error": entry.error,
+        "stage": entry.stage,
+        "attempts": entry.attempts,
+        "dead_at": entry.dead_at,
+        "envelope": {
+            "id": envelope.id,
+            "topic": envelope.topic,
+            "payload": _json_safe(envelope.payload),
+            "headers": {str(k): str(v) for k, v in envelope.headers.items()},
+            "timestamp": envelope.timestamp,
+            "ttl": envelope.ttl,
+            "attempt": envelope.attempt,
+            "slip": list(envelope.slip),
+            "correlation_id": envelope.correlation_id,
+            "causation_id": envelope.causation_id,
+            "reply_to": envelope.reply_to,
+            "sender": envelope.sender,
+        },
+    }
+
+
+# -- errors -----------------------------------------------------------------------
+
+
+class _Problem(Exception):
+    """A client error, answered as ``{"error": message, **extra}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.extra = extra
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+async def _on_problem(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, _Problem)
+    return _error(exc.status, exc.message, **exc.extra)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_server_error(request: Request, exc: Exception) -> Response:
+    return _error(500, f"internal error: {type(exc).__name__}")
+
+
+# -- the admin API ----------------------------------------------------------------
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise _Problem(400, f"query parameter {name!r} must be an integer in [{low}, {high}]")
+    return value
+
+
+async def _json_object(request: Request, fields: frozenset[str]) -> dict[str, Any]:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise _Problem(415, "the request body must be JSON (Content-Type: application/json)")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > _MAX_BODY:
+            raise _Problem(413, f"the request body is over {_MAX_BODY} bytes")
+    try:
+        value = json.loads(body)
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise _Problem(400, f"malformed JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise _Problem(422, f"the body must be a JSON object, got {type(value).__name__}")
+    unexpected = sorted(set(value) - fields)
+    if unexpected:
+        raise _Problem(
+            422,
+            f"unexpected field(s) {', '.join(map(repr, unexpected))}; "
+            f"expected {' or '.join(map(repr, sorted(fields)))}",
+        )
+    return value
+
+
+def _ids(body: Mapping[str, Any]) -> list[str]:
+    ids = body.get("ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+        raise _Problem(422, '"ids" must be a non-empty list of envelope id strings')
+    if len(ids) > _MAX_IDS:
+        raise _Problem(422, f'"ids" holds {len(ids)} ids; at most {_MAX_IDS} per request')
+    return list(dict.fromkeys(ids))
+
+
+class _AdminApi:
+    """The endpoints of :func:`admin_app`, bound to one bus."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    def _check_known(self, ids: list[str]) -> None:
+        unknown = [id for id in ids if self.bus.dead_letters.get(id) is None]
+        if unknown:
+            raise _Problem(
+                404,
+                f"not in the dead-letter queue: {', '.join(unknown)}; nothing was changed",
+                unknown_ids=unknown,
+            )
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(_DASHBOARD, headers=_PAGE_HEADERS)
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(_json_safe(dataclasses.asdict(self.bus.statistics())))
+
+    async def dead_letters(self, request: Request) -> Response:
+        reason = request.query_params.get("reason") or None
+        if reason is not None and reason not in _REASONS:
+            raise _Problem(400, f"unknown reason {reason!r}; expected one of {', '.join(_REASONS)}")
+        order = request.query_params.get("order", "oldest")
+        if order not in ("oldest", "newest"):
+            raise _Problem(400, "query parameter 'order' must be 'oldest' or 'newest'")
+        limit = _query_int(request, "limit", _DEFAULT_LIMIT, 1, _MAX_LIMIT)
+        offset = _query_int(request, "offset", 0, 0, 2**62)
+        queue = self.bus.dead_letters
+        everything = queue.list()
+        matching = queue.list(reason=reason, topic=request.query_params.get("topic") or None)
+        if order == "newest":
+            matching.reverse()
+        by_reason = dict.fromkeys(_REASONS, 0)
+        for entry in everything:
+            by_reason[str(entry.reason)] = by_reason.get(str(entry.reason), 0) + 1
+        return JSONResponse(
+            {
+                "total": len(matching),
+                "offset": offset,
+                "limit": limit,
+                "order": order,
+                "queue_length": len(everything),
+                "by_reason": by_reason,
+                "items": [_dead_letter_json(e) for e in matching[offset : offset + limit]],
+            }
+        )
+
+    async def dead_letter(self, request: Request) -> Response:
+        id = request.path_params["id"]
+        entries = [entry for entry in self.bus.dead_letters.list() if entry.envelope.id == id]
+        if not entries:
+            raise _Problem(404, f"not in the dead-letter queue: {id}", unknown_ids=[id])
+        return JSONResponse({"id": id, "items": [_dead_letter_json(e) for e in entries]})
+
+    async def replay(self, request: Request) -> Response:
+        ids = _ids(await _json_object(request, frozenset({"ids"})))
+        if not self.bus.running:
+            raise _Problem(409, "the bus is not running; replay needs a running bus")
+        self._check_known(ids)
+        # Replay takes entries out of the queue before re-sending them: finish even if
+        # the client goes away, so none is lost half-way.
+        with anyio.CancelScope(shield=True):
+            try:
+                receipts = await self.bus.dead_letters.replay(*ids)
+            except KeyError as error:
+                raise _Problem(404, str(error.args[0]), unknown_ids=ids) from None
+        return JSONResponse(
+            {
+                "replayed": ids,
+                "receipts": [
+                    {
+                        "id": receipt.id,
+                        "accepted": list(receipt.accepted),
+                        "rejected": list(receipt.rejected),
+                        "dropped": list(receipt.dropped),
+                    }
+                    for receipt in receipts
+                ],
+            }
+        )
+
+    async def purge(self, request: Request) -> Response:
+        body = await _json_object(request, frozenset({"ids", "all"}))
+        if "all" in body:
+            if body["all"] is not True or "ids" in body:
+                raise _Problem(422, 'send either {"all": true} or {"ids": [...]}, not both')
+            return JSONResponse({"purged": self.bus.dead_letters.purge()})
+        ids = _ids(body)
+        self._check_known(ids)
+        return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
+
+
+class _BearerAuth:
+    """ASGI middleware: every request needs ``Authorization: Bearer <token>``.
+
+    The dashboard page alone also takes ``?token=``, so a browser can open it; its
+    script sends the token on as a header.
+    """
+
+    def __init__(self, app: ASGIApp, *, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        connection = HTTPConnection(scope)
+        scheme, _, credentials = connection.headers.get("authorization", "").partition(" ")
+        presented: str | None = credentials.strip() if scheme.lower() == "bearer" else None
+        if presented is None and _route_path(scope) in ("", "/"):
+            presented = connection.query_params.get("token")
+        if presented is not None and hmac.compare_digest(presented.encode(), self.token):
+            await self.app(scope, receive, send)
+            return
+        message = "wrong bearer token" if presented else "missing bearer token"
+        response = JSONResponse(
+            {"error": f"{message}: send 'Authorization: Bearer <token>'"},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer realm="asyncbus"'},
+        )
+        await response(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    # The path below the mount point (what starlette's routing matches against).
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :]
+    return path
+
+
+def admin_app(bus: Bus, *, token: str | None = None) -> Starlette:
+    """Return an ASGI app that shows and administers ``bus``; mount it anywhere.
+
+    Routes (JSON unless said otherwise; errors are ``{"error": message}`` with a 4xx
+    status, and a request that fails changes nothing in the bus):
+
+    * ``GET /`` -- a self-contained live HTML dashboard (stages, depths, rates,
+      latencies, dead letters with replay), polling the routes below every second;
+    * ``GET /stats`` -- :meth:`Bus.statistics` as ``dataclasses.asdict``;
+    * ``GET /dead-letters?reason=&topic=&limit=100&offset=0&order=oldest`` -- one page
+      of the dead-letter queue plus ``total`` (matching), ``queue_length`` and
+      ``by_reason`` (over the whole queue);
+    * ``GET /dead-letters/{id}`` -- the entries of one envelope id;
+    * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
+      409 when the bus is not running;
+    * ``POST /dead-letters/purge`` with ``{"ids": [...]}`` or ``{"all": true}``.
+
+    POST bodies must be ``Content-Type: application/json`` (so a cross-site form
+    cannot post one). Serve it on the event loop that runs the bus, behind your app's
+    own authentication.
+
+    :param token: when given, every route needs ``Authorization: Bearer <token>``
+        (else 401); the page also accepts ``?token=<token>`` and passes it on.
+    :raises ConfigurationError: when ``token`` is empty.
+    """
+    if token is not None and (not isinstance(token, str) or not token):
+        raise ConfigurationError("admin_app: token must be a non-empty string or None")
+    api = _AdminApi(bus)
+    routes = [
+        Route("/", api.page, methods=["GET"]),
+        Route("/stats", api.stats, methods=["GET"]),
+        Route("/dead-letters", api.dead_letters, methods=["GET"]),
+        Route("/dead-letters/replay", api.replay, methods=["POST"]),
+        Route("/dead-letters/purge", api.purge, methods=["POST"]),
+        Route("/dead-letters/{id}", api.dead_letter, methods=["GET"]),
+    ]
+    middleware = [Middleware(_BearerAuth, token=token)] if token is not None else []
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={
+            _Problem: _on_problem,
+            HTTPException: _on_http_exception,
+            Exception: _on_server_error,
+        },
+    )
+
+
+# -- the dashboard page -----------------------------------------------------------
+
+
+def _load_dashboard() -> tuple[str, dict[str, str]]:
+    html = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+
+    def digest(tag: str) -> str:
+        # The page's one inline <script> and <style> are allowed by hash, nothing else.
+        match = re.search(rf"<{tag}>(.*?)</{tag}>", html, re.DOTALL)
+        if match is None:  # pragma: no cover - the file ships with the package
+            raise RuntimeError(f"asyncbus dashboard.html has no <{tag}> element")
+        return f"'sha256-{base64.b64encode(hashlib.sha256(match[1].encode()).digest()).decode()}'"
+
+    policy = (
+        f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    return html, {
+        "Content-Security-Policy": policy,
+        "Cache-Control": "no-store",
+        "Referrer-Policy": "no-referrer",
+        "X-Content-Type-Options": "nosniff",
+        "X-Frame-Options": "DENY",
+    }
+
+
+_DASHBOARD, _PAGE_HEADERS = _load_dashboard()
