@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TypeVar, overload
@@ -36,6 +37,7 @@ from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, adapt_handler, build_chain, make_subscription
 from ._types import Middleware
 from .middleware.retry import Retry
+from .transports.base import Transport
 
 __all__ = ["DEADLETTER_TOPIC", "Bus"]
 
@@ -43,6 +45,9 @@ logger = logging.getLogger("asyncbus")
 
 #: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
 DEADLETTER_TOPIC = "$deadletter"
+
+#: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
+_INBOX = "_reply."
 
 F = TypeVar("F", bound=Callable[..., Any])
 _State = Literal["new", "running", "closing", "closed"]
@@ -73,7 +78,7 @@ class Bus:
 
     def __init__(
         self,
-        transport: object | None = None,
+        transport: Transport | None = None,
         *,
         middleware: Sequence[Middleware] = (),
         workers: int | None = None,
@@ -82,9 +87,9 @@ class Bus:
         codec: object | None = None,
         name: str = "asyncbus",
     ) -> None:
-        if transport is not None:
+        if transport is not None and not isinstance(transport, Transport):
             raise ConfigurationError(
-                "only the in-memory transport (transport=None) is available in this version"
+                f"Bus: transport must be a asyncbus.transports.Transport, got {transport!r}"
             )
         workers = workers if workers is not None else (os.cpu_count() or 1)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -99,6 +104,14 @@ class Bus:
                 raise ConfigurationError(f"Bus: middleware {layer!r} is not callable")
         self.name = name
         self.codec = codec
+        #: Where envelopes wait; ``None`` or a :class:`MemoryTransport` keeps them in
+        #: the stages' own streams.
+        self.transport = transport
+        self._broker: Transport | None = (
+            None if transport is None or transport.direct else transport
+        )
+        if self._broker is not None and codec is not None:
+            self._broker.codec = codec  # type: ignore[assignment]
         self.workers = workers
         self._middleware = tuple(middleware)
         self._router: Router[Stage] = Router()
@@ -124,6 +137,7 @@ class Bus:
         self._limiter: anyio.CapacityLimiter | None = None
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
+        self._inbox_prefix: str | None = None
         #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
         self.yield_now: Callable[[], Awaitable[None]] = checkpoint
         #: Called with every envelope routed (publishes, slip hops, replays); for test
@@ -150,6 +164,17 @@ class Bus:
         self._loop_thread = threading.get_ident()
         self.yield_now = fast_checkpoint()
         self._limiter = anyio.CapacityLimiter(self.workers)
+        broker = self._broker
+        if broker is not None:
+            broker.dead_letter_ttl = self.dead_letters.ttl
+            broker.dead_letter_maxlen = self.dead_letters.maxlen
+            await broker.__aenter__()
+            try:
+                for entry in await broker.dead_letters():
+                    self.dead_letters.restore(entry)
+            except BaseException:
+                await broker.aclose()
+                raise
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
@@ -219,6 +244,8 @@ class Bus:
                         await task_group.__aexit__(None, None, None)
                     finally:
                         self._task_group = None
+                        if self._broker is not None:
+                            await self._broker.aclose()  # shields its own clean-up
         except BaseException:
             self._finish(drained=False)
             raise
@@ -260,12 +287,24 @@ class Bus:
         :raises TimeoutError: when that has not happened within ``timeout`` seconds.
         """
         with anyio.fail_after(timeout):
-            while not self._idle():
-                if self._state == "closed":
+            while True:
+                while not self._idle():
+                    if self._state == "closed":
+                        return
+                    waiter = anyio.Event()
+                    self.idle_waiters.append(waiter)
+                    await waiter.wait()
+                if self._broker is None or not await self._broker_backlog(self._broker):
                     return
-                waiter = anyio.Event()
-                self.idle_waiters.append(waiter)
-                await waiter.wait()
+                # Envelopes still in the broker for our stages: look again shortly.
+                await anyio.sleep(0.02)
+
+    async def _broker_backlog(self, broker: Transport) -> int:
+        total = 0
+        for stage in list(self._stages.values()):
+            if self._over_broker(stage):
+                total += await broker.backlog(stage.pattern, stage.group)
+        return total
 
     def _idle(self) -> bool:
         return not (self.outstanding or self._background or self._threadsafe_pending)
@@ -396,6 +435,13 @@ class Bus:
         assert self._limiter is not None
         handler = adapt_handler(subscription, self._limiter)
         stage.start_consumers(subscription, build_chain(subscription, handler, self._middleware))
+        if self._broker is not None and self._over_broker(stage) and not stage.pumping:
+            stage.pumping = True
+            self.task_group.start_soon(stage.pump, self._broker, name=f"asyncbus pump {stage.name}")
+
+    def _over_broker(self, stage: Stage) -> bool:
+        # "$deadletter" announcements stay in this process, on every transport.
+        return stage.pattern != DEADLETTER_TOPIC
 
     # -- publishing -------------------------------------------------------------
 
@@ -475,10 +521,20 @@ class Bus:
         else:
             envelope_id = id if id is not None else new_id()
             envelope = make_envelope(
-                envelope_id, topic, payload, EMPTY_HEADERS, time.time(), None, 1, (),
-                envelope_id, None, None, self.name,
+                envelope_id,
+                topic,
+                payload,
+                EMPTY_HEADERS,
+                time.time(),
+                None,
+                1,
+                (),
+                envelope_id,
+                None,
+                None,
+                self.name,
             )
-        if not self.observers:
+        if not self.observers and self._broker is None:
             # The common case, without the general path's calls: one stage, with room.
             stages = self._router.route(topic)
             if len(stages) == 1:
@@ -505,6 +561,11 @@ class Bus:
         :raises BusClosedError: before start or after ``aclose`` began.
         """
         self._check_open()
+        if self._broker is not None:
+            raise anyio.WouldBlock(
+                f"publish_nowait cannot wait for {self._broker.name}'s confirmation: "
+                "use `await bus.publish(...)` or publish_threadsafe"
+            )
         envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
         for observe in self.observers:
             observe(envelope)
@@ -623,6 +684,8 @@ class Bus:
         if self.observers:
             for observe in self.observers:
                 observe(envelope)
+        if self._broker is not None and envelope.topic != DEADLETTER_TOPIC:
+            return await self._publish_to_broker(self._broker, envelope)
         receipt, blocked = self._offer(envelope, self._router.route(envelope.topic))
         if not blocked:
             return receipt
@@ -638,6 +701,13 @@ class Bus:
                 f"stage {waiting_on.name!r} stayed full for {timeout}s", receipt=receipt
             )
         return receipt
+
+    async def _publish_to_broker(self, broker: Transport, envelope: Envelope) -> Receipt:
+        # The broker routes to every group of every process; the receipt names the
+        # matching stages this bus knows (replicas register the same ones).
+        stages = self._router.route(envelope.topic)
+        await broker.publish(envelope.topic, [envelope])
+        return make_receipt(envelope.id, tuple(stage.name for stage in stages))
 
     def _no_subscribers(self, envelope: Envelope) -> None:
         if envelope.topic == DEADLETTER_TOPIC:
@@ -660,15 +730,33 @@ class Bus:
         stage: str | None,
         attempts: int,
         cause: BaseException | None = None,
-    ) -> None:
-        """Record ``envelope`` as dead (called by stages and middleware)."""
+        *,
+        stored: bool = False,
+    ) -> DeadLetter | None:
+        """Record ``envelope`` as dead (called by stages and middleware).
+
+        :param stored: the broker stores it itself (a delivery will be rejected);
+            otherwise a broker transport is asked to keep it.
+        :return: the entry, ``None`` for a ``$deadletter`` envelope (never re-queued).
+        """
         if envelope.topic == DEADLETTER_TOPIC:
             logger.warning("a $deadletter envelope failed in %s (%s); discarded", stage, reason)
-            return
+            return None
         entry = DeadLetter(envelope, reason, error, stage, attempts, time.time())
         self.dead_letters.add(entry)
+        if self._broker is not None and not stored and self._task_group is not None:
+            self._background += 1
+            self._task_group.start_soon(self._store_dead_letter, self._broker, entry)
         if envelope.reply_to is not None:
             pending = self._requests.get(envelope.reply_to)
+            if (
+                pending is None
+                and self._broker is not None
+                and envelope.reply_to.startswith(_INBOX)
+                and self._task_group is not None
+            ):
+                self._background += 1
+                self._task_group.start_soon(self._fail_remote_request, entry)
             if pending is not None and not pending.event.is_set():
                 failure = HandlerError(
                     f"{reason.value} in stage {stage}: {error}"
@@ -681,6 +769,35 @@ class Bus:
                 failure.__cause__ = cause
                 pending.error = failure
                 pending.event.set()
+        return entry
+
+    async def _store_dead_letter(self, broker: Transport, entry: DeadLetter) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await broker.add_dead_letter(entry)
+        except Exception:
+            logger.warning("could not store dead letter %s", entry.envelope.id, exc_info=True)
+        finally:
+            self._background -= 1
+            if self.idle_waiters:
+                self.wake_drainers()
+
+    def _forget_dead_letters(self, ids: Sequence[str]) -> None:
+        if self._broker is None or not ids or self._task_group is None:
+            return
+        self._background += 1
+        self._task_group.start_soon(self._remove_dead_letters, self._broker, list(ids))
+
+    async def _remove_dead_letters(self, broker: Transport, ids: list[str]) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await broker.remove_dead_letters(ids)
+        except Exception:
+            logger.warning("could not remove dead letters %s", ids, exc_info=True)
+        finally:
+            self._background -= 1
+            if self.idle_waiters:
+                self.wake_drainers()
 
     def _announce(self, entry: DeadLetter) -> None:
         if self._state not in ("running", "closing"):
@@ -717,6 +834,15 @@ class Bus:
             attempt=1, timestamp=time.time(), headers=MappingProxyType(headers)
         )
         stage = self._stages_by_name.get(entry.stage) if entry.stage else None
+        broker = self._broker
+        if broker is not None:
+            with anyio.CancelScope(shield=True):
+                if stage is not None and self._over_broker(stage):
+                    await broker.publish_to_group(stage.pattern, stage.group, [envelope])
+                else:
+                    await broker.publish(envelope.topic, [envelope])
+                await broker.remove_dead_letters([envelope.id])
+            return make_receipt(envelope.id, (stage.name,) if stage else ())
         if stage is None:
             return await self._route(envelope, None)
         await stage.put(envelope)
@@ -727,7 +853,7 @@ class Bus:
     async def forward(self, envelope: Envelope, result: Any) -> None:
         """Send a handled envelope's result on: to its next slip hop, or to its requester."""
         if envelope.slip:
-            hop = Envelope(
+            hop = make_envelope(
                 new_id(),
                 envelope.slip[0],
                 envelope.payload if result is None else result,
@@ -750,9 +876,88 @@ class Bus:
             return
         if envelope.reply_to is not None:
             pending = self._requests.get(envelope.reply_to)
-            if pending is not None and not pending.event.is_set():
-                pending.value = result
-                pending.event.set()
+            if pending is not None:
+                if not pending.event.is_set():
+                    pending.value = result
+                    pending.event.set()
+            elif self._broker is not None and envelope.reply_to.startswith(_INBOX):
+                await self._send_reply(envelope, {"result": result})
+
+    async def _send_reply(self, envelope: Envelope, body: dict[str, Any]) -> None:
+        # A request made by another process: answer through its inbox topic.
+        assert envelope.reply_to is not None
+        reply = make_envelope(
+            new_id(),
+            envelope.reply_to,
+            body,
+            EMPTY_HEADERS,
+            time.time(),
+            None,
+            1,
+            (),
+            envelope.correlation_id,
+            envelope.id,
+            None,
+            self.name,
+        )
+        try:
+            await self._route(reply, None)
+        except Exception:
+            logger.warning("could not reply to %s", envelope.reply_to, exc_info=True)
+
+    async def _fail_remote_request(self, entry: DeadLetter) -> None:
+        try:
+            await self._send_reply(
+                entry.envelope,
+                {
+                    "error": entry.error,
+                    "reason": entry.reason.value,
+                    "stage": entry.stage,
+                    "attempts": entry.attempts,
+                },
+            )
+        finally:
+            self._background -= 1
+            if self.idle_waiters:
+                self.wake_drainers()
+
+    async def _on_reply(self, envelope: Envelope) -> None:
+        """Handler of this bus's inbox: settle the request the reply answers."""
+        pending = self._requests.get(envelope.topic)
+        if pending is None or pending.event.is_set():
+            return
+        body = envelope.payload if isinstance(envelope.payload, dict) else {}
+        if "error" in body:
+            failure = HandlerError(
+                f"{body.get('reason')} in stage {body.get('stage')}: {body.get('error')}",
+                envelope=envelope,
+                stage=body.get("stage"),
+                attempts=int(body.get("attempts", 0)),
+            )
+            pending.error = failure
+        else:
+            pending.value = body.get("result")
+        pending.event.set()
+
+    def _inbox(self) -> str:
+        """This bus's reply topic prefix over a broker, subscribed on first use."""
+        if self._inbox_prefix is None:
+            self._inbox_prefix = f"{_INBOX}{uuid.uuid4().hex}"
+            self._subscribe(
+                make_subscription(
+                    f"{self._inbox_prefix}.*",
+                    self._on_reply,
+                    group=self._inbox_prefix,
+                    concurrency=1,
+                    capacity=1024,
+                    backpressure=Backpressure.BLOCK,
+                    retry=None,
+                    timeout=None,
+                    offload=None,
+                    middleware=(),
+                )
+            )
+        return self._inbox_prefix
 
     async def request(
         self,
@@ -773,11 +978,12 @@ class Bus:
         self._check_open()
         await checkpoint()
         envelope_id = new_id()
+        reply_to = envelope_id if self._broker is None else f"{self._inbox()}.{envelope_id}"
         envelope = self._envelope(
-            topic, payload, headers, ttl, slip, None, envelope_id, reply_to=envelope_id
+            topic, payload, headers, ttl, slip, None, envelope_id, reply_to=reply_to
         )
         pending = _PendingReply()
-        self._requests[envelope_id] = pending
+        self._requests[reply_to] = pending
         try:
             with anyio.fail_after(timeout):
                 receipt = await self._route(envelope, None)
@@ -792,7 +998,7 @@ class Bus:
                         )
                     await pending.event.wait()
         finally:
-            del self._requests[envelope_id]
+            del self._requests[reply_to]
         if pending.error is not None:
             raise pending.error
         return pending.value

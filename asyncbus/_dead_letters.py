@@ -62,6 +62,7 @@ class DeadLetterQueue:
         maxlen: int,
         resend: Resend,
         on_add: Callable[[DeadLetter], None] | None = None,
+        on_remove: Callable[[builtins.list[str]], None] | None = None,
     ) -> None:
         self.ttl = ttl
         self.maxlen = maxlen
@@ -69,6 +70,7 @@ class DeadLetterQueue:
         self.evicted = 0
         self._resend = resend
         self._on_add = on_add
+        self._on_remove = on_remove
         self._entries: OrderedDict[int, DeadLetter] = OrderedDict()
         self._by_id: dict[str, list[int]] = {}
         self._next_key = 0
@@ -88,6 +90,17 @@ class DeadLetterQueue:
             self.evicted += 1
         if self._on_add is not None:
             self._on_add(dead_letter)
+
+    def restore(self, dead_letter: DeadLetter) -> None:
+        """Store an entry loaded from a broker (no announcement, no eviction count)."""
+        if self.maxlen <= 0 or dead_letter.dead_at <= time.time() - self.ttl:
+            return
+        while len(self._entries) >= self.maxlen:
+            self._pop_key(next(iter(self._entries)))
+        key = self._next_key
+        self._next_key += 1
+        self._entries[key] = dead_letter
+        self._by_id.setdefault(dead_letter.envelope.id, []).append(key)
 
     def __len__(self) -> int:
         self._expire()
@@ -139,14 +152,21 @@ class DeadLetterQueue:
         """Remove the entries of ``ids`` (all entries when none given); return how many."""
         if not ids:
             removed = len(self._entries)
+            gone = builtins.list(self._by_id)
             self._entries.clear()
             self._by_id.clear()
-            return removed
-        removed = 0
-        for id in ids:
-            for key in self._by_id.get(id, [])[:]:
-                self._pop_key(key)
-                removed += 1
+        else:
+            removed = 0
+            gone = []
+            for id in ids:
+                keys = self._by_id.get(id, [])[:]
+                for key in keys:
+                    self._pop_key(key)
+                    removed += 1
+                if keys:
+                    gone.append(id)
+        if gone and self._on_remove is not None:
+            self._on_remove(gone)
         return removed
 
     def _pop_key(self, key: int) -> None:

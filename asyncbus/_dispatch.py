@@ -12,7 +12,7 @@ import traceback
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from ._dead_letters import DeadLetterReason
+from ._dead_letters import DeadLetter, DeadLetterReason
 from ._exceptions import DecodeError, Reject
 
 if TYPE_CHECKING:
@@ -59,13 +59,15 @@ class Dispatch:
     :ivar outcome: ``None`` while it will be acked, else an :class:`Outcome` value.
     """
 
-    __slots__ = ("bus", "envelope", "outcome", "stage")
+    __slots__ = ("bus", "dead", "envelope", "outcome", "stage")
 
     def __init__(self, stage: Stage, bus: Bus) -> None:
         self.stage = stage
         self.bus = bus
         self.envelope: Envelope | None = None
         self.outcome: str | None = None
+        #: The dead letter recorded for the current envelope, if it died.
+        self.dead: DeadLetter | None = None
 
     def activate(self) -> None:
         """Make this the calling task's dispatch (once, when the consumer starts)."""
@@ -87,7 +89,7 @@ class Dispatch:
         if self.outcome is not None or self.envelope is None:
             return
         self.outcome = Outcome.DEAD
-        self.stage.settle_dead(self.envelope, reason, error, failed=failed, cause=cause)
+        self.dead = self.stage.settle_dead(self.envelope, reason, error, failed=failed, cause=cause)
 
     def fail(self, error: BaseException) -> None:
         """Dead-letter the current envelope for ``error`` (a handler's exception)."""

@@ -98,6 +98,27 @@ class Envelope:
         """Return a copy with the given fields changed."""
         return dataclasses.replace(self, **changes)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickles for offload="process" (never for a wire): the read-only headers view
+        # travels as a plain dict and is frozen again on arrival.
+        return (
+            _unpickle_envelope,
+            (
+                *(getattr(self, name) for name in _FIELDS[:3]),
+                dict(self.headers),
+                *(getattr(self, name) for name in _FIELDS[4:]),
+            ),
+        )
+
+
+_FIELDS = tuple(Envelope.__dataclass_fields__)
+
+
+def _unpickle_envelope(*values: Any) -> Envelope:
+    fields = dict(zip(_FIELDS, values, strict=True))
+    fields["headers"] = MappingProxyType(fields["headers"]) if fields["headers"] else EMPTY_HEADERS
+    return Envelope(**fields)
+
 
 @dataclass(frozen=True, slots=True)
 class Receipt:
@@ -119,8 +140,17 @@ class Receipt:
 # about twice as fast as the frozen dataclass __init__ (which also runs __post_init__).
 _new = object.__new__
 (
-    _set_id, _set_topic, _set_payload, _set_headers, _set_timestamp, _set_ttl,
-    _set_attempt, _set_slip, _set_correlation_id, _set_causation_id, _set_reply_to,
+    _set_id,
+    _set_topic,
+    _set_payload,
+    _set_headers,
+    _set_timestamp,
+    _set_ttl,
+    _set_attempt,
+    _set_slip,
+    _set_correlation_id,
+    _set_causation_id,
+    _set_reply_to,
     _set_sender,
 ) = (getattr(Envelope, name).__set__ for name in Envelope.__dataclass_fields__)
 
@@ -138,8 +168,25 @@ def make_envelope(
     causation_id: str | None,
     reply_to: str | None,
     sender: str | None,
+    *,
+    _new: Any = _new,
+    _set_id: Any = _set_id,
+    _set_topic: Any = _set_topic,
+    _set_payload: Any = _set_payload,
+    _set_headers: Any = _set_headers,
+    _set_timestamp: Any = _set_timestamp,
+    _set_ttl: Any = _set_ttl,
+    _set_attempt: Any = _set_attempt,
+    _set_slip: Any = _set_slip,
+    _set_correlation_id: Any = _set_correlation_id,
+    _set_causation_id: Any = _set_causation_id,
+    _set_reply_to: Any = _set_reply_to,
+    _set_sender: Any = _set_sender,
 ) -> Envelope:
-    """Build an :class:`Envelope` from every field, skipping the dataclass machinery."""
+    """Build an :class:`Envelope` from every field, skipping the dataclass machinery.
+
+    (The keyword-only defaults bind the slot setters as fast locals.)
+    """
     envelope: Envelope = _new(Envelope)
     _set_id(envelope, id)
     _set_topic(envelope, topic)
@@ -166,6 +213,12 @@ def make_receipt(
     accepted: tuple[str, ...],
     rejected: tuple[str, ...] = (),
     dropped: tuple[str, ...] = (),
+    *,
+    _new: Any = _new,
+    _set_receipt_id: Any = _set_receipt_id,
+    _set_accepted: Any = _set_accepted,
+    _set_rejected: Any = _set_rejected,
+    _set_dropped: Any = _set_dropped,
 ) -> Receipt:
     """Build a :class:`Receipt`, skipping the dataclass machinery."""
     receipt: Receipt = _new(Receipt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -17,13 +18,16 @@ from ._stats import LatencyHistogram, StageStatistics
 
 if TYPE_CHECKING:
     from ._bus import Bus
+    from ._dead_letters import DeadLetter
     from ._envelope import Envelope
     from ._subscription import Subscription
     from ._types import Handler
+    from .transports.base import Delivery, Transport
 
 __all__ = ["Admission", "Backpressure", "Stage"]
 
 _clock = time.perf_counter
+logger = logging.getLogger("asyncbus")
 
 
 class Backpressure(StrEnum):
@@ -78,10 +82,14 @@ class Stage:
         # with a consumer (its Dispatch) or on a retry timer (id(envelope) -> envelope).
         self._dispatches: list[Dispatch] = []
         self._retrying: dict[int, Envelope] = {}
+        #: Over a broker: id(envelope) -> the broker delivery to settle when it is done.
+        self.deliveries: dict[int, Delivery] = {}
         self.room_waiters: deque[anyio.Event] = deque()
         self._send: MemoryObjectSendStream[tuple[float, Envelope]] | None = None
         self._receive: MemoryObjectReceiveStream[tuple[float, Envelope]] | None = None
         self._admitted = 0
+        #: Whether a pump feeds this stage from the broker.
+        self.pumping = False
         self._consumer_waiters: deque[anyio.Event] = deque()
 
     # -- life cycle -------------------------------------------------------------
@@ -121,6 +129,9 @@ class Stage:
         left += [envelope.id for envelope in self._retrying.values()]
         self._dispatches.clear()
         self._retrying.clear()
+        # Unsettled broker deliveries are released by the transport's subscription.
+        self.deliveries.clear()
+        self.pumping = False
         self.abandoned += len(left)
         self.queued = self.in_flight = 0
         for waiter in self.room_waiters:
@@ -229,14 +240,23 @@ class Stage:
         *,
         failed: bool,
         cause: BaseException | None = None,
-    ) -> None:
+    ) -> DeadLetter | None:
         """The envelope in flight is dead: count it and hand it to the dead-letter queue."""
         if failed:
             self.failed += 1
         self._count_dead(reason)
         self.in_flight -= 1
-        self.bus.dead_letter(envelope, reason, error, self.name, envelope.attempt, cause)
+        entry = self.bus.dead_letter(
+            envelope,
+            reason,
+            error,
+            self.name,
+            envelope.attempt,
+            cause,
+            stored=id(envelope) in self.deliveries,
+        )
         self.bus.settled()
+        return entry
 
     def schedule_retry(self, envelope: Envelope, delay: float) -> None:
         """Count a failed attempt and re-enter the envelope after ``delay`` seconds."""
@@ -251,6 +271,9 @@ class Stage:
         await self._wait_for_room()
         assert self._send is not None
         del self._retrying[id(envelope)]
+        delivery = self.deliveries.pop(id(envelope), None)
+        if delivery is not None:
+            self.deliveries[id(again)] = delivery
         self.in_flight -= 1
         self._send.send_nowait((0.0, again))
         self.queued += 1
@@ -312,9 +335,57 @@ class Stage:
                 bus.outstanding -= 1
                 if not bus.outstanding and bus.idle_waiters:
                     bus.wake_drainers()
+            if self.deliveries and outcome is not Outcome.DEFERRED:
+                await self._settle_delivery(
+                    envelope, dispatch.dead if outcome is Outcome.DEAD else None
+                )
             if admitted_at:
                 latency_record(_clock() - started)
             dispatch.envelope = None
+
+    async def _settle_delivery(self, envelope: Envelope, dead: DeadLetter | None) -> None:
+        delivery = self.deliveries.pop(id(envelope), None)
+        if delivery is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                if dead is None:
+                    await delivery.ack()
+                else:
+                    await delivery.reject(dead.reason.value, error=dead.error, stage=self.name)
+            except Exception:
+                # The broker will deliver it again (at-least-once); the local ledger
+                # already counts what the handler did.
+                logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
+
+    async def pump(self, transport: Transport) -> None:
+        """Feed this stage from the broker: at most ``capacity`` deliveries held here."""
+        subscription = transport.subscribe(self.pattern, group=self.group, prefetch=self.capacity)
+        async with subscription as deliveries:
+            async for delivery in deliveries:
+                envelope = delivery.envelope
+                if delivery.error is not None:
+                    # An undecodable body: admitted and dead-lettered at once, never handled.
+                    self.published += 1
+                    self._count_dead(DeadLetterReason.REJECTED)
+                    entry = self.bus.dead_letter(
+                        envelope,
+                        DeadLetterReason.REJECTED,
+                        delivery.error,
+                        self.name,
+                        envelope.attempt,
+                        stored=True,
+                    )
+                    with anyio.CancelScope(shield=True):
+                        await delivery.reject(
+                            DeadLetterReason.REJECTED.value,
+                            error=entry.error if entry else delivery.error,
+                            stage=self.name,
+                        )
+                    continue
+                await self._wait_for_room()
+                self.deliveries[id(envelope)] = delivery
+                self.admit(envelope)
 
     def _wake_consumer(self) -> None:
         if self._consumer_waiters:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.to_process
-import anyio.to_thread
 
 from ._decoding import payload_decoder
 from ._envelope import Envelope
 from ._exceptions import ConfigurationError, Reject
+from ._offload import run_in_worker
 from ._routing import compile_pattern
 from ._stage import Backpressure
 
@@ -220,10 +220,8 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
 
         return call_in_process
 
-    run_sync = anyio.to_thread.run_sync
-
     async def call_in_thread(env: Envelope) -> Any:
-        return await run_sync(function, extract(env), abandon_on_cancel=True, limiter=limiter)
+        return await run_in_worker(function, extract(env), limiter)
 
     return call_in_thread
 

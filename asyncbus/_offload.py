@@ -1,0 +1,63 @@
+"""Running a sync handler on the bus's worker pool, holding its slot until it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+
+__all__ = ["run_in_worker"]
+
+
+class _Slot:
+    """One borrowed pool slot, released by whichever side sees the thread finish last."""
+
+    __slots__ = ("abandoned", "finished", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.finished = False
+        self.abandoned = False
+
+
+async def run_in_worker(
+    function: Callable[[Any], Any], argument: Any, limiter: anyio.CapacityLimiter
+) -> Any:
+    """Run ``function(argument)`` in a worker thread under the bus-wide ``limiter``.
+
+    If the caller is cancelled (a stage timeout, shutdown) the attempt is abandoned at
+    once, but the thread runs to its end *holding its slot*: the pool never runs more
+    than ``workers`` handlers, even abandoned ones. (anyio's own ``limiter=`` would
+    free the slot when the caller gives up.)
+    """
+    slot = _Slot()
+    await limiter.acquire_on_behalf_of(slot)
+
+    def run() -> Any:
+        try:
+            return function(argument)
+        finally:
+            with slot.lock:
+                slot.finished = True
+                abandoned = slot.abandoned
+            if abandoned:
+                # (When the event loop is gone there is nothing left to free.)
+                with contextlib.suppress(RuntimeError):
+                    anyio.from_thread.run_sync(limiter.release_on_behalf_of, slot)
+
+    try:
+        result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except BaseException:
+        with slot.lock:
+            slot.abandoned = not slot.finished
+            release_now = slot.finished
+        if release_now:
+            limiter.release_on_behalf_of(slot)
+        raise
+    limiter.release_on_behalf_of(slot)
+    return result

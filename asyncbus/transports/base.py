@@ -1,0 +1,153 @@
+"""The transport interface: where envelopes wait between publish and handle.
+
+A transport implements publish, subscribe and the three delivery verbs, plus a
+dead-letter store when its broker can keep one; everything else (retry, expiry,
+timeouts, slips, requests, statistics) is the bus's, written once.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import ClassVar, Protocol, runtime_checkable
+
+from anyio.abc import AsyncResource
+
+from .._dead_letters import DeadLetter
+from .._envelope import Envelope
+from ._codec import Codec, default_codec
+
+__all__ = ["Capabilities", "Delivery", "Transport"]
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a transport can do natively (the conformance suite's feature flags).
+
+    :ivar delayed_nack: ``nack(delay=)`` redelivers after the delay.
+    :ivar dedup: the broker drops a second publish of the same envelope id.
+    :ivar per_message_ttl: the broker expires envelopes by their own ``ttl``.
+    :ivar replay: dead letters are kept by the broker and can be listed and replayed.
+    :ivar durable: envelopes survive a restart of the process (and of the broker).
+    :ivar ordered: one consumer of a group sees one topic's envelopes in publish order.
+    """
+
+    delayed_nack: bool = False
+    dedup: bool = False
+    per_message_ttl: bool = False
+    replay: bool = False
+    durable: bool = False
+    ordered: bool = True
+
+
+@runtime_checkable
+class Delivery(Protocol):
+    """One envelope handed to a consumer, to be settled exactly once.
+
+    :ivar envelope: the envelope; when ``error`` is set its payload is the raw body.
+    :ivar error: why the body could not be decoded, else ``None``.
+    """
+
+    envelope: Envelope
+    error: str | None
+
+    async def ack(self) -> None:
+        """Done: the broker forgets it."""
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        """Not done: deliver it again (to any consumer of the group) after ``delay`` s."""
+
+    async def reject(
+        self, reason: str, *, error: str | None = None, stage: str | None = None
+    ) -> None:
+        """Give up: move it to the transport's dead-letter store, then forget it."""
+
+
+class Transport(AsyncResource, abc.ABC):
+    """Base class of every transport; ``async with transport:`` connects and closes.
+
+    Subclasses set :attr:`capabilities` and implement :meth:`publish` and
+    :meth:`subscribe`; brokers that keep dead letters override the three
+    dead-letter methods. Client libraries are imported in :meth:`connect`, never at
+    module import, so a missing extra fails with a message naming it.
+
+    :param codec: how payloads become bytes (JSON by default, msgspec when installed;
+        never pickle).
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Short name used in logs and receipts.
+    name: ClassVar[str] = "transport"
+    #: True when a bus may skip the transport and keep envelopes in its stages' own
+    #: streams (the in-process transport); brokers are always gone through.
+    direct: ClassVar[bool] = False
+
+    def __init__(self, *, codec: Codec | None = None) -> None:
+        self.codec = codec if codec is not None else default_codec()
+        #: Seconds a dead letter is kept, and how many at most (set by the bus).
+        self.dead_letter_ttl: float = 7 * 24 * 3600
+        self.dead_letter_maxlen: int = 100_000
+
+    async def __aenter__(self) -> Transport:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def connect(self) -> None:
+        """Open connections (called by ``async with``)."""
+
+    async def aclose(self) -> None:
+        """Close connections; runs shielded from cancellation in subclasses."""
+
+    @abc.abstractmethod
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        """Hand ``envelopes`` (all on ``topic``) to the broker; return once it confirmed.
+
+        The broker routes each one to every (pattern, group) subscribed to a matching
+        pattern; the envelope id travels as the broker's message id.
+        """
+
+    @abc.abstractmethod
+    def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AbstractAsyncContextManager[AsyncIterator[Delivery]]:
+        """Join consumer ``group`` on ``pattern`` (NATS syntax); yields deliveries.
+
+        The group is created if needed and outlives the subscription; consumers in
+        one group share its envelopes. At most ``prefetch`` deliveries are unsettled
+        at once. Leaving the context releases what was delivered but not settled.
+        """
+
+    async def publish_to_group(
+        self, pattern: str, group: str, envelopes: Sequence[Envelope]
+    ) -> None:
+        """Deliver ``envelopes`` to one (pattern, group) only (used by replay).
+
+        The default publishes to each envelope's topic, which reaches every group.
+        """
+        for envelope in envelopes:
+            await self.publish(envelope.topic, [envelope])
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        """Envelopes of (pattern, group) in the broker not yet settled (0 if unknown)."""
+        return 0
+
+    async def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Store a dead letter the bus recorded without a delivery (brokers that keep them)."""
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """Every dead letter the broker keeps, oldest first (after dropping expired ones)."""
+        return []
+
+    async def remove_dead_letters(self, ids: Sequence[str]) -> None:
+        """Forget the dead letters of these envelope ids (no ids: none)."""

@@ -1,0 +1,221 @@
+"""The in-process transport: the bus's default, and the reference for the others."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import ClassVar
+
+import anyio
+from anyio.abc import TaskGroup
+
+from .._dead_letters import DeadLetter, DeadLetterReason
+from .._envelope import Envelope
+from .._exceptions import TransportError
+from .._routing import compile_pattern, validate_topic
+from ._codec import Codec
+from .base import Capabilities, Delivery, Transport
+
+__all__ = ["MemoryTransport"]
+
+
+class _Group:
+    """One (pattern, group): its ready envelopes and the consumers waiting for one."""
+
+    def __init__(self, pattern: str) -> None:
+        self.matches = compile_pattern(pattern)
+        self.ready: deque[Envelope] = deque()
+        self.waiters: deque[anyio.Event] = deque()
+
+    def put(self, envelope: Envelope, *, front: bool = False) -> None:
+        if front:
+            self.ready.appendleft(envelope)
+        else:
+            self.ready.append(envelope)
+        if self.waiters:
+            self.waiters.popleft().set()
+
+
+class _MemoryDelivery:
+    """A delivery from :class:`MemoryTransport`; settled exactly once."""
+
+    __slots__ = ("_consumer", "_settled", "_transport", "envelope", "error")
+
+    def __init__(self, transport: MemoryTransport, consumer: _Consumer, envelope: Envelope):
+        self.envelope = envelope
+        self.error: str | None = None
+        self._transport = transport
+        self._consumer = consumer
+        self._settled = False
+
+    def _settle(self) -> None:
+        if self._settled:
+            raise TransportError(f"delivery of {self.envelope.id} was already settled")
+        self._settled = True
+        self._consumer.unsettled.pop(id(self), None)
+        self._consumer.room.set()
+
+    async def ack(self) -> None:
+        """Forget the envelope."""
+        self._settle()
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        """Deliver it again (attempt + 1) to the group after ``delay`` seconds."""
+        self._settle()
+        again = self.envelope.evolve(attempt=self.envelope.attempt + 1)
+        self._transport._redeliver(self._consumer.group, again, delay)
+
+    async def reject(
+        self, reason: str, *, error: str | None = None, stage: str | None = None
+    ) -> None:
+        """Move it to the transport's dead letters."""
+        self._settle()
+        self._transport._dead.append(
+            DeadLetter(
+                self.envelope,
+                DeadLetterReason(reason),
+                error,
+                stage,
+                self.envelope.attempt,
+                time.time(),
+            )
+        )
+
+
+class _Consumer:
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+        self.unsettled: dict[int, _MemoryDelivery] = {}
+        self.room = anyio.Event()
+
+
+class MemoryTransport(Transport):
+    """Envelopes in this process's memory, no serialisation, no broker.
+
+    A :class:`~asyncbus.Bus` given this transport (or none) keeps envelopes directly
+    in each stage's bounded anyio stream, so the interface costs nothing. Used on
+    its own, it is a small in-process broker with the same semantics as the others:
+    consumer groups, at-least-once delivery, delayed ``nack``, dead letters. It is
+    entered with ``async with`` (delayed redeliveries run in its task group).
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delayed_nack=True, dedup=False, per_message_ttl=False, replay=True, durable=False
+    )
+    name: ClassVar[str] = "memory"
+    direct: ClassVar[bool] = True
+
+    def __init__(self, *, codec: Codec | None = None) -> None:
+        super().__init__(codec=codec)
+        self._groups: dict[tuple[str, str], _Group] = {}
+        self._dead: list[DeadLetter] = []
+        self._task_group: TaskGroup | None = None
+
+    async def connect(self) -> None:
+        """Start the task group that runs delayed redeliveries."""
+        if self._task_group is None:
+            task_group = anyio.create_task_group()
+            await task_group.__aenter__()
+            self._task_group = task_group
+
+    async def aclose(self) -> None:
+        """Cancel pending delayed redeliveries."""
+        task_group, self._task_group = self._task_group, None
+        if task_group is not None:
+            task_group.cancel_scope.cancel()
+            await task_group.__aexit__(None, None, None)
+
+    def _redeliver(self, group: _Group, envelope: Envelope, delay: float | None) -> None:
+        if not delay:
+            group.put(envelope)
+            return
+        if self._task_group is None:
+            raise TransportError("MemoryTransport must be entered (async with) for nack(delay=)")
+
+        async def later() -> None:
+            await anyio.sleep(delay)
+            group.put(envelope)
+
+        self._task_group.start_soon(later)
+
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        """Hand each envelope to every group whose pattern matches ``topic``."""
+        validate_topic(topic)
+        await anyio.lowlevel.checkpoint()
+        groups = [group for group in self._groups.values() if group.matches(topic)]
+        for envelope in envelopes:
+            for group in groups:
+                group.put(envelope)
+
+    async def publish_to_group(
+        self, pattern: str, group: str, envelopes: Sequence[Envelope]
+    ) -> None:
+        """Hand the envelopes to one group only."""
+        target = self._groups.setdefault((pattern, group), _Group(pattern))
+        for envelope in envelopes:
+            target.put(envelope)
+
+    @asynccontextmanager
+    async def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AsyncIterator[AsyncIterator[Delivery]]:
+        """Join ``group`` on ``pattern``; unsettled deliveries go back when it ends."""
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        target = self._groups.setdefault((pattern, group), _Group(pattern))
+        consumer = _Consumer(target)
+
+        async def deliveries() -> AsyncIterator[Delivery]:
+            while True:
+                while len(consumer.unsettled) >= prefetch:
+                    consumer.room = anyio.Event()
+                    await consumer.room.wait()
+                while not target.ready:
+                    waiter = anyio.Event()
+                    target.waiters.append(waiter)
+                    try:
+                        await waiter.wait()
+                    finally:
+                        if waiter in target.waiters:
+                            target.waiters.remove(waiter)
+                        elif target.ready and target.waiters:
+                            target.waiters.popleft().set()
+                delivery = _MemoryDelivery(self, consumer, target.ready.popleft())
+                consumer.unsettled[id(delivery)] = delivery
+                await anyio.lowlevel.checkpoint()
+                yield delivery
+
+        iterator = deliveries()
+        try:
+            yield iterator
+        finally:
+            await iterator.aclose()  # type: ignore[attr-defined]
+            # A consumer that leaves gives back what it took but did not settle,
+            # oldest first, so another consumer of the group gets it at once.
+            for delivery in reversed(list(consumer.unsettled.values())):
+                delivery._settled = True
+                target.put(delivery.envelope, front=True)
+            consumer.unsettled.clear()
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        """Envelopes of the group waiting for a consumer."""
+        target = self._groups.get((pattern, group))
+        return len(target.ready) if target is not None else 0
+
+    async def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Keep ``entry``."""
+        self._dead.append(entry)
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """The dead letters kept, oldest first, after dropping expired ones."""
+        horizon = time.time() - self.dead_letter_ttl
+        self._dead = [entry for entry in self._dead if entry.dead_at > horizon]
+        del self._dead[: max(0, len(self._dead) - self.dead_letter_maxlen)]
+        return list(self._dead)
+
+    async def remove_dead_letters(self, ids: Sequence[str]) -> None:
+        """Forget the dead letters of these envelope ids."""
+        drop = set(ids)
+        self._dead = [entry for entry in self._dead if entry.envelope.id not in drop]
