@@ -123,6 +123,7 @@ class Bus:
             maxlen=dead_letter_maxlen,
             resend=self._resend,
             on_add=self._announce,
+            on_remove=self._forget_dead_letters,
         )
         self._state: _State = "new"
         #: Envelopes admitted to some stage and not yet settled (one per stage).

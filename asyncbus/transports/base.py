@@ -83,7 +83,7 @@ class Transport(AsyncResource, abc.ABC):
     name: ClassVar[str] = "transport"
     #: True when a bus may skip the transport and keep envelopes in its stages' own
     #: streams (the in-process transport); brokers are always gone through.
-    direct: ClassVar[bool] = False
+    direct: bool = False
 
     def __init__(self, *, codec: Codec | None = None) -> None:
         self.codec = codec if codec is not None else default_codec()

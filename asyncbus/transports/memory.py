@@ -28,6 +28,8 @@ class _Group:
         self.matches = compile_pattern(pattern)
         self.ready: deque[Envelope] = deque()
         self.waiters: deque[anyio.Event] = deque()
+        #: Delivered to some consumer and not settled yet.
+        self.unsettled = 0
 
     def put(self, envelope: Envelope, *, front: bool = False) -> None:
         if front:
@@ -55,6 +57,7 @@ class _MemoryDelivery:
             raise TransportError(f"delivery of {self.envelope.id} was already settled")
         self._settled = True
         self._consumer.unsettled.pop(id(self), None)
+        self._consumer.group.unsettled -= 1
         self._consumer.room.set()
 
     async def ack(self) -> None:
@@ -105,10 +108,15 @@ class MemoryTransport(Transport):
         delayed_nack=True, dedup=False, per_message_ttl=False, replay=True, durable=False
     )
     name: ClassVar[str] = "memory"
-    direct: ClassVar[bool] = True
 
-    def __init__(self, *, codec: Codec | None = None) -> None:
+    def __init__(self, *, codec: Codec | None = None, direct: bool = True) -> None:
+        """
+        :param direct: let a bus keep envelopes in its stages (the fast default);
+            ``False`` makes the bus go through this transport like through a broker,
+            which tests the broker path without a server.
+        """
         super().__init__(codec=codec)
+        self.direct = direct
         self._groups: dict[tuple[str, str], _Group] = {}
         self._dead: list[DeadLetter] = []
         self._task_group: TaskGroup | None = None
@@ -184,6 +192,7 @@ class MemoryTransport(Transport):
                             target.waiters.popleft().set()
                 delivery = _MemoryDelivery(self, consumer, target.ready.popleft())
                 consumer.unsettled[id(delivery)] = delivery
+                target.unsettled += 1
                 await anyio.lowlevel.checkpoint()
                 yield delivery
 
@@ -196,13 +205,14 @@ class MemoryTransport(Transport):
             # oldest first, so another consumer of the group gets it at once.
             for delivery in reversed(list(consumer.unsettled.values())):
                 delivery._settled = True
+                target.unsettled -= 1
                 target.put(delivery.envelope, front=True)
             consumer.unsettled.clear()
 
     async def backlog(self, pattern: str, group: str) -> int:
-        """Envelopes of the group waiting for a consumer."""
+        """Envelopes of the group not settled: waiting, or delivered and not settled."""
         target = self._groups.get((pattern, group))
-        return len(target.ready) if target is not None else 0
+        return len(target.ready) + target.unsettled if target is not None else 0
 
     async def add_dead_letter(self, entry: DeadLetter) -> None:
         """Keep ``entry``."""
