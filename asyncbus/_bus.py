@@ -9,10 +9,12 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TypeVar, overload
 
 import anyio
+import anyio.abc
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import checkpoint
@@ -139,6 +141,10 @@ class Bus:
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
         self._inbox_prefix: str | None = None
+        self._host: TaskGroup | None = None
+        self._drained = False
+        self._stop_requested: anyio.Event | None = None
+        self._stopped: anyio.Event | None = None
         #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
         self.yield_now: Callable[[], Awaitable[None]] = checkpoint
         #: Called with every envelope routed (publishes, slip hops, replays); for test
@@ -165,30 +171,61 @@ class Bus:
         self._loop_thread = threading.get_ident()
         self.yield_now = fast_checkpoint()
         self._limiter = anyio.CapacityLimiter(self.workers)
-        broker = self._broker
-        if broker is not None:
-            broker.dead_letter_ttl = self.dead_letters.ttl
-            broker.dead_letter_maxlen = self.dead_letters.maxlen
-            await broker.__aenter__()
-            try:
-                for entry in await broker.dead_letters():
-                    self.dead_letters.restore(entry)
-            except BaseException:
-                await broker.aclose()
-                raise
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
-        portal = BlockingPortal()
-        await portal.__aenter__()
-        self._portal = portal
+        self._stop_requested = anyio.Event()
+        self._stopped = anyio.Event()
         self._report = None
+        # The bus's own task group runs inside a runner task, so the task that entered
+        # ``async with bus`` is never inside the cancel scope that stops the bus:
+        # ``aclose()`` works from any task and inside any cancel scope.
+        host = anyio.create_task_group()
+        await host.__aenter__()
+        try:
+            await host.start(self._run, name=f"asyncbus {self.name}")
+        except BaseException as error:
+            await host.__aexit__(type(error), error, error.__traceback__)
+            raise
+        self._host = host
         self._state = "running"
         for stage in self._stages.values():
-            stage.open_stream()
             for subscription in stage.subscriptions:
                 self._start(stage, subscription)
         return self
+
+    async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """The runner task: owns the transport, the portal and the bus's task group."""
+        drained = False
+        try:
+            async with AsyncExitStack() as stack:
+                broker = self._broker
+                if broker is not None:
+                    broker.dead_letter_ttl = self.dead_letters.ttl
+                    broker.dead_letter_maxlen = self.dead_letters.maxlen
+                    await stack.enter_async_context(broker)
+                    for entry in await broker.dead_letters():
+                        self.dead_letters.restore(entry)
+                portal = await stack.enter_async_context(BlockingPortal())
+                async with anyio.create_task_group() as task_group:
+                    self._task_group = task_group
+                    self._portal = portal
+                    for stage in self._stages.values():
+                        stage.open_stream()
+                    task_status.started()
+                    assert self._stop_requested is not None
+                    await self._stop_requested.wait()
+                    drained = self._drained
+                    for pending in self._requests.values():
+                        if not pending.event.is_set():
+                            pending.error = BusClosedError("the bus closed before the reply came")
+                            pending.event.set()
+                    self._portal = None
+                    await portal.stop(cancel_remaining=True)
+                    task_group.cancel_scope.cancel()
+        finally:
+            self._task_group = None
+            self._portal = None
+            self._finish(drained)
+            if self._stopped is not None:
+                self._stopped.set()
 
     async def __aexit__(
         self,
@@ -196,28 +233,37 @@ class Bus:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc_type is not None:
-            if self._state in ("running", "closing"):
-                self._state = "closing"
-                await self._stop(drained=False)
-            return
-        await self.aclose()
+        try:
+            if exc_type is not None:
+                if self._state in ("running", "closing"):
+                    self._state = "closing"
+                    await self._stop(drained=False)
+            else:
+                await self.aclose()
+        finally:
+            host, self._host = self._host, None
+            if host is not None:
+                # The runner has finished: the host group is empty. The body's own
+                # exception (if any) propagates unwrapped once this returns.
+                await host.__aexit__(None, None, None)
 
     async def aclose(self, timeout: float | None = 30.0) -> ShutdownReport:
         """Stop accepting outside publishes, drain, cancel what is left, and report.
 
         Routing-slip hops, retries, replies and ``$deadletter`` keep flowing until the
         bus is drained or ``timeout`` seconds have passed; then the rest is cancelled
-        and listed in the report's ``abandoned``. Call it from the task that entered
-        ``async with bus`` (or let ``__aexit__`` do it). A second call returns the
-        first report.
+        and listed in the report's ``abandoned``. Callable from any task; a second call
+        returns the first report (a call while one runs waits for it).
         """
         if self._state == "closed" or self._state == "new":
             if self._report is None:
                 self._report = self._make_report(drained=True, abandoned=())
             return self._report
         if self._state == "closing":
-            raise RuntimeError("aclose() is already running")
+            assert self._stopped is not None
+            await self._stopped.wait()
+            assert self._report is not None
+            return self._report
         self._state = "closing"
         drained = True
         try:
@@ -227,30 +273,13 @@ class Bus:
         return await self._stop(drained)
 
     async def _stop(self, drained: bool) -> ShutdownReport:
-        for pending in self._requests.values():
-            if not pending.event.is_set():
-                pending.error = BusClosedError("the bus closed before the reply came")
-                pending.event.set()
-        portal, task_group = self._portal, self._task_group
-        self._portal = None
-        try:
-            try:
-                if portal is not None:
-                    await portal.stop(cancel_remaining=True)
-                    await portal.__aexit__(None, None, None)
-            finally:
-                if task_group is not None:
-                    task_group.cancel_scope.cancel()
-                    try:
-                        await task_group.__aexit__(None, None, None)
-                    finally:
-                        self._task_group = None
-                        if self._broker is not None:
-                            await self._broker.aclose()  # shields its own clean-up
-        except BaseException:
-            self._finish(drained=False)
-            raise
-        return self._finish(drained)
+        self._drained = drained
+        assert self._stop_requested is not None and self._stopped is not None
+        self._stop_requested.set()
+        with anyio.CancelScope(shield=True):
+            await self._stopped.wait()
+        assert self._report is not None
+        return self._report
 
     def _finish(self, drained: bool = False) -> ShutdownReport:
         if self._report is not None:
