@@ -224,6 +224,47 @@ async def test_subscribing_after_start_takes_effect_at_once() -> None:
             assert len(bus.dead_letters) == 0
 
 
+async def test_a_handler_added_to_a_running_stage_competes_at_once() -> None:
+    release = anyio.Event()
+    first_in = anyio.Event()
+    helped = anyio.Event()
+    by_helper: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def slow(n: int) -> None:
+        first_in.set()
+        await release.wait()
+
+    async def helper(n: int) -> None:
+        by_helper.append(n)
+        helped.set()
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("jobs", 1)
+            await first_in.wait()
+            bus.subscribe("jobs", helper, group="g")
+            await bus.publish("jobs", 2)
+            # "slow" is still held, so only the new handler can take it
+            await helped.wait()
+
+            assert by_helper == [2]
+            assert stage_stats(bus, "jobs@g").concurrency == 2
+            release.set()
+            await bus.drain()
+            stats = stage_stats(bus, "jobs@g")
+            assert (stats.published, stats.acked) == (2, 2)
+
+
+async def test_envelope_ids_are_unique_and_sort_in_publish_order() -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            ids = [(await bus.publish("nobody.home", n)).id for n in range(200)]
+    assert len(set(ids)) == 200
+    assert sorted(ids) == ids
+
+
 async def test_handler_annotated_with_envelope_gets_the_envelope_else_the_payload() -> None:
     envelopes: list[Envelope] = []
     payloads: list[Any] = []
@@ -356,6 +397,14 @@ async def test_statistics_ledger_is_exact_while_work_is_queued_and_in_flight() -
             assert (done.rejected, done.dropped, done.expired, done.retried) == (0, 0, 0, 0)
             assert (done.depth, done.in_flight) == (0, 0)
             assert sorted(entered) == list(range(6))
+            assert 0 <= done.latency_p50 <= done.latency_p99
+            assert done.wait_p99 >= 0
+
+            # bus-wide totals are the sums over the stages
+            whole = bus.statistics()
+            assert isinstance(whole.free_threaded, bool)
+            for field in ("published", "acked", "failed", "dead_lettered", "rejected", "dropped"):
+                assert getattr(whole, field) == sum(getattr(s, field) for s in whole.stages)
 
 
 async def test_publish_before_start_raises_bus_closed_error() -> None:
@@ -364,6 +413,10 @@ async def test_publish_before_start_raises_bus_closed_error() -> None:
         await bus.publish("orders", 1)
     with pytest.raises(BusClosedError):
         bus.publish_nowait("orders", 1)
+    with anyio.fail_after(5):
+        future = await anyio.to_thread.run_sync(bus.publish_threadsafe, "orders", 1)
+        with pytest.raises(BusClosedError):
+            await anyio.to_thread.run_sync(lambda: future.result(timeout=2))
     assert issubclass(BusClosedError, RuntimeError)
 
 

@@ -112,6 +112,28 @@ async def test_a_failing_deadletter_handler_adds_nothing_to_the_queue() -> None:
                 assert stats.published == stats.acked + stats.dead_lettered
 
 
+async def test_a_failing_catch_all_subscriber_never_dead_letters_a_dead_letter() -> None:
+    seen: list[object] = []
+    bus = Bus()
+
+    @bus.subscribe(">", group="everything")
+    async def everything(payload: object) -> None:
+        seen.append(payload)
+        raise RuntimeError("fails on everything")
+
+    with anyio.fail_after(5):
+        async with bus:
+            receipt = await bus.publish("orders", 1)
+            # must settle: a dead letter never begets another one, even through ">"
+            await bus.drain()
+
+            assert seen[0] == 1
+            assert [d.envelope.id for d in bus.dead_letters.list()] == [receipt.id]
+            assert len(bus.dead_letters) == 1
+            stats = stage_stats(bus, ">@everything")
+            assert (stats.depth, stats.in_flight) == (0, 0)
+
+
 async def test_publishing_to_deadletter_without_subscribers_adds_nothing() -> None:
     with anyio.fail_after(5):
         async with Bus() as bus:

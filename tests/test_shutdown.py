@@ -231,4 +231,31 @@ async def test_twenty_start_and_shutdown_cycles_leave_no_task_and_no_thread() ->
     tasks_after = {task.id for task in anyio.get_running_tasks()}
     assert tasks_after == tasks_before
     leftover = [t for t in threading.enumerate() if t not in threads_before]
-    assert leftover == []
+    # anyio's trio test runner uses trio guest mode, whose I/O wait runs on trio's own
+    # thread cache; when a handler's thread job overlaps it, the cache may keep one more
+    # idle daemon worker. That is trio's pool, not the bus: anything else is a leak.
+    idle_trio_workers = [t for t in leftover if t.daemon and t.name.startswith("Trio thread ")]
+    assert leftover == idle_trio_workers
+    assert len(idle_trio_workers) in (0, 1)
+    assert not [t for t in leftover if not t.daemon]
+
+
+async def test_aclose_works_from_a_cancel_scope_opened_inside_async_with() -> None:
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(n: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        handled.append(n)
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("jobs", 1)
+            # an ordinary deadline around the call, in the task that entered the bus
+            with anyio.move_on_after(5):
+                report = await bus.aclose(timeout=2)
+
+    assert report.drained is True
+    assert (report.published, report.completed, report.dead_lettered) == (1, 1, 0)
+    assert handled == [1]
