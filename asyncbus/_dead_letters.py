@@ -140,12 +140,14 @@ class DeadLetterQueue:
             raise KeyError(f"not in the dead-letter queue: {', '.join(missing)}")
         receipts: builtins.list[Receipt] = []
         for id in ids:
-            for key in list(self._by_id.get(id, ())):
+            for key in builtins.list(self._by_id.get(id, ())):
                 entry = self._entries.get(key)
                 if entry is None:
                     continue
-                self._pop_key(key)
+                # Re-send first: an entry leaves the queue only once it is on its way.
                 receipts.append(await self._resend(entry))
+                if key in self._entries:
+                    self._pop_key(key)
         return receipts
 
     def purge(self, *ids: str) -> int:

@@ -196,7 +196,7 @@ class Stage:
         """Enqueue ``envelope`` as a new publish; the caller checked :meth:`has_room`."""
         assert self._send is not None
         self._admitted += 1
-        self._send.send_nowait((0.0 if self._admitted & 7 else _clock(), envelope))
+        self._send.send_nowait((_clock() if self._admitted & 7 == 1 else 0.0, envelope))
         self.queued += 1
         if self._consumer_waiters:
             self._consumer_waiters.popleft().set()

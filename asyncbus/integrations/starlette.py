@@ -37,18 +37,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import datetime
-import decimal
-import enum
 import hashlib
 import hmac
 import importlib.resources
 import json
 import logging
-import math
 import re
-import reprlib
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -65,6 +59,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._bus import Bus
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import ConfigurationError
+from ._json import json_safe
 
 __all__ = ["admin_app", "get_bus", "lifespan"]
 
@@ -136,100 +131,6 @@ def get_bus(connection: HTTPConnection) -> Bus:
 
 # -- JSON -------------------------------------------------------------------------
 
-_MAX_STRING = 4096
-_MAX_ITEMS = 200
-_MAX_NODES = 5000
-_repr = reprlib.Repr()
-_repr.maxstring = _MAX_STRING
-_repr.maxother = _MAX_STRING
-_repr.maxlevel = 4
-
-
-class _JsonSafe:
-    """Turns an arbitrary payload into JSON-safe data within a budget of nodes.
-
-    Payloads are user objects: anything unknown, too deep or too big becomes a clipped
-    ``repr`` instead of an error, so one odd payload never breaks the admin API.
-    """
-
-    def __init__(self) -> None:
-        self.budget = _MAX_NODES
-
-    def convert(self, value: object, depth: int = 0) -> Any:
-        self.budget -= 1
-        if value is None or isinstance(value, bool | int):
-            return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else repr(value)
-        if isinstance(value, str):
-            return _clip(value)
-        if isinstance(value, enum.Enum):
-            return self.convert(value.value, depth + 1)
-        if self.budget <= 0 or depth > 32:
-            return _safe_repr(value)
-        if isinstance(value, bytes | bytearray | memoryview):
-            data = bytes(value[:64])
-            more = len(value) - len(data)
-            return repr(data) + (f"… ({more} more bytes)" if more else "")
-        if isinstance(value, datetime.date | datetime.time):
-            return value.isoformat()
-        if isinstance(value, uuid.UUID | decimal.Decimal):
-            return str(value)
-        if isinstance(value, Mapping):
-            return self._mapping(value.items(), len(value), depth)
-        if isinstance(value, list | tuple | set | frozenset):
-            items = list(value)[:_MAX_ITEMS] if len(value) > _MAX_ITEMS else list(value)
-            converted = [self.convert(item, depth + 1) for item in items]
-            if len(value) > len(items):
-                converted.append(f"… ({len(value) - len(items)} more)")
-            return converted
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = dataclasses.fields(value)
-            return self._mapping(
-                ((f.name, getattr(value, f.name, None)) for f in fields), len(fields), depth
-            )
-        struct_fields = getattr(type(value), "__struct_fields__", None)  # msgspec.Struct
-        if isinstance(struct_fields, tuple):
-            return self._mapping(
-                ((name, getattr(value, name, None)) for name in struct_fields),
-                len(struct_fields),
-                depth,
-            )
-        model_dump = getattr(value, "model_dump", None)  # pydantic v2
-        if callable(model_dump) and not isinstance(value, type):
-            try:
-                return self.convert(model_dump(mode="json"), depth + 1)
-            except Exception:
-                pass
-        return _safe_repr(value)
-
-    def _mapping(self, items: Any, size: int, depth: int) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for index, (key, item) in enumerate(items):
-            if index >= _MAX_ITEMS:
-                result["…"] = f"{size - _MAX_ITEMS} more"
-                break
-            name = key if isinstance(key, str) else _safe_repr(key)
-            result[_clip(name)] = self.convert(item, depth + 1)
-        return result
-
-
-def _clip(text: str) -> str:
-    if len(text) <= _MAX_STRING:
-        return text
-    return f"{text[:_MAX_STRING]}… ({len(text) - _MAX_STRING} more characters)"
-
-
-def _safe_repr(value: object) -> str:
-    try:
-        return _repr.repr(value)
-    except Exception:
-        return f"<unrepresentable {type(value).__qualname__}>"
-
-
-def _json_safe(value: object) -> Any:
-    return _JsonSafe().convert(value)
-
 
 def _dead_letter_json(entry: DeadLetter) -> dict[str, Any]:
     envelope = entry.envelope
@@ -240,14 +141,14 @@ def _dead_letter_json(entry: DeadLetter) -> dict[str, Any]:
         "error": entry.error,
         "stage": entry.stage,
         "attempts": entry.attempts,
-        "dead_at": entry.dead_at,
+        "dead_at": json_safe(entry.dead_at),
         "envelope": {
             "id": envelope.id,
             "topic": envelope.topic,
-            "payload": _json_safe(envelope.payload),
+            "payload": json_safe(envelope.payload),
             "headers": {str(k): str(v) for k, v in envelope.headers.items()},
-            "timestamp": envelope.timestamp,
-            "ttl": envelope.ttl,
+            "timestamp": json_safe(envelope.timestamp),
+            "ttl": json_safe(envelope.ttl),
             "attempt": envelope.attempt,
             "slip": list(envelope.slip),
             "correlation_id": envelope.correlation_id,
@@ -310,10 +211,11 @@ async def _json_object(request: Request, fields: frozenset[str]) -> dict[str, An
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise _Problem(415, "the request body must be JSON (Content-Type: application/json)")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > _MAX_BODY:
-            raise _Problem(413, f"the request body is over {_MAX_BODY} bytes")
+    async with contextlib.aclosing(request.stream()) as chunks:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > _MAX_BODY:
+                raise _Problem(413, f"the request body is over {_MAX_BODY} bytes")
     try:
         value = json.loads(body)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
@@ -358,7 +260,7 @@ class _AdminApi:
         return HTMLResponse(_DASHBOARD, headers=_PAGE_HEADERS)
 
     async def stats(self, request: Request) -> Response:
-        return JSONResponse(_json_safe(dataclasses.asdict(self.bus.statistics())))
+        return JSONResponse(json_safe(dataclasses.asdict(self.bus.statistics())))
 
     async def dead_letters(self, request: Request) -> Response:
         reason = request.query_params.get("reason") or None

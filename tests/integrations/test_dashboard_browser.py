@@ -1,0 +1,187 @@
+"""The admin dashboard in a real headless Chromium, driven by Playwright.
+
+Uses Debian's ``chromium`` (``apt-get install -y chromium``), never a browser that
+Playwright downloads. Without it the test is skipped, unless the environment sets
+``ASYNCBUS_REQUIRE_SERVICES=1`` (as CI does): then a missing browser is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import uvicorn
+
+from asyncbus import HEADER_REPLAYED, Bus, Envelope
+from asyncbus.integrations.starlette import admin_app
+
+pytestmark = pytest.mark.anyio
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TOKEN = "dashboard-token"
+STAGE = "orders.created@fulfil"
+TIMEOUT_MS = 15_000
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Playwright's async API runs on asyncio only."""
+    return "asyncio"
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("ASYNCBUS_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"{reason} (ASYNCBUS_REQUIRE_SERVICES=1: the browser test must run)")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def chromium() -> Path:
+    """Debian's Chromium, and Playwright to drive it."""
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError:
+        _unavailable("playwright is not installed: pip install -e '.[test]'")
+    if not CHROMIUM.exists():
+        _unavailable(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    return CHROMIUM
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # A server inside a test must leave the test runner's signal handlers alone.
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free 127.0.0.1 port, in this event loop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        http="h11",
+        ws="none",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config)
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(server.serve, [sock])
+            try:
+                yield f"http://127.0.0.1:{port}"
+            finally:
+                server.should_exit = True
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(120)
+async def test_dashboard_updates_live_and_replays_a_dead_letter(chromium: Path) -> None:
+    from playwright.async_api import async_playwright, expect
+
+    bus = Bus()
+    fulfilled: list[int] = []
+
+    @bus.subscribe("orders.created", group="fulfil")
+    async def fulfil(env: Envelope) -> None:
+        if env.payload.get("fail") and HEADER_REPLAYED not in env.headers:
+            raise ValueError(f"warehouse rejected order {env.payload['id']}")
+        fulfilled.append(env.payload["id"])
+
+    with anyio.fail_after(90):
+        async with bus, serving(admin_app(bus, token=TOKEN)) as url, async_playwright() as pw:
+            for i in range(3):
+                await bus.publish("orders.created", {"id": i, "fail": i == 1})
+            await bus.drain(timeout=5)
+            (dead,) = bus.dead_letters.list()
+            dead_id = dead.envelope.id
+
+            browser = await pw.chromium.launch(
+                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=30_000
+            )
+            try:
+                page = await browser.new_page()
+                page.set_default_timeout(TIMEOUT_MS)
+                errors: list[str] = []
+                page.on("pageerror", lambda error: errors.append(str(error)))
+                # Console errors include Content-Security-Policy violations and failed loads.
+                page.on(
+                    "console",
+                    lambda message: (
+                        errors.append(message.text) if message.type == "error" else None
+                    ),
+                )
+                await page.goto(f"{url}/?token={TOKEN}")
+
+                row = page.locator(f'#stages tr[data-stage="{STAGE}"]')
+                published = row.locator('td[data-field="published"]')
+                acked = row.locator('td[data-field="acked"]')
+                await expect(page.locator("#status")).to_have_text("live", timeout=TIMEOUT_MS)
+                await expect(published).to_have_text("3", timeout=TIMEOUT_MS)
+                await expect(acked).to_have_text("2", timeout=TIMEOUT_MS)
+                await expect(row.locator('td[data-field="dead_lettered"]')).to_have_text("1")
+                await expect(
+                    page.locator('#by-reason [data-reason="handler_failed"] .count')
+                ).to_have_text("1")
+
+                # A marker on the window survives only if the page is never reloaded.
+                await page.evaluate("window.__sameDocument = true")
+                for i in range(3, 8):
+                    await bus.publish("orders.created", {"id": i})
+                await bus.drain(timeout=5)
+                await expect(published).to_have_text("8", timeout=TIMEOUT_MS)
+                await expect(acked).to_have_text("7", timeout=TIMEOUT_MS)
+
+                dead_row = page.locator(f'#dead-letters tr[data-dead-letter="{dead_id}"]')
+                await expect(dead_row).to_have_count(1)
+                await expect(dead_row.locator('td[data-field="error"]')).to_contain_text(
+                    "ValueError: warehouse rejected order 1"
+                )
+                await dead_row.locator("button.replay").click()
+                await expect(dead_row).to_have_count(0, timeout=TIMEOUT_MS)
+                await expect(page.locator("#notice")).to_contain_text(f"Replayed {dead_id}")
+                await bus.drain(timeout=5)
+                await expect(acked).to_have_text("8", timeout=TIMEOUT_MS)
+                await expect(page.locator("#no-dead-letters")).to_be_visible()
+                # Stays gone on the next polls too.
+                await expect(page.locator('[data-total="dead_letter_queue"]')).to_have_text("0")
+                await expect(dead_row).to_have_count(0)
+
+                assert await page.evaluate("window.__sameDocument") is True
+                assert errors == []
+            finally:
+                await browser.close()
+
+    assert bus.dead_letters.get(dead_id) is None
+    assert sorted(fulfilled) == list(range(8))
+    stage = bus.statistics().stage(STAGE)
+    assert (stage.published, stage.acked, stage.dead_lettered, stage.depth, stage.in_flight) == (
+        9,
+        8,
+        1,
+        0,
+        0,
+    )
