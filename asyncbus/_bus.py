@@ -865,6 +865,9 @@ class Bus:
         )
         stage = self._stages_by_name.get(entry.stage) if entry.stage else None
         broker = self._broker
+        if stage is not None or broker is not None:  # (_route tells observers itself)
+            for observe in self.observers:
+                observe(envelope)
         if broker is not None:
             with anyio.CancelScope(shield=True):
                 if stage is not None and self._over_broker(stage):
