@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,26 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-__all__ = ["run_in_worker"]
+__all__ = ["run_in_worker", "run_niced"]
+
+#: How much lower than the event loop's process a CPU-bound worker process runs.
+WORKER_NICENESS = 5
+_niced = False
+
+
+def run_niced(function: Callable[[Any], Any], argument: Any) -> Any:
+    """Call ``function(argument)`` in a worker process that yields the CPU to the loop.
+
+    The first call in each worker process lowers its priority by
+    :data:`WORKER_NICENESS`: with as many busy workers as cores, the process running
+    the event loop is then scheduled first and its lag stays low.
+    """
+    global _niced
+    if not _niced:
+        _niced = True
+        with contextlib.suppress(OSError, AttributeError):  # not on every platform
+            os.nice(WORKER_NICENESS)
+    return function(argument)
 
 
 class _Slot:

@@ -17,7 +17,7 @@ import anyio.to_process
 from ._decoding import payload_decoder
 from ._envelope import Envelope
 from ._exceptions import ConfigurationError, Reject
-from ._offload import run_in_worker
+from ._offload import run_in_worker, run_niced
 from ._routing import compile_pattern
 from ._stage import Backpressure
 
@@ -215,7 +215,7 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
                     f"failed: {type(error).__name__}: {error}"
                 ) from error
             return await anyio.to_process.run_sync(
-                function, value, cancellable=True, limiter=limiter
+                run_niced, function, value, cancellable=True, limiter=limiter
             )
 
         return call_in_process
