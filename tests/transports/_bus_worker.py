@@ -4,8 +4,9 @@
 
 Handles every envelope on ``work.items`` in group ``workers`` and appends
 ``<payload> <attempt> <epoch seconds>`` to OUT (one line per handling, flushed
-before the handler returns, so the line exists before the ack). Creates READY once subscribed; exits cleanly on
-SIGTERM (the bus drains), and is killed with SIGKILL by the crash test.
+before the handler returns, so the line exists before the ack). Creates READY once
+subscribed; exits cleanly on SIGTERM (the bus drains), and is killed with SIGKILL by
+the crash test.
 """
 
 from __future__ import annotations

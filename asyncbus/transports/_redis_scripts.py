@@ -1,0 +1,87 @@
+"""The Lua scripts of :class:`~asyncbus.transports.redis.RedisTransport`.
+
+Each one does, atomically on the server, a step that would race if it took several
+round trips: claiming with delivery counts, handing entries back, forgetting dead
+consumers, moving due retries back.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CLAIM", "MOVE_DUE", "REAP", "RELEASE"]
+
+#: XAUTOCLAIM entries idle for ARGV[3] ms and report each one's delivery count.
+#: KEYS[1] stream; ARGV group, consumer, min-idle ms, cursor, count.
+#: Returns {next cursor, {{id, {field, value, ...}, times delivered}, ...}}.
+CLAIM = """
+local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4],
+                         'COUNT', ARGV[5])
+local out = {}
+for _, entry in ipairs(reply[2]) do
+  if entry[2] then
+    local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)
+    local count = 1
+    if pending[1] then count = pending[1][4] end
+    out[#out + 1] = {entry[1], entry[2], count}
+  end
+end
+return {reply[1], out}
+"""
+
+#: Hand every entry a consumer holds to a sentinel consumer, idle enough to be
+#: claimed at once, with its delivery count put back (the hand-back is no attempt);
+#: then delete the consumer. KEYS[1] stream; ARGV group, consumer, sentinel, idle ms.
+RELEASE = """
+local released = 0
+local start = '-'
+while true do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], start, '+', 100, ARGV[2])
+  if #pending == 0 then break end
+  for _, entry in ipairs(pending) do
+    local count = entry[4] - 1
+    if count < 0 then count = 0 end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, entry[1],
+               'IDLE', ARGV[4], 'RETRYCOUNT', count, 'JUSTID')
+    released = released + 1
+  end
+  start = '(' .. pending[#pending][1]
+end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return released
+"""
+
+#: Delete consumers that hold nothing and were idle ARGV[2] ms (dead processes).
+#: A consumer that reads again is re-created by XREADGROUP, so this is always safe.
+#: KEYS[1] stream; ARGV group, min-idle ms.
+REAP = """
+local reaped = 0
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
+  if info['pending'] == 0 and info['idle'] >= tonumber(ARGV[2]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    reaped = reaped + 1
+  end
+end
+return reaped
+"""
+
+#: Move delayed retries that are due back to their streams.
+#: KEYS[1] the sorted set of item keys by due time (ms), KEYS[2] the hash of counts
+#: per stream; ARGV now ms, limit. Each item is a hash (stream, meta, body, id).
+#: Returns {moved, score of the next item or nil}.
+MOVE_DUE = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for _, item in ipairs(due) do
+  redis.call('ZREM', KEYS[1], item)
+  local fields = redis.call('HMGET', item, 'stream', 'meta', 'body', 'id')
+  if fields[1] then
+    redis.call('XADD', fields[1], '*', 'meta', fields[2], 'body', fields[3], 'id', fields[4])
+    if redis.call('HINCRBY', KEYS[2], fields[1], -1) <= 0 then
+      redis.call('HDEL', KEYS[2], fields[1])
+    end
+  end
+  redis.call('DEL', item)
+end
+local after = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {#due, after[2]}
+"""

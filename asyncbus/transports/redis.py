@@ -1,0 +1,866 @@
+"""The Redis Streams transport: consumer groups, delayed retries and dead letters in Redis.
+
+Layout of the keys (all under ``prefix``):
+
+* ``{prefix}:stage:{pattern}@{group}``: one stream per (pattern, group) binding, with
+  one consumer group (``group``) on it. Pattern and group are percent-escaped (``@``,
+  ``%``, spaces, braces...), so two bindings never share a key.
+* ``{prefix}:bindings``: hash of binding stream key to ``[pattern, group]``, written by
+  ``subscribe``; ``{prefix}:bindings:version`` changes on every registration.
+* ``{prefix}:delayed``: sorted set of delayed retries by due time (ms), each one a hash
+  ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
+  counts them per stream (for :meth:`RedisTransport.backlog`).
+* ``{prefix}:deadletters``: the dead-letter stream (``id``, ``entry`` fields).
+
+How it works:
+
+* **Routing.** ``publish`` matches the topic against the cached bindings and XADDs each
+  envelope to every matching binding stream in one MULTI/EXEC, which also reads the
+  version key; when the version moved (a binding was added anywhere), the bindings are
+  read again and the streams missed are written too, so a binding registered before a
+  publish always receives it.
+* **Settling.** Every settle removes the entry from the stream together with its XACK
+  (MULTI), so a stream holds exactly what its group has not settled: ``backlog`` is its
+  XLEN plus the retries waiting in the sorted set. Acks are written behind, in batches
+  (a writer task gathers what arrives within ~2 ms; leaving a subscription or closing
+  the transport writes them first); nack and reject are written before they return.
+* **Attempts.** ``attempt`` = the attempt stored in the entry's meta (incremented on
+  every re-add) + the entry's delivery count - 1 (reclaimed entries count up).
+* **Delayed nack** moves the entry into the sorted set (and acks it) atomically; a task
+  of every transport moves due entries back with a Lua script, so any live process
+  does it. ``nack()`` without delay re-adds at once.
+* **Crash recovery.** Consumers claim (XAUTOCLAIM) entries idle for ``ack_timeout``
+  every ``claim_interval`` (between reads of at most ``block_ms``): an entry not
+  settled within ``ack_timeout`` of its delivery (its consumer was killed, or hangs)
+  goes to another consumer as the next attempt. ``ack_timeout`` therefore bounds the
+  time from delivery to settling, waiting in a local queue included.
+* **Hand-back.** Leaving ``subscribe`` gives every entry the consumer holds to a
+  sentinel consumer, idle enough to be claimed at once and with its delivery count put
+  back, then deletes the consumer (one Lua script, shielded). The group's next claim
+  round takes them, oldest first, before new entries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
+from urllib.parse import quote, urlsplit
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup
+
+from .._dead_letters import DeadLetter, DeadLetterReason
+from .._envelope import Envelope
+from .._exceptions import ConfigurationError, ConnectError, DecodeError, TransportError
+from .._routing import compile_pattern, validate_topic
+from . import _redis_scripts
+from ._codec import (
+    Codec,
+    dead_letter_from_wire,
+    dead_letter_to_wire,
+    envelope_from_wire,
+    envelope_meta,
+    envelope_to_wire,
+)
+from .base import Capabilities, Delivery, Transport
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
+
+__all__ = ["RedisTransport"]
+
+logger = logging.getLogger("asyncbus")
+
+_EXTRA_MISSING = "RedisTransport needs the 'redis' extra: pip install 'asyncbus[redis]'"
+#: Consumer that owns handed-back entries until a live consumer claims them.
+_SENTINEL = "asyncbus:released"
+#: Idle time given to handed-back entries: older than any ack_timeout.
+_RELEASED_IDLE_MS = 365 * 24 * 3600 * 1000
+#: Longest wait of the delayed-retry mover between two looks at the sorted set.
+_DELAY_POLL = 0.1
+#: Due retries moved per script call.
+_DELAY_BATCH = 500
+#: Claim rounds between two sweeps for dead consumers that hold nothing.
+_REAP_EVERY = 20
+#: Seconds the hand-back of a leaving consumer may take before it is left to reclaim.
+_RELEASE_TIMEOUT = 5.0
+_BACKOFF_MAX = 2.0
+#: Seconds the ack writer waits for more acks before writing (bounds their delay).
+_ACK_LINGER = 0.002
+_ROUTE_CACHE_LIMIT = 4096
+_PAGE = 1000
+
+
+def _redact(url: str) -> str:
+    """``url`` without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _escape(name: str) -> str:
+    # Injective (``%`` itself is escaped) and keeps the usual names readable.
+    return quote(name, safe=":*><$")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class _Verbatim:
+    """A codec that always encodes to one body: a delivery's raw body, kept as it came."""
+
+    content_type = "application/octet-stream"
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def encode(self, value: Any) -> bytes:
+        return self.body
+
+    def decode(self, data: bytes) -> Any:
+        return data
+
+
+class _RedisDelivery:
+    """A delivery from :class:`RedisTransport`; settled exactly once."""
+
+    __slots__ = ("_body", "_consumer", "_entry", "_settled", "envelope", "error")
+
+    def __init__(
+        self,
+        consumer: _Consumer,
+        entry: bytes,
+        envelope: Envelope,
+        body: bytes,
+        error: str | None,
+    ) -> None:
+        self.envelope = envelope
+        self.error = error
+        self._consumer = consumer
+        self._entry = entry
+        self._body = body
+        self._settled = False
+
+    def _settle(self) -> _Consumer:
+        if self._settled:
+            raise TransportError(f"delivery of {self.envelope.id} was already settled")
+        self._settled = True
+        consumer = self._consumer
+        # Room is made at once; if the settle below fails, the entry stays pending and
+        # the group reclaims it after ack_timeout.
+        if consumer.held.pop(self._entry, None) is not None:
+            consumer.room.set()
+        return consumer
+
+    def _retry_meta(self) -> bytes:
+        meta = envelope_meta(self.envelope)
+        meta["attempt"] = self.envelope.attempt + 1
+        return json.dumps(meta, separators=(",", ":")).encode()
+
+    async def ack(self) -> None:
+        """Done: the entry is XACKed and removed, batched with other acks.
+
+        Acks are written behind, together, by the transport (within one turn of the
+        event loop, before the subscription or the transport closes): a process that
+        dies first gets the entry redelivered, as at-least-once delivery allows.
+        """
+        consumer = self._settle()
+        consumer.transport._ack(consumer, self._entry)
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        """Deliver it again (attempt + 1) to the group, after ``delay`` seconds."""
+        consumer = self._settle()
+        await consumer.transport._settle(
+            consumer,
+            self._entry,
+            retry=(self.envelope.id, self._retry_meta(), self._body),
+            delay=delay,
+        )
+
+    async def reject(
+        self, reason: str, *, error: str | None = None, stage: str | None = None
+    ) -> None:
+        """Move it to the dead-letter stream and remove the entry, in one transaction.
+
+        The dead letter keeps the body as it came (byte for byte, also when it did not
+        decode).
+        """
+        consumer = self._settle()
+        entry = DeadLetter(
+            self.envelope,
+            DeadLetterReason(reason),
+            error,
+            stage,
+            self.envelope.attempt,
+            time.time(),
+        )
+        await consumer.transport._settle(consumer, self._entry, dead=(entry, self._body))
+
+
+class _Consumer:
+    """One subscription: a named consumer of a binding's group, and what it holds."""
+
+    def __init__(
+        self, transport: RedisTransport, pattern: str, group: str, stream: str, prefetch: int
+    ) -> None:
+        self.transport = transport
+        self.pattern = pattern
+        self.group = group
+        self.stream = stream
+        self.prefetch = prefetch
+        self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        #: Entries delivered to this consumer and not settled (yielded or still ready).
+        self.held: dict[bytes, _RedisDelivery] = {}
+        #: Fetched, not yet yielded.
+        self.ready: deque[_RedisDelivery] = deque()
+        self.room = anyio.Event()
+        self.claim_cursor: bytes | str = "0-0"
+        self.next_claim = 0.0
+        self.claim_rounds = 0
+
+
+class RedisTransport(Transport):
+    """Envelopes in Redis Streams: durable, shared by every process using the server.
+
+    Runs on asyncio only (redis-py's client is asyncio-only).
+
+    :param url: the server, ``redis://[[user]:password@]host[:port][/db]``.
+    :param prefix: prepended to every key, so several buses (or tests) can share a server.
+    :param ack_timeout: seconds after which the entries of a consumer that stopped
+        (a killed process) go to another consumer of the group.
+    :param codec: how payloads become bytes (JSON by default; never pickle).
+    :param block_ms: longest wait of one XREADGROUP; claims run between reads.
+    :param claim_interval: seconds between two looks for entries to reclaim.
+    :raises ConfigurationError: for a non-positive timeout or interval.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delayed_nack=True,
+        dedup=False,
+        per_message_ttl=False,
+        replay=True,
+        durable=True,
+        ordered=True,
+    )
+    name: ClassVar[str] = "redis"
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "asyncbus",
+        ack_timeout: float = 30.0,
+        codec: Codec | None = None,
+        block_ms: int = 200,
+        claim_interval: float = 0.5,
+    ) -> None:
+        super().__init__(codec=codec)
+        if not ack_timeout > 0:
+            raise ConfigurationError(f"ack_timeout must be > 0, got {ack_timeout}")
+        if not block_ms > 0:
+            raise ConfigurationError(f"block_ms must be > 0, got {block_ms}")
+        if not claim_interval > 0:
+            raise ConfigurationError(f"claim_interval must be > 0, got {claim_interval}")
+        if not prefix:
+            raise ConfigurationError("prefix must be a non-empty string")
+        self.url = url
+        self.prefix = prefix
+        self.ack_timeout = float(ack_timeout)
+        self.block_ms = int(block_ms)
+        self.claim_interval = float(claim_interval)
+        self._bindings_key = f"{prefix}:bindings"
+        self._version_key = f"{prefix}:bindings:version"
+        self._delayed_key = f"{prefix}:delayed"
+        self._delayed_counts_key = f"{prefix}:delayed:counts"
+        self._dead_key = f"{prefix}:deadletters"
+        self._client: Redis | None = None
+        self._errors: Any = None  # the redis.exceptions module, once imported
+        self._scripts: dict[str, AsyncScript] = {}
+        self._task_group: TaskGroup | None = None
+        self._consumers: set[_Consumer] = set()
+        self._bound: set[str] = set()
+        # Routing cache: bindings as of ``_version``, and topic -> streams.
+        self._version: bytes | None = None
+        self._bindings: list[tuple[Callable[[str], bool], str]] | None = None
+        self._routes: dict[str, tuple[str, ...]] = {}
+        self._next_due = float("inf")
+        # Acks not yet written, by (stream, group); written by ``_ack_loop``.
+        self._acks: dict[tuple[str, str], list[bytes]] = {}
+        # Made in ``connect``, inside the event loop that uses them.
+        self._delay_wake: anyio.Event
+        self._ack_wake: anyio.Event
+        self._ack_lock: anyio.Lock
+
+    # -- keys -----------------------------------------------------------------
+
+    def stream_key(self, pattern: str, group: str) -> str:
+        """The Redis key of the stream of binding (``pattern``, ``group``)."""
+        return f"{self.prefix}:stage:{_escape(pattern)}@{_escape(group)}"
+
+    # -- life cycle -----------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Connect and ping; start the delayed-retry mover.
+
+        :raises ConnectError: when redis-py is missing or the server does not answer.
+        :raises TransportError: when not running on asyncio.
+        """
+        if self._client is not None:
+            return
+        try:
+            import redis.asyncio as aioredis
+            import redis.exceptions as errors
+            from redis.asyncio.retry import Retry
+            from redis.backoff import ExponentialBackoff
+        except ImportError as error:
+            raise ConnectError(_EXTRA_MISSING) from error
+        import sniffio
+
+        library = sniffio.current_async_library()
+        if library != "asyncio":
+            raise TransportError(f"RedisTransport runs on asyncio only (redis-py), not {library}")
+        # A few quick retries on a broken connection: a server that restarted leaves
+        # pooled connections dead, and the first command on each must not fail for it.
+        retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3)
+        client = aioredis.Redis.from_url(self.url, socket_connect_timeout=5.0, retry=retry)
+        try:
+            with anyio.fail_after(10):
+                await client.ping()
+        except (errors.RedisError, OSError, TimeoutError) as error:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+            raise ConnectError(f"cannot connect to Redis at {_redact(self.url)}: {error}") from (
+                error
+            )
+        self._client = client
+        self._errors = errors
+        self._scripts = {
+            name: client.register_script(getattr(_redis_scripts, name))
+            for name in _redis_scripts.__all__
+        }
+        self._delay_wake = anyio.Event()
+        self._ack_wake = anyio.Event()
+        self._ack_lock = anyio.Lock()
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        task_group.start_soon(self._move_due_loop)
+        task_group.start_soon(self._ack_loop)
+
+    async def aclose(self) -> None:
+        """Write pending acks, stop the background tasks, close the connections (shielded)."""
+        if self._client is not None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_RELEASE_TIMEOUT):
+                try:
+                    await self._write_acks()
+                except Exception as error:
+                    logger.warning("Redis: acks lost at close (redelivered later): %s", error)
+        task_group, self._task_group = self._task_group, None
+        if task_group is not None:
+            # The background tasks were started in ``connect``'s task: their scope is
+            # cancelled and left here, then the client is closed shielded.
+            task_group.cancel_scope.cancel()
+            await task_group.__aexit__(None, None, None)
+        client, self._client = self._client, None
+        if client is not None:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+
+    def _redis(self) -> Redis:
+        if self._client is None:
+            raise TransportError("RedisTransport is not connected: use `async with transport:`")
+        return self._client
+
+    def _failed(self, doing: str, error: BaseException) -> TransportError:
+        return TransportError(f"Redis at {_redact(self.url)}: {doing} failed: {error}")
+
+    def _is_connection_error(self, error: BaseException) -> bool:
+        return isinstance(error, (self._errors.ConnectionError, self._errors.TimeoutError, OSError))
+
+    # -- routing --------------------------------------------------------------
+
+    async def _bind(self, pattern: str, group: str) -> str:
+        """Create the binding's stream and group (if needed) and register it."""
+        self._redis()  # not connected: TransportError, before any redis error is looked at
+        try:
+            return await self._bind_raw(pattern, group)
+        except self._errors.RedisError as error:
+            raise self._failed(f"binding {pattern}@{group}", error) from error
+
+    async def _bind_raw(self, pattern: str, group: str) -> str:
+        stream = self.stream_key(pattern, group)
+        client = self._redis()
+        try:
+            await client.xgroup_create(stream, group, id="0", mkstream=True)
+        except self._errors.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        pipe = client.pipeline(transaction=True)
+        pipe.hset(self._bindings_key, stream, json.dumps([pattern, group]))
+        pipe.set(self._version_key, secrets.token_hex(8))
+        await pipe.execute()
+        self._bound.add(stream)
+        return stream
+
+    async def _load_bindings(self) -> None:
+        pipe = self._redis().pipeline(transaction=True)
+        pipe.hgetall(self._bindings_key)
+        pipe.get(self._version_key)
+        found, version = await pipe.execute()
+        bindings: list[tuple[Callable[[str], bool], str]] = []
+        for stream, value in found.items():
+            pattern, _group = json.loads(value)
+            bindings.append((compile_pattern(pattern), _text(stream)))
+        self._bindings = bindings
+        self._version = version
+        self._routes = {}
+
+    def _route(self, topic: str) -> tuple[str, ...]:
+        found = self._routes.get(topic)
+        if found is None:
+            found = tuple(stream for matches, stream in self._bindings or () if matches(topic))
+            if len(self._routes) >= _ROUTE_CACHE_LIMIT:
+                self._routes.clear()
+            self._routes[topic] = found
+        return found
+
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        """XADD each envelope to every binding whose pattern matches ``topic`` (one MULTI).
+
+        :raises EncodeError: when a payload cannot be encoded (nothing is published).
+        :raises TransportError: when Redis fails.
+        """
+        validate_topic(topic)
+        client = self._redis()
+        if not envelopes:
+            await anyio.lowlevel.checkpoint()
+            return
+        wire = [(*envelope_to_wire(envelope, self.codec), envelope.id) for envelope in envelopes]
+        written: set[str] = set()
+        try:
+            if self._bindings is None:
+                await self._load_bindings()
+            while True:
+                targets = [stream for stream in self._route(topic) if stream not in written]
+                pipe = client.pipeline(transaction=True)
+                pipe.get(self._version_key)
+                for stream in targets:
+                    for meta, body, id in wire:
+                        pipe.xadd(stream, {"meta": meta, "body": body, "id": id})
+                version = (await pipe.execute())[0]
+                written.update(targets)
+                if version == self._version:
+                    return
+                # A binding appeared since the cache was read: route again and write
+                # to the streams missed.
+                await self._load_bindings()
+        except self._errors.RedisError as error:
+            raise self._failed(f"publish to {topic!r}", error) from error
+
+    async def publish_to_group(
+        self, pattern: str, group: str, envelopes: Sequence[Envelope]
+    ) -> None:
+        """XADD the envelopes to the stream of (``pattern``, ``group``) only."""
+        stream = self.stream_key(pattern, group)
+        if stream not in self._bound:
+            await self._bind(pattern, group)
+        pipe = self._redis().pipeline(transaction=True)
+        for envelope in envelopes:
+            meta, body = envelope_to_wire(envelope, self.codec)
+            pipe.xadd(stream, {"meta": meta, "body": body, "id": envelope.id})
+        try:
+            await pipe.execute()
+        except self._errors.RedisError as error:
+            raise self._failed(f"publish to {pattern}@{group}", error) from error
+
+    # -- consuming ------------------------------------------------------------
+
+    @asynccontextmanager
+    async def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AsyncIterator[AsyncIterator[Delivery]]:
+        """Join ``group`` on ``pattern`` as a new consumer; what it holds goes back at the end.
+
+        :raises ConfigurationError: for a bad pattern or ``prefetch`` < 1.
+        """
+        compile_pattern(pattern)
+        if prefetch < 1:
+            raise ConfigurationError(f"prefetch must be >= 1, got {prefetch}")
+        stream = await self._bind(pattern, group)
+        consumer = _Consumer(self, pattern, group, stream, prefetch)
+        self._consumers.add(consumer)
+
+        async def deliveries() -> AsyncIterator[Delivery]:
+            backoff = 0.05
+            while True:
+                if not consumer.ready:
+                    while len(consumer.held) >= consumer.prefetch:
+                        consumer.room = anyio.Event()
+                        await consumer.room.wait()
+                    try:
+                        await self._fetch(consumer)
+                    except self._errors.RedisError as error:
+                        if not self._is_connection_error(error):
+                            raise self._failed(f"reading {pattern}@{group}", error) from error
+                        logger.warning(
+                            "Redis at %s: reading %s@%s failed, retrying in %.2f s: %s",
+                            _redact(self.url),
+                            pattern,
+                            group,
+                            backoff,
+                            error,
+                        )
+                        await anyio.sleep(backoff)
+                        backoff = min(backoff * 2, _BACKOFF_MAX)
+                        continue
+                    backoff = 0.05
+                    if not consumer.ready:
+                        continue
+                else:
+                    await anyio.lowlevel.checkpoint()
+                delivery = consumer.ready.popleft()
+                if not delivery._settled:
+                    yield delivery
+
+        iterator = deliveries()
+        try:
+            yield iterator
+        finally:
+            with anyio.CancelScope(shield=True):
+                await iterator.aclose()  # type: ignore[attr-defined]
+                await self._release(consumer)
+
+    async def _fetch(self, consumer: _Consumer) -> None:
+        """Fill ``consumer.ready`` with up to its room: reclaimed entries, else new ones."""
+        room = consumer.prefetch - len(consumer.held)
+        now = time.monotonic()
+        if now >= consumer.next_claim:
+            consumer.next_claim = now + self.claim_interval
+            if await self._claim(consumer, room):
+                return
+        client = self._redis()
+        try:
+            reply: Any = await client.xreadgroup(
+                consumer.group,
+                consumer.name,
+                {consumer.stream: ">"},
+                count=room,
+                block=self.block_ms,
+            )
+        except self._errors.ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            # The stream or group is gone (a server restarted empty, a flush): make it
+            # again, and claim whatever the new group may need.
+            logger.warning(
+                "Redis: the group of %s@%s vanished, re-creating it",
+                consumer.pattern,
+                consumer.group,
+            )
+            await self._bind_raw(consumer.pattern, consumer.group)
+            consumer.next_claim = 0.0
+            return
+        for _stream, entries in reply or ():
+            for entry, fields in entries:
+                self._deliver(consumer, entry, fields, 1)
+
+    async def _claim(self, consumer: _Consumer, room: int) -> int:
+        """Take entries of the group idle for ``ack_timeout`` (dead or leaving consumers)."""
+        consumer.claim_rounds += 1
+        try:
+            if consumer.claim_rounds % _REAP_EVERY == 0:
+                await self._scripts["REAP"](
+                    keys=[consumer.stream],
+                    args=[consumer.group, int(self.ack_timeout * 2000)],
+                )
+            reply: Any = await self._scripts["CLAIM"](
+                keys=[consumer.stream],
+                args=[
+                    consumer.group,
+                    consumer.name,
+                    int(self.ack_timeout * 1000),
+                    consumer.claim_cursor,
+                    room,
+                ],
+            )
+        except self._errors.ResponseError as error:
+            if "NOGROUP" in str(error):
+                return 0  # the read that follows re-creates the group
+            raise
+        cursor, claimed = reply
+        consumer.claim_cursor = cursor
+        delivered = 0
+        for entry, flat, count in claimed:
+            if entry in consumer.held:
+                # Still held by this consumer (waiting in a local queue past ack_timeout):
+                # claiming it only refreshed its idle time; delivering it again would
+                # duplicate it. (Another consumer's entries are taken: it may be hung.)
+                continue
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            self._deliver(consumer, entry, fields, int(count))
+            delivered += 1
+        if claimed and cursor not in (b"0-0", "0-0"):
+            consumer.next_claim = 0.0  # more may wait: look again at once
+        return delivered
+
+    def _deliver(
+        self, consumer: _Consumer, entry: bytes, fields: dict[bytes, bytes], count: int
+    ) -> None:
+        meta = fields.get(b"meta", b"")
+        body = fields.get(b"body", b"")
+        error: str | None
+        try:
+            envelope, error = envelope_from_wire(meta, body, self.codec)
+            if count > 1:
+                envelope = envelope.evolve(attempt=envelope.attempt + count - 1)
+        except DecodeError as problem:
+            # Nothing to rebuild: hand the bus a stand-in carrying the raw entry, with
+            # the error set, so it is dead-lettered instead of blocking the group.
+            envelope = Envelope(
+                id=f"redis:{_text(entry)}",
+                topic=consumer.pattern,
+                payload=body,
+                attempt=count,
+            )
+            error = str(problem)
+        delivery = _RedisDelivery(consumer, entry, envelope, body, error)
+        consumer.held[entry] = delivery
+        consumer.ready.append(delivery)
+
+    async def _settle(
+        self,
+        consumer: _Consumer,
+        entry: bytes,
+        *,
+        retry: tuple[str, bytes, bytes] | None = None,
+        delay: float | None = None,
+        dead: tuple[DeadLetter, bytes] | None = None,
+    ) -> None:
+        """XACK and XDEL ``entry``, with its re-add, delayed retry or dead letter, atomically."""
+        pipe = self._redis().pipeline(transaction=True)
+        due = 0.0
+        if retry is not None:
+            id, meta, body = retry
+            if delay is not None and delay > 0:
+                due = time.time() + delay
+                item = f"{self._delayed_key}:{secrets.token_hex(12)}"
+                pipe.hset(
+                    item, mapping={"stream": consumer.stream, "meta": meta, "body": body, "id": id}
+                )
+                pipe.zadd(self._delayed_key, {item: int(due * 1000)})
+                pipe.hincrby(self._delayed_counts_key, consumer.stream, 1)
+            else:
+                pipe.xadd(consumer.stream, {"meta": meta, "body": body, "id": id})
+        if dead is not None:
+            self._queue_dead_letter(pipe, dead[0], _Verbatim(dead[1]))
+        pipe.xack(consumer.stream, consumer.group, entry)
+        pipe.xdel(consumer.stream, entry)
+        try:
+            await pipe.execute()
+        except self._errors.RedisError as error:
+            raise self._failed(f"settling {_text(entry)} of {consumer.stream}", error) from error
+        if due and due < self._next_due:
+            self._delay_wake.set()
+
+    def _ack(self, consumer: _Consumer, entry: bytes) -> None:
+        if self._task_group is None:
+            raise TransportError("RedisTransport is closed: the ack cannot be written")
+        self._acks.setdefault((consumer.stream, consumer.group), []).append(entry)
+        self._ack_wake.set()
+
+    async def _write_acks(self) -> None:
+        """XACK and XDEL every queued ack in one MULTI (all of them, or none: re-queued)."""
+        async with self._ack_lock:
+            acks, self._acks = self._acks, {}
+            if not acks:
+                return
+            pipe = self._redis().pipeline(transaction=True)
+            for (stream, group), entries in acks.items():
+                pipe.xack(stream, group, *entries)
+                pipe.xdel(stream, *entries)
+            try:
+                await pipe.execute()
+            except BaseException:
+                for key, entries in acks.items():  # idempotent: try again next time
+                    self._acks[key] = entries + self._acks.get(key, [])
+                raise
+
+    async def _ack_loop(self) -> None:
+        """Write acks as they come, in batches (what arrives during a write goes next)."""
+        backoff = 0.05
+        while True:
+            await self._ack_wake.wait()
+            # Linger a moment so that a busy consumer's acks go in one write.
+            await anyio.sleep(_ACK_LINGER)
+            self._ack_wake = anyio.Event()
+            try:
+                await self._write_acks()
+            except Exception as error:
+                logger.warning("Redis: writing acks failed, retrying: %s", error)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+                self._ack_wake.set()
+                continue
+            backoff = 0.05
+
+    async def _release(self, consumer: _Consumer) -> None:
+        """Hand back what ``consumer`` holds (see the module docstring); runs shielded."""
+        self._consumers.discard(consumer)
+        for delivery in consumer.held.values():
+            delivery._settled = True
+        consumer.held.clear()
+        consumer.ready.clear()
+        if self._client is None:
+            return  # the transport closed first: the entries are reclaimed after ack_timeout
+        released = 0
+        with anyio.move_on_after(_RELEASE_TIMEOUT):
+            try:
+                # Acks first: what was acked must not be handed back.
+                await self._write_acks()
+                released = await self._scripts["RELEASE"](
+                    keys=[consumer.stream],
+                    args=[consumer.group, consumer.name, _SENTINEL, _RELEASED_IDLE_MS],
+                )
+            except self._errors.RedisError as error:
+                logger.warning(
+                    "Redis: handing back the entries of %s@%s failed (they return after "
+                    "ack_timeout): %s",
+                    consumer.pattern,
+                    consumer.group,
+                    error,
+                )
+        if released:
+            for other in self._consumers:
+                if other.stream == consumer.stream:
+                    other.next_claim = 0.0
+
+    # -- background tasks -----------------------------------------------------
+
+    async def _move_due_loop(self) -> None:
+        """Move due delayed retries back to their streams (any process's, atomically)."""
+        wait = 0.0
+        backoff = 0.05
+        while True:
+            self._next_due = time.time() + wait
+            with anyio.move_on_after(wait):
+                await self._delay_wake.wait()
+            self._delay_wake = anyio.Event()
+            try:
+                reply = await self._scripts["MOVE_DUE"](
+                    keys=[self._delayed_key, self._delayed_counts_key],
+                    args=[int(time.time() * 1000), _DELAY_BATCH],
+                )
+            except Exception as error:  # keep moving whatever went wrong once
+                logger.warning("Redis: moving delayed retries failed: %s", error)
+                wait = backoff
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+                continue
+            backoff = 0.05
+            moved = int(reply[0])
+            if moved >= _DELAY_BATCH:
+                wait = 0.0
+            elif len(reply) > 1:
+                wait = min(_DELAY_POLL, max(0.0, float(reply[1]) / 1000 - time.time()))
+            else:
+                wait = _DELAY_POLL
+
+    # -- backlog and dead letters ---------------------------------------------
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        """Entries of the binding not settled: in its stream (delivered or not) or delayed."""
+        stream = self.stream_key(pattern, group)
+        pipe = self._redis().pipeline(transaction=True)
+        pipe.xlen(stream)
+        pipe.hget(self._delayed_counts_key, stream)
+        try:
+            length, delayed = await pipe.execute()
+        except self._errors.RedisError as error:
+            raise self._failed(f"backlog of {pattern}@{group}", error) from error
+        return int(length) + int(delayed or 0)
+
+    def _queue_dead_letter(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
+        if self.dead_letter_maxlen <= 0:
+            return  # a store of size 0 keeps nothing
+        document = dead_letter_to_wire(entry, codec or self.codec)
+        pipe.xadd(
+            self._dead_key,
+            {"id": entry.envelope.id, "entry": document},
+            maxlen=self.dead_letter_maxlen,
+            approximate=True,
+        )
+
+    async def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Append ``entry`` to the dead-letter stream."""
+        pipe = self._redis().pipeline(transaction=False)
+        self._queue_dead_letter(pipe, entry)
+        try:
+            await pipe.execute()
+        except self._errors.RedisError as error:
+            raise self._failed("adding a dead letter", error) from error
+
+    async def _dead_entries(self) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+        client = self._redis()
+        start: bytes | str = "-"
+        while True:
+            page: Any = await client.xrange(self._dead_key, min=start, max="+", count=_PAGE)
+            for entry, fields in page:
+                yield entry, fields
+            if len(page) < _PAGE:
+                return
+            start = b"(" + page[-1][0]
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
+        client = self._redis()
+        horizon = time.time() - self.dead_letter_ttl
+        try:
+            pipe = client.pipeline(transaction=True)
+            pipe.xtrim(self._dead_key, minid=int(horizon * 1000), approximate=False)
+            pipe.xtrim(self._dead_key, maxlen=max(self.dead_letter_maxlen, 0), approximate=False)
+            await pipe.execute()
+            found: list[DeadLetter] = []
+            expired: list[bytes] = []
+            async for entry, fields in self._dead_entries():
+                try:
+                    dead = dead_letter_from_wire(fields.get(b"entry", b""), self.codec)
+                except DecodeError as error:
+                    logger.warning("Redis: skipping unreadable dead letter %r: %s", entry, error)
+                    continue
+                if dead.dead_at <= horizon:
+                    expired.append(entry)
+                else:
+                    found.append(dead)
+            if expired:
+                await client.xdel(self._dead_key, *expired)
+        except self._errors.RedisError as error:
+            raise self._failed("listing dead letters", error) from error
+        return found
+
+    async def remove_dead_letters(self, ids: Sequence[str]) -> None:
+        """Delete the dead-letter entries of these envelope ids."""
+        if not ids:
+            return
+        drop = {id.encode() for id in ids}
+        client = self._redis()
+        try:
+            doomed = [
+                entry async for entry, fields in self._dead_entries() if fields.get(b"id") in drop
+            ]
+            if doomed:
+                await client.xdel(self._dead_key, *doomed)
+        except self._errors.RedisError as error:
+            raise self._failed("removing dead letters", error) from error

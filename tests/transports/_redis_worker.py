@@ -1,0 +1,37 @@
+"""A consumer process for the Redis transport tests (run as a script, killed by them).
+
+``python _redis_worker.py URL PREFIX PATTERN GROUP PREFETCH ACK_TIMEOUT MODE`` subscribes
+and prints one JSON line per delivery (``{"id": ..., "attempt": ...}``), flushed:
+
+* ``hold``: never settles, and waits to be killed (``kill -9`` in the tests).
+* ``ack``: acks each delivery after printing it, until killed.
+
+A line ``{"ready": true}`` is printed once the subscription is entered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from asyncbus.transports.redis import RedisTransport
+
+
+async def main(argv: list[str]) -> None:
+    """Subscribe as told by ``argv`` and report each delivery on stdout."""
+    url, prefix, pattern, group, prefetch, ack_timeout, mode = argv
+    async with (
+        RedisTransport(url, prefix=prefix, ack_timeout=float(ack_timeout)) as transport,
+        transport.subscribe(pattern, group=group, prefetch=int(prefetch)) as deliveries,
+    ):
+        print(json.dumps({"ready": True}), flush=True)
+        async for delivery in deliveries:
+            if mode == "ack":
+                await delivery.ack()
+            envelope = delivery.envelope
+            print(json.dumps({"id": envelope.id, "attempt": envelope.attempt}), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1:]))

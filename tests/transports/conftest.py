@@ -1,0 +1,63 @@
+"""Fixtures for the transport tests: broker URLs that skip (or fail) when down.
+
+Each URL fixture checks that the broker's TCP port accepts a connection within a
+short timeout. When it does not, the test is skipped with a reason naming the
+broker, unless the environment variable ``ASYNCBUS_REQUIRE_SERVICES=1`` is set
+(CI): then the test fails, so a missing server can never pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NATS_URL = "nats://127.0.0.1:4222"
+RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+_CONNECT_TIMEOUT = 0.5
+
+
+def _require(name: str, url: str) -> str:
+    """Return ``url`` when its host:port accepts TCP, else skip (or fail in CI)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port
+    assert port is not None, url
+    try:
+        with socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT):
+            pass
+    except OSError as error:
+        message = f"{name} not reachable on {host}:{port} ({error})"
+        if os.environ.get("ASYNCBUS_REQUIRE_SERVICES") == "1":
+            pytest.fail(f"{message}; ASYNCBUS_REQUIRE_SERVICES=1 requires it", pytrace=False)
+        pytest.skip(message)
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of the local Redis server (skips when it is down)."""
+    return _require("Redis", REDIS_URL)
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> str:
+    """URL of the local NATS server with JetStream (skips when it is down)."""
+    return _require("NATS", NATS_URL)
+
+
+@pytest.fixture(scope="session")
+def rabbit_url() -> str:
+    """URL of the local RabbitMQ server (skips when it is down)."""
+    return _require("RabbitMQ", RABBIT_URL)
+
+
+@pytest.fixture
+def unique_prefix() -> str:
+    """A broker-name prefix unique to one test, so tests never see each other's data."""
+    return f"asyncbus-test-{uuid.uuid4().hex[:8]}"
