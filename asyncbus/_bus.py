@@ -48,6 +48,8 @@ logger = logging.getLogger("asyncbus")
 #: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
 DEADLETTER_TOPIC = "$deadletter"
 
+_now = time.time
+
 #: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
 _INBOX = "_reply."
 
@@ -128,8 +130,6 @@ class Bus:
             on_remove=self._forget_dead_letters,
         )
         self._state: _State = "new"
-        #: Envelopes admitted to some stage and not yet settled (one per stage).
-        self.outstanding = 0
         self._background = 0
         self.idle_waiters: list[anyio.Event] = []
         self._threadsafe_lock = threading.Lock()
@@ -287,7 +287,6 @@ class Bus:
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close()
-        self.outstanding = 0
         self._background = 0
         self._state = "closed"
         for waiter in self.idle_waiters:
@@ -337,12 +336,13 @@ class Bus:
         return total
 
     def _idle(self) -> bool:
-        return not (self.outstanding or self._background or self._threadsafe_pending)
+        if self._background or self._threadsafe_pending:
+            return False
+        return all(stage.idle for stage in self._stages.values())
 
-    def settled(self) -> None:
-        """One admitted envelope reached its end (called by stages)."""
-        self.outstanding -= 1
-        if not self.outstanding and self.idle_waiters:
+    def settled(self, stage: Stage) -> None:
+        """An envelope of ``stage`` reached its end (called by stages)."""
+        if self.idle_waiters and stage.idle:
             self.wake_drainers()
 
     def wake_drainers(self) -> None:
@@ -555,7 +555,7 @@ class Bus:
                 topic,
                 payload,
                 EMPTY_HEADERS,
-                time.time(),
+                _now(),
                 None,
                 1,
                 (),

@@ -1,0 +1,206 @@
+"""The workloads, their implementations, and the alternating runs that measure them."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ._asyncbus import bus_runners
+from ._baselines import queue_runners, raw_runners, sync_runners
+from ._model import RAW, Impl, Measurement, Workload, make_messages, median, quantile
+from ._peers import FASTSTREAM_NATS, FASTSTREAM_RABBIT, bubus_available, bubus_runners
+
+__all__ = [
+    "IMPL_KEYS",
+    "LOOPS",
+    "WORKLOADS",
+    "Plan",
+    "implementations",
+    "log",
+    "loop_unavailable",
+    "measure",
+    "run_on",
+]
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload("1", "one stage, one async handler", 1),
+    Workload("2", "fan-out to 3 groups", 3),
+    Workload("3", "work queue: 1 group, 4 consumers", 1),
+    Workload("4", "3-stage routing slip", 3),
+    Workload("5", "request/reply round trip", 1, latency=True),
+    Workload("6", "one stage, reliability chain", 1),
+)
+
+IMPL_KEYS = ("asyncbus", RAW, "queue", "sync", "faststream", "faststream-rabbit", "bubus")
+LOOPS = ("asyncio", "uvloop", "trio")
+
+#: No single run may take longer than this (a hung peer must not hang the suite).
+RUN_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How much to run: message counts, rounds, and what to include."""
+
+    messages: int
+    requests: int
+    rounds: int
+    impls: tuple[str, ...] = IMPL_KEYS
+    warmup: bool = True
+
+
+def loop_unavailable(loop: str) -> str | None:
+    """``None`` when ``loop`` can run here, else why not."""
+    if loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        return "uvloop not installed"
+    if loop == "trio" and importlib.util.find_spec("trio") is None:
+        return "trio not installed"
+    return None
+
+
+def run_on(loop: str, function: Callable[[], Any]) -> Any:
+    """Run ``await function()`` on a fresh event loop of the named kind."""
+    if loop == "trio":
+        return anyio.run(function, backend="trio")
+    return anyio.run(function, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
+
+
+def implementations(
+    workload: Workload, loop: str, include: Sequence[str] = IMPL_KEYS
+) -> list[Impl]:
+    """The implementations of ``workload`` on ``loop`` named in ``include``, runnable or
+    with the reason they are not (peers outside ``include`` are not even imported)."""
+    key = workload.key
+    on_trio = "needs an asyncio event loop" if loop == "trio" else None
+    impls = [
+        Impl("asyncbus", "asyncbus", bus_runners()[key]),
+        Impl(RAW, "anyio stream (raw)", raw_runners()[key]),
+        _maybe("queue", "asyncio.Queue", queue_runners()[key], on_trio),
+        Impl("sync", "sync call loop (floor)", sync_runners()[key]),
+    ]
+    peers: tuple[tuple[str, str, Any, Callable[[], str | None], float], ...] = (
+        (
+            "faststream",
+            "FastStream TestNatsBroker",
+            FASTSTREAM_NATS.runners,
+            FASTSTREAM_NATS.available,
+            1 / 25,
+        ),
+        (
+            "faststream-rabbit",
+            "FastStream TestRabbitBroker",
+            FASTSTREAM_RABBIT.runners,
+            FASTSTREAM_RABBIT.available,
+            1 / 100,
+        ),
+        ("bubus", "bubus EventBus", bubus_runners, bubus_available, 1 / 50),
+    )
+    for peer_key, label, runners, available, scale in peers:
+        if peer_key not in include:
+            continue
+        why = on_trio or available()
+        runner = runners()[key] if why is None else why
+        if isinstance(runner, str):
+            impls.append(Impl(peer_key, label, None, runner))
+        else:
+            impls.append(Impl(peer_key, label, runner, scale=scale))
+    return [impl for impl in impls if impl.key in include]
+
+
+def _maybe(key: str, label: str, runner: Any, why: str | None) -> Impl:
+    return Impl(key, label, None, why) if why else Impl(key, label, runner)
+
+
+def _count(plan: Plan, workload: Workload, impl: Impl) -> int:
+    base = plan.requests if workload.latency else plan.messages
+    return max(50, round(base * impl.scale))
+
+
+def measure(
+    workload: Workload,
+    loop: str,
+    plan: Plan,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Measurement]:
+    """Measure every implementation of ``workload`` on ``loop``, in alternating rounds.
+
+    Each round runs every implementation once, in the same order (A B C … A B C …),
+    so slow drifts of the machine hit all of them alike; the median over rounds is
+    reported, and each ratio is the median of per-round ratios to the raw stream.
+    """
+    measurements = [
+        Measurement(workload, loop, impl) for impl in implementations(workload, loop, plan.impls)
+    ]
+    unavailable = loop_unavailable(loop)
+    for measurement in measurements:
+        if unavailable or measurement.impl.run is None:
+            measurement.status = "n/a"
+            measurement.reason = unavailable or measurement.impl.reason
+    runnable = [m for m in measurements if m.status == "ok"]
+    if not runnable:
+        return measurements
+    messages = make_messages(max(_count(plan, workload, m.impl) for m in runnable))
+
+    async def once(measurement: Measurement, count: int, record: bool) -> None:
+        run = measurement.impl.run
+        assert run is not None
+        gc.collect()
+        try:
+            with anyio.fail_after(RUN_TIMEOUT):
+                sample = await run(messages[:count])
+        except Exception as error:
+            measurement.status = "error"
+            measurement.reason = f"{type(error).__name__}: {error}"[:200]
+            return
+        expected = count * workload.handled_per_message
+        if sample.handled != expected:
+            measurement.status = "error"
+            measurement.reason = f"handled {sample.handled} of {expected} expected"
+            return
+        if record:
+            measurement.samples.append(sample)
+
+    async def alternate() -> None:
+        if plan.warmup:
+            for measurement in runnable:
+                warmup = max(50, _count(plan, workload, measurement.impl) // 10)
+                await once(measurement, warmup, record=False)
+        for round_index in range(plan.rounds):
+            progress(f"  {loop:<7} workload {workload.key}: round {round_index + 1}/{plan.rounds}")
+            for measurement in runnable:
+                if measurement.status == "ok":
+                    await once(measurement, _count(plan, workload, measurement.impl), record=True)
+
+    run_on(loop, alternate)
+    _ratios(measurements)
+    return measurements
+
+
+def _ratios(measurements: Sequence[Measurement]) -> None:
+    raw = next((m for m in measurements if m.impl.key == RAW and m.status == "ok"), None)
+    if raw is None:
+        return
+    for measurement in measurements:
+        if measurement.status != "ok" or not measurement.samples:
+            continue
+        pairs = list(zip(measurement.samples, raw.samples, strict=False))
+        measurement.ratio = median([ours.rate / theirs.rate for ours, theirs in pairs])
+        if measurement.workload.latency:
+            measurement.p99_ratio = median(
+                [_p99(ours.latencies) / _p99(theirs.latencies) for ours, theirs in pairs]
+            )
+
+
+def _p99(latencies: Sequence[float]) -> float:
+    return quantile(latencies, 0.99)
+
+
+def log(line: str) -> None:
+    """Progress goes to stderr, so stdout holds only the report."""
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,967 @@
+"""The NATS JetStream transport: a stream per prefix, a durable pull consumer per group.
+
+What it keeps on the server, for ``prefix="asyncbus"``:
+
+* stream ``ASYNCBUS`` (interest retention, file storage) captures ``asyncbus.>``.
+  Topic ``orders.created`` is published as ``asyncbus.orders.created`` with the
+  envelope id as ``Nats-Msg-Id`` (the stream's duplicate window drops a second
+  publish of the same id), the envelope's fields as JSON in the ``asyncbus-meta``
+  header and the codec's bytes as the body. A message stays until every group whose
+  pattern matches it has settled it.
+* every (pattern, group) is a durable pull consumer named from both (sanitised, plus
+  a hash, so the name is deterministic and unique), filtering ``asyncbus.{pattern}``,
+  with explicit acks, ``ack_wait = ack_timeout``, ``deliver_policy = new`` and no
+  delivery limit (the bus's retry policy decides). Every process subscribing with the
+  same (pattern, group) pulls from it: competing consumers. Each subscription asks
+  for no more than ``prefetch`` minus what it holds, so ``prefetch`` bounds each
+  subscription alone (the consumer's own ``max_ack_pending`` is unlimited).
+* stream ``ASYNCBUS_DLQ`` (limits retention, ``max_age = dead_letter_ttl``,
+  ``max_msgs = dead_letter_maxlen``) keeps dead letters, one subject per envelope id
+  (``asyncbus_dlq.{id}``), so removing an id is a purge by subject.
+
+Replaying to one group: a server before 2.10 gives a consumer a single filter
+subject, so a replay cannot go to a subject only its group sees. It is published
+to its topic like any envelope, with the header ``asyncbus-replay-group`` naming
+the target consumer; consumers of other groups ack it silently without delivering
+it. (It costs them a skip each; it never reaches their handlers.) Its
+``Nats-Msg-Id`` is the envelope id plus the replay's timestamp, so the duplicate
+window never drops a replay as a copy of the original.
+
+Worth knowing:
+
+* ``attempt`` is JetStream's ``num_delivered``: every delivery counts, including
+  one a consumer gave back unhandled when it left (the reference transport does not
+  count those) and one that timed out at a crashed consumer.
+* Order: one subscription receives a topic's envelopes in stream (publish) order;
+  ``nack`` and redeliveries after ``ack_timeout`` come back later, out of order.
+* Retention is by interest and new groups start with what is published after they
+  were created (``deliver_policy = new``), as in the reference transport.
+* A delivery held unsettled longer than ``ack_timeout`` (queued in a full stage,
+  waiting for a retry) goes to the group again, whether its consumer is hung or just
+  slow. ``keep_alive=True`` sends ``+WPI`` (in progress) for held deliveries so only
+  a dead process loses them; a hung one then keeps them until it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
+from urllib.parse import urlsplit
+
+import anyio
+
+from .._dead_letters import DeadLetter, DeadLetterReason
+from .._envelope import EMPTY_HEADERS, HEADER_REPLAYED, Envelope, make_envelope
+from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeError, TransportError
+from .._routing import compile_pattern, validate_topic
+from ._codec import (
+    Codec,
+    dead_letter_from_wire,
+    dead_letter_to_wire,
+    envelope_from_wire,
+    envelope_to_wire,
+)
+from .base import Capabilities, Delivery, Transport
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+    from nats.js import JetStreamContext
+
+__all__ = ["HEADER_META", "HEADER_REPLAY_GROUP", "NatsTransport", "consumer_name"]
+
+logger = logging.getLogger("asyncbus.transports.nats")
+
+#: Header holding the envelope's fields (everything but the payload) as JSON.
+HEADER_META = "asyncbus-meta"
+#: Header naming the one consumer a replayed envelope is for; other groups skip it.
+HEADER_REPLAY_GROUP = "asyncbus-replay-group"
+#: Header of a dead-letter message telling how its body holds the payload.
+_HEADER_BODY = "asyncbus-body"
+_HEADER_DEAD_LETTER = "asyncbus-dead-letter"
+
+#: A pull request lives this long on the server (then it answers 408 and we ask again).
+_PULL_EXPIRES = 5.0
+#: Past expiry plus this, a request that never answered (server restart) is forgotten.
+_PULL_GRACE = 1.0
+#: Envelopes of one publish() call in flight at once (written in order, acks awaited).
+_PUBLISH_WINDOW = 256
+#: Seconds to wait before asking again after the server refused a pull request.
+_PULL_PAUSE = 0.25
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NOT_IN_SUBJECT = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
+def consumer_name(pattern: str, group: str) -> str:
+    """The durable consumer of (pattern, group): readable, deterministic and unique."""
+    digest = hashlib.sha256(f"{pattern}\x00{group}".encode()).hexdigest()[:12]
+    return f"{_UNSAFE.sub('_', group)[:48]}-{_UNSAFE.sub('_', pattern)[:32]}-{digest}"
+
+
+def _id_token(envelope_id: str) -> str:
+    """A subject token for an envelope id (ids that are not one are hashed)."""
+    if _SAFE_ID.fullmatch(envelope_id):
+        return envelope_id
+    return "h" + hashlib.sha256(envelope_id.encode()).hexdigest()[:40]
+
+
+def _check_subject_text(kind: str, text: str) -> None:
+    if _NOT_IN_SUBJECT.search(text):
+        raise ConfigurationError(
+            f"{kind} {text!r} cannot be a NATS subject: no whitespace or control characters"
+        )
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+
+
+def _address(url: str) -> str:
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        port = parts.port or 4222
+    except ValueError:
+        return parts.netloc.rpartition("@")[2]
+    return f"{parts.hostname or '127.0.0.1'}:{port}"
+
+
+@contextmanager
+def _broker_call(what: str) -> Iterator[None]:
+    """Turn nats-py's errors (and timeouts, socket errors) into :class:`TransportError`."""
+    from nats.errors import Error as NatsError
+
+    try:
+        yield
+    except (NatsError, TimeoutError, OSError) as error:
+        raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
+
+
+def _header_size(headers: Mapping[str, str]) -> int:
+    # "NATS/1.0\r\n" + "name: value\r\n"... + "\r\n"
+    return 12 + sum(len(name) + len(value.encode()) + 4 for name, value in headers.items())
+
+
+class _NatsDelivery:
+    """A delivery from :class:`NatsTransport`; settled exactly once."""
+
+    __slots__ = ("_consumer", "_msg", "_settled", "envelope", "error")
+
+    def __init__(
+        self, consumer: _PullConsumer, msg: Msg, envelope: Envelope, error: str | None
+    ) -> None:
+        self.envelope = envelope
+        self.error = error
+        self._consumer = consumer
+        self._msg = msg
+        self._settled = False
+
+    def _settle(self) -> Msg:
+        if self._settled:
+            raise TransportError(f"delivery of {self.envelope.id} was already settled")
+        self._settled = True
+        self._consumer.forget(self)
+        return self._msg
+
+    async def ack(self) -> None:
+        """Done: the consumer forgets it."""
+        msg = self._settle()
+        with _broker_call(f"cannot ack {self.envelope.id}"):
+            await msg.ack()
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
+        msg = self._settle()
+        with _broker_call(f"cannot nack {self.envelope.id}"):
+            await msg.nak(delay=delay if delay is not None and delay > 0 else None)
+
+    async def reject(
+        self, reason: str, *, error: str | None = None, stage: str | None = None
+    ) -> None:
+        """Store a dead letter in the dead-letter stream, then terminate the message.
+
+        When storing fails the message is left unsettled: the broker delivers it
+        again after ``ack_timeout`` rather than lose it.
+        """
+        why = DeadLetterReason(reason)
+        msg = self._settle()
+        entry = DeadLetter(self.envelope, why, error, stage, self.envelope.attempt, time.time())
+        await self._consumer.transport.add_dead_letter(entry)
+        with _broker_call(f"cannot settle {self.envelope.id}"):
+            await msg.term()
+
+
+class _PullConsumer:
+    """One ``subscribe()`` context: its pull request, messages and unsettled deliveries.
+
+    One pull request is open at a time, for as many messages as there is room for:
+    what was asked for plus what is held never exceeds ``prefetch``. Messages arrive
+    on a private inbox and wait in :attr:`ready` until the iterator hands them out.
+    JetStream delivers messages under their own subject, so a message cannot be
+    told to belong to a request; status replies (408 expired, 409 ...) come on the
+    request's reply subject (``{inbox}.{n}``), so a stale request's end is ignored.
+    """
+
+    def __init__(self, transport: NatsTransport, nc: Client, name: str, prefetch: int) -> None:
+        self.transport = transport
+        self.nc = nc
+        self.name = name
+        self.prefetch = prefetch
+        self.inbox = nc.new_inbox()
+        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{name}"
+        self.ready: deque[Msg] = deque()
+        self.unsettled: dict[int, _NatsDelivery] = {}
+        #: Reply subject of the open pull request, what it may still bring, its deadline.
+        self.request: str | None = None
+        self.remaining = 0
+        self.deadline = 0.0
+        self.sequence = 0
+        self.pause_until = 0.0
+        self.failure: str | None = None
+        self.closed = False
+        self.wakeup = anyio.Event()
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def forget(self, delivery: _NatsDelivery) -> None:
+        """A delivery was settled: there is room for another."""
+        self.unsettled.pop(id(delivery), None)
+        self.wakeup.set()
+
+    async def on_message(self, msg: Msg) -> None:
+        """nats-py's callback for the inbox: file a message or a request's status."""
+        headers = msg.headers
+        if not msg.reply and headers and "Status" in headers:
+            status = headers["Status"]
+            if status == "100" or msg.subject != self.request:
+                return  # an idle heartbeat, or the end of a request already given up
+            self.request = None
+            # nats-py keys it by an Enum whose hash is not the string's: compare instead.
+            description = next((v for k, v in headers.items() if k == "Description"), "")
+            if status == "503" or (status == "409" and "Deleted" in description):
+                self.failure = (
+                    f"consumer {self.name} of stream {self.transport.stream} is gone "
+                    f"({status} {description})".rstrip()
+                )
+            elif status not in ("404", "408"):
+                # 409 (too many waiting requests, leadership change...) and the like:
+                # ask again, but not in a tight loop.
+                self.pause_until = time.monotonic() + _PULL_PAUSE
+                logger.debug("pull request for %s ended: %s %s", self.name, status, description)
+            self.wake()
+            return
+        if self.request is not None:
+            self.remaining -= 1
+            if self.remaining <= 0:
+                self.request = None
+        self.ready.append(msg)
+        self.wake()
+
+    async def request_more(self) -> None:
+        """Open a pull request for as many messages as there is room for, unless one is open."""
+        now = time.monotonic()
+        if (self.request is not None and self.deadline >= now) or now < self.pause_until:
+            return
+        if self.request is not None:
+            # The request never answered, not even 408 at its expiry: the server
+            # restarted, or the consumer is gone (a pull on it gets no reply at all).
+            self.request = None
+            try:
+                gone = not await self.transport._consumer_exists(self.name)
+            except TransportError:
+                gone = False  # not connected right now: nats-py reconnects, ask again then
+            if gone:
+                self.failure = f"consumer {self.name} of stream {self.transport.stream} is gone"
+                return
+        room = self.prefetch - len(self.unsettled) - len(self.ready)
+        if room <= 0:
+            self.request = None
+            return
+        self.sequence += 1
+        self.request = f"{self.inbox}.{self.sequence}"
+        self.remaining = room
+        # Past its expiry plus a grace, a request that never answered (the server
+        # restarted meanwhile) is given up and a new one opened.
+        self.deadline = now + _PULL_EXPIRES + _PULL_GRACE
+        ask = json.dumps({"batch": room, "expires": int(_PULL_EXPIRES * 1e9)}).encode()
+        with _broker_call(f"cannot pull from consumer {self.name}"):
+            await self.nc.publish(self.next_subject, ask, reply=self.request)
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        if now < self.pause_until:
+            return self.pause_until - now
+        if self.request is None:
+            return float("inf")  # nothing asked for: wait for room (a settle)
+        return max(0.0, self.deadline - now)
+
+    def __aiter__(self) -> _PullConsumer:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        """The next delivery; cancelling the wait for it loses nothing."""
+        while True:
+            if self.closed:
+                raise StopAsyncIteration
+            wakeup = self.wakeup = anyio.Event()
+            if self.failure is None and self.nc.is_closed:
+                self.failure = "the connection to NATS is closed"
+            if self.failure is not None:
+                raise TransportError(self.failure)
+            await self.request_more()
+            if self.failure is not None:
+                continue
+            if not self.ready:
+                with anyio.move_on_after(self._next_deadline()):
+                    await wakeup.wait()
+                continue
+            msg = self.ready.popleft()
+            delivery = self.transport._delivery(self, msg)
+            if delivery is None:
+                # A replay meant for another group: not ours to handle.
+                with _broker_call("cannot skip a replay for another group"):
+                    await msg.ack()
+                continue
+            self.unsettled[id(delivery)] = delivery
+            return delivery
+
+    async def keep_alive(self) -> None:
+        """Tell the server held deliveries are being worked on (``+WPI``).
+
+        Deliveries wait in the bus's stage queue and for retries; without this they
+        would be redelivered to the group every ``ack_timeout`` while still held. A
+        process that dies stops sending it, so its deliveries still come back.
+        """
+        interval = max(self.transport.ack_timeout / 3, 0.05)
+        while True:
+            await anyio.sleep(interval)
+            held = [d._msg for d in self.unsettled.values() if not d._settled]
+            for msg in [*held, *self.ready]:
+                try:
+                    await msg.in_progress()
+                except Exception:  # the connection is gone: redelivery takes over
+                    logger.debug("in-progress for %s failed", self.name, exc_info=True)
+                    break
+
+    async def release(self, subscription: Subscription) -> None:
+        """Give back everything held but not settled, so another consumer gets it now.
+
+        The inbox is drained first (unsubscribe, then a round trip), so messages the
+        server sent before it saw the unsubscribe are given back too.
+        """
+        drained = False
+        if not self.nc.is_closed:
+            try:
+                with anyio.move_on_after(self.transport.request_timeout):
+                    await subscription.drain()  # type: ignore[no-untyped-call]
+                    drained = True
+            except Exception:
+                logger.debug("draining the inbox of %s failed", self.name, exc_info=True)
+        if not drained:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        held = [d._msg for d in self.unsettled.values() if not d._settled]
+        for delivery in self.unsettled.values():
+            delivery._settled = True
+        self.unsettled.clear()
+        held += self.ready
+        self.ready.clear()
+        held.sort(key=lambda msg: msg.metadata.sequence.stream)
+        for msg in held:
+            target = (msg.headers or {}).get(HEADER_REPLAY_GROUP)
+            try:
+                if target is not None and target != self.name:
+                    await msg.ack()
+                else:
+                    await msg.nak()
+            except Exception:  # redelivered after ack_wait instead
+                logger.debug("could not give back a message of %s", self.name, exc_info=True)
+                break
+
+
+class NatsTransport(Transport):
+    """Envelopes in a NATS JetStream stream; groups are durable pull consumers.
+
+    Runs on asyncio only (nats-py is asyncio-only). The server needs JetStream; a
+    2.9 server is enough. See the module docstring for what is kept on the server.
+
+    :param url: the server, ``nats://[user:password@]host:port``.
+    :param prefix: subject prefix and (upper-cased, sanitised) stream name; one bus
+        deployment per prefix.
+    :param ack_timeout: seconds a delivery may stay unsettled by a consumer that
+        stopped answering (crashed) before the group gets it again (``ack_wait``).
+    :param codec: how payloads become bytes.
+    :param connect_timeout: seconds to wait for the first connection.
+    :param request_timeout: seconds to wait for the server to confirm a publish or
+        answer an API request.
+    :param dedup_window: seconds the stream remembers envelope ids to drop duplicates.
+    :param max_age: seconds after which the stream discards envelopes still unsettled
+        (``None``: keep them until every group settled them).
+    :param keep_alive: while a delivery is held (queued in its stage, retrying),
+        tell the server every ``ack_timeout / 3`` that it is in progress.
+    :param reconnect_wait: seconds between reconnection attempts after a connection
+        broke (reconnection is nats-py's and never gives up).
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delayed_nack=True,
+        dedup=True,
+        per_message_ttl=False,
+        replay=True,
+        durable=True,
+        ordered=True,
+    )
+    name: ClassVar[str] = "nats"
+
+    def __init__(
+        self,
+        url: str = "nats://127.0.0.1:4222",
+        *,
+        prefix: str = "asyncbus",
+        ack_timeout: float = 30.0,
+        codec: Codec | None = None,
+        connect_timeout: float = 2.0,
+        request_timeout: float = 5.0,
+        dedup_window: float = 120.0,
+        max_age: float | None = None,
+        keep_alive: bool = False,
+        reconnect_wait: float = 0.5,
+    ) -> None:
+        super().__init__(codec=codec)
+        validate_topic(prefix)
+        _check_subject_text("prefix", prefix)
+        for label, value in (
+            ("ack_timeout", ack_timeout),
+            ("connect_timeout", connect_timeout),
+            ("request_timeout", request_timeout),
+            ("dedup_window", dedup_window),
+            ("reconnect_wait", reconnect_wait),
+        ):
+            if not value > 0:
+                raise ConfigurationError(f"NatsTransport: {label} must be > 0, got {value!r}")
+        if max_age is not None and not max_age > 0:
+            raise ConfigurationError(f"NatsTransport: max_age must be > 0, got {max_age!r}")
+        self.url = url
+        self.prefix = prefix
+        self.ack_timeout = float(ack_timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.request_timeout = float(request_timeout)
+        self.dedup_window = float(dedup_window)
+        self.max_age = max_age
+        self.keep_alive = keep_alive
+        self.reconnect_wait = float(reconnect_wait)
+        #: Name of the stream of envelopes, and of the stream of dead letters.
+        self.stream = _UNSAFE.sub("_", prefix).upper()
+        self.dead_letter_stream = f"{self.stream}_DLQ"
+        self._dead_prefix = f"{prefix}_dlq"
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._consumers: set[_PullConsumer] = set()
+        self._server: str | None = None
+
+    def __repr__(self) -> str:
+        return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
+
+    # -- connection ---------------------------------------------------------------
+
+    async def __aenter__(self) -> NatsTransport:
+        await self.connect()
+        return self
+
+    async def connect(self) -> None:
+        """Connect, and create the two streams unless they exist.
+
+        :raises ConnectError: when nats-py is missing, the server is unreachable or
+            JetStream is not enabled on it.
+        """
+        if self._nc is not None:
+            return
+        try:
+            import nats
+        except ImportError as error:
+            raise ConnectError(
+                "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
+            ) from error
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConnectError(
+                "NatsTransport runs on asyncio only (nats-py): use anyio's asyncio backend"
+            ) from None
+        where = f"NATS at {_address(self.url)} ({_redact(self.url)})"
+        options: dict[str, Any] = {
+            "name": f"asyncbus {self.prefix}",
+            "connect_timeout": self.connect_timeout,
+            # The first connection is tried twice, then fails; once connected,
+            # reconnection never gives up (set below).
+            "allow_reconnect": True,
+            "max_reconnect_attempts": 1,
+            "reconnect_time_wait": self.reconnect_wait,
+            "error_cb": self._on_error,
+            "disconnected_cb": self._on_disconnected,
+            "reconnected_cb": self._on_reconnected,
+            "closed_cb": self._on_closed,
+        }
+        try:
+            nc = await nats.connect(self.url, **options)
+        except Exception as error:
+            raise ConnectError(
+                f"NatsTransport cannot connect to {where}: {type(error).__name__}: {error}"
+            ) from error
+        nc.options["max_reconnect_attempts"] = -1
+        self._server = _server_id(nc)
+        js = nc.jetstream(timeout=self.request_timeout)
+        try:
+            await self._ensure_streams(js)
+        except BaseException as error:
+            with anyio.CancelScope(shield=True):
+                await nc.close()
+            if isinstance(error, TransportError) and not isinstance(error, ConnectError):
+                raise ConnectError(f"NatsTransport on {where}: {error}") from error
+            raise
+        self._nc, self._js = nc, js
+
+    async def _ensure_streams(self, js: JetStreamContext) -> None:
+        from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+        await self._ensure_stream(
+            js,
+            StreamConfig(
+                name=self.stream,
+                description=f"asyncbus envelopes, prefix {self.prefix!r}",
+                subjects=[f"{self.prefix}.>"],
+                retention=RetentionPolicy.INTEREST,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                duplicate_window=self.dedup_window,
+                max_age=self.max_age,
+            ),
+            managed=(),
+        )
+        await self._ensure_stream(
+            js,
+            StreamConfig(
+                name=self.dead_letter_stream,
+                description=f"asyncbus dead letters, prefix {self.prefix!r}",
+                subjects=[f"{self._dead_prefix}.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                max_age=self.dead_letter_ttl,
+                # 0 means unbounded, as for the bus's DeadLetterQueue.
+                max_msgs=self.dead_letter_maxlen if self.dead_letter_maxlen > 0 else -1,
+            ),
+            managed=("max_age", "max_msgs"),
+        )
+
+    async def _ensure_stream(
+        self, js: JetStreamContext, config: Any, *, managed: tuple[str, ...]
+    ) -> None:
+        from nats.js.errors import NotFoundError
+
+        name = config.name
+        with _broker_call(f"cannot set up the JetStream stream {name} (is JetStream enabled?)"):
+            try:
+                info = await js.stream_info(name)
+            except NotFoundError:
+                try:
+                    await js.add_stream(config)
+                    return
+                except Exception as error:
+                    try:  # created meanwhile by another process?
+                        info = await js.stream_info(name)
+                    except NotFoundError:
+                        raise ConfigurationError(
+                            f"NatsTransport cannot create stream {name} capturing "
+                            f"{config.subjects}: {error}"
+                        ) from error
+            existing = info.config
+            if set(config.subjects) - set(existing.subjects or ()):
+                raise ConfigurationError(
+                    f"stream {name} exists but captures {existing.subjects}, not "
+                    f"{config.subjects}: another prefix maps to the same stream name"
+                )
+            changes = {
+                field: getattr(config, field)
+                for field in managed
+                if not _same(getattr(existing, field), getattr(config, field))
+            }
+            if changes:
+                await js.update_stream(dataclasses.replace(existing, **changes))
+
+    async def aclose(self) -> None:
+        """Flush what is buffered (acks, naks) and close the connection, shielded."""
+        nc, self._nc, self._js = self._nc, None, None
+        if nc is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.move_on_after(self.request_timeout):
+                    await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
+            except Exception:
+                logger.debug("flush before close failed", exc_info=True)
+            try:
+                await nc.close()
+            except Exception:
+                logger.debug("close failed", exc_info=True)
+            for consumer in list(self._consumers):
+                consumer.wake()
+
+    async def _on_error(self, error: Exception) -> None:
+        if self._nc is None:
+            return  # connecting (connect() reports it) or closing
+        logger.warning("NATS %s: %s: %s", _address(self.url), type(error).__name__, error)
+
+    async def _on_disconnected(self) -> None:
+        if self._nc is None:
+            return  # our own aclose()
+        logger.warning("NATS %s: disconnected, reconnecting", _address(self.url))
+
+    async def _on_reconnected(self) -> None:
+        logger.info("NATS %s: reconnected", _address(self.url))
+        server = _server_id(self._nc)
+        if server is not None and server != self._server:
+            # A restarted server forgot the open pull requests: ask again at once
+            # (the same server may still hold them, and would deliver them).
+            self._server = server
+            for consumer in list(self._consumers):
+                consumer.request = None
+                consumer.wake()
+
+    async def _on_closed(self) -> None:
+        for consumer in list(self._consumers):
+            consumer.wake()
+
+    def _client(self) -> tuple[Client, JetStreamContext]:
+        if self._nc is None or self._js is None:
+            raise TransportError("NatsTransport is not connected: use `async with transport:`")
+        return self._nc, self._js
+
+    # -- publishing ---------------------------------------------------------------
+
+    def _check_topic(self, topic: str) -> None:
+        validate_topic(topic)
+        _check_subject_text("topic", topic)
+
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        """Publish each envelope to ``{prefix}.{topic}`` and wait for the stream's ack.
+
+        :raises ConfigurationError: when ``topic`` is not a valid NATS subject.
+        :raises TransportError: when the server refuses or does not confirm in time,
+            or an envelope is larger than the server's ``max_payload``.
+        """
+        self._check_topic(topic)
+        subject = f"{self.prefix}.{topic}"
+        if len(envelopes) == 1:
+            await self._send(subject, envelopes[0], None)
+            return
+        # Pipelined: each window is written in order, then its acks are awaited.
+        for start in range(0, len(envelopes), _PUBLISH_WINDOW):
+            window = envelopes[start : start + _PUBLISH_WINDOW]
+            results = await asyncio.gather(
+                *(self._send(subject, envelope, None) for envelope in window),
+                return_exceptions=True,
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+
+    async def publish_to_group(
+        self, pattern: str, group: str, envelopes: Sequence[Envelope]
+    ) -> None:
+        """Deliver the envelopes to one (pattern, group) only (see the module docstring)."""
+        matches = compile_pattern(pattern)
+        target = await self._ensure_consumer(pattern, group)
+        for envelope in envelopes:
+            self._check_topic(envelope.topic)
+            if not matches(envelope.topic):
+                raise ConfigurationError(
+                    f"envelope {envelope.id} on {envelope.topic!r} cannot reach group "
+                    f"{group!r}: its pattern {pattern!r} does not match"
+                )
+            await self._send(f"{self.prefix}.{envelope.topic}", envelope, target)
+
+    async def _send(self, subject: str, envelope: Envelope, target: str | None) -> None:
+        nc, js = self._client()
+        meta, body = envelope_to_wire(envelope, self.codec)
+        msg_id = envelope.id
+        if HEADER_REPLAYED in envelope.headers or target is not None:
+            # A replay reuses the envelope id; it must not be dropped as a duplicate
+            # of the original (or of another replay of it).
+            msg_id = f"{envelope.id}:{target or ''}:{envelope.timestamp!r}"
+        headers = {"Nats-Msg-Id": msg_id.replace("\r", " ").replace("\n", " ")}
+        headers[HEADER_META] = meta.decode()
+        if target is not None:
+            headers[HEADER_REPLAY_GROUP] = target
+        size = len(body) + _header_size(headers)
+        if size > nc.max_payload:
+            raise TransportError(
+                f"envelope {envelope.id} is {size} bytes on the wire, over the NATS "
+                f"server's max_payload of {nc.max_payload} bytes"
+            )
+        with _broker_call(f"publish of {envelope.id} to {subject} was not confirmed"):
+            await js.publish(subject, body, headers=headers)
+
+    # -- consuming ----------------------------------------------------------------
+
+    async def _ensure_consumer(self, pattern: str, group: str) -> str:
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
+
+        compile_pattern(pattern)
+        _check_subject_text("pattern", pattern)
+        _, js = self._client()
+        name = consumer_name(pattern, group)
+        config = ConsumerConfig(
+            name=name,
+            durable_name=name,
+            description=f"asyncbus group {group!r} on {pattern!r}"[:256],
+            filter_subject=f"{self.prefix}.{pattern}",
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_timeout,
+            deliver_policy=DeliverPolicy.NEW,
+            max_deliver=-1,
+            max_ack_pending=-1,
+        )
+        with _broker_call(f"cannot create consumer {name} on stream {self.stream}"):
+            try:
+                existing = (await js.consumer_info(self.stream, name)).config
+            except NotFoundError:
+                existing = None
+            # Only a missing consumer, or one with another ack_wait, is created or
+            # updated: on a 2.9 server, re-creating a durable pull consumer while naks
+            # to it are in flight can lose one and deliver another twice.
+            if existing is None or not _same(existing.ack_wait, self.ack_timeout):
+                await js.add_consumer(self.stream, config)
+        return name
+
+    @asynccontextmanager
+    async def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AsyncIterator[AsyncIterator[Delivery]]:
+        """Pull from the group's durable consumer; unsettled deliveries go back at the end."""
+        if prefetch < 1:
+            raise ConfigurationError(f"prefetch must be >= 1, got {prefetch}")
+        nc, _ = self._client()
+        name = await self._ensure_consumer(pattern, group)
+        consumer = _PullConsumer(self, nc, name, prefetch)
+        with _broker_call(f"cannot subscribe to {consumer.inbox}"):
+            subscription = await nc.subscribe(f"{consumer.inbox}.*", cb=consumer.on_message)
+        self._consumers.add(consumer)
+        try:
+            async with anyio.create_task_group() as task_group:
+                if self.keep_alive:
+                    task_group.start_soon(consumer.keep_alive)
+                try:
+                    yield consumer
+                finally:
+                    task_group.cancel_scope.cancel()
+        finally:
+            consumer.closed = True
+            with anyio.CancelScope(shield=True):
+                await consumer.release(subscription)
+                self._consumers.discard(consumer)
+
+    def _delivery(self, consumer: _PullConsumer, msg: Msg) -> _NatsDelivery | None:
+        headers = msg.headers or {}
+        target = headers.get(HEADER_REPLAY_GROUP)
+        if target is not None and target != consumer.name:
+            return None
+        metadata = msg.metadata
+        attempt = metadata.num_delivered or 1
+        meta = headers.get(HEADER_META)
+        try:
+            if meta is None:
+                raise DecodeError(f"the message has no {HEADER_META} header")
+            envelope, error = envelope_from_wire(
+                meta.encode(), msg.data, self.codec, attempt=attempt
+            )
+        except DecodeError as failure:
+            # Not an asyncbus message (or a mangled one): hand it over to be rejected.
+            msg_id = headers.get("Nats-Msg-Id") or f"nats-{metadata.sequence.stream}"
+            envelope = make_envelope(
+                msg_id,
+                msg.subject[len(self.prefix) + 1 :],
+                msg.data,
+                EMPTY_HEADERS,
+                time.time(),
+                None,
+                attempt,
+                (),
+                msg_id,
+                None,
+                None,
+                None,
+            )
+            error = str(failure)
+        return _NatsDelivery(consumer, msg, envelope, error)
+
+    async def _consumer_exists(self, name: str) -> bool:
+        from nats.js.errors import NotFoundError
+
+        _, js = self._client()
+        with _broker_call(f"cannot read consumer {name}"):
+            try:
+                await js.consumer_info(self.stream, name)
+            except NotFoundError:
+                return False
+        return True
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        """Messages of the group's consumer not yet delivered plus delivered, unsettled."""
+        from nats.js.errors import NotFoundError
+
+        _, js = self._client()
+        name = consumer_name(pattern, group)
+        with _broker_call(f"cannot read consumer {name}"):
+            try:
+                info = await js.consumer_info(self.stream, name)
+            except NotFoundError:
+                return 0
+        return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+    # -- dead letters -------------------------------------------------------------
+
+    async def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Publish ``entry`` to the dead-letter stream and wait for the ack.
+
+        The entry's fields go in a header (:func:`dead_letter_to_wire` without the
+        payload), the payload is the body as the codec encodes it, or raw when it is
+        bytes, so a dead letter is no bigger than the message it came from.
+        """
+        nc, js = self._client()
+        payload = entry.envelope.payload
+        if isinstance(payload, bytes | bytearray):
+            body, kind = bytes(payload), "raw"
+        else:
+            try:
+                body, kind = self.codec.encode(payload), "codec"
+            except EncodeError:
+                body, kind = repr(payload).encode(), "raw"
+        bare = dataclasses.replace(entry, envelope=entry.envelope.evolve(payload=None))
+        headers = {
+            _HEADER_DEAD_LETTER: dead_letter_to_wire(bare, self.codec).decode(),
+            _HEADER_BODY: kind,
+        }
+        if len(body) + _header_size(headers) > nc.max_payload:
+            # Kept without its payload rather than lost (or redelivered forever).
+            note = f"payload of {len(body)} bytes not kept: over the server's max_payload"
+            bare = dataclasses.replace(
+                bare, error=f"{entry.error}; {note}" if entry.error else note
+            )
+            headers = {
+                _HEADER_DEAD_LETTER: dead_letter_to_wire(bare, self.codec).decode(),
+                _HEADER_BODY: "dropped",
+            }
+            body = b""
+        subject = f"{self._dead_prefix}.{_id_token(entry.envelope.id)}"
+        with _broker_call(f"cannot store the dead letter of {entry.envelope.id}"):
+            await js.publish(subject, body, headers=headers)
+
+    def _dead_letter_from(self, msg: Msg) -> DeadLetter | None:
+        headers = msg.headers or {}
+        try:
+            entry = dead_letter_from_wire(headers[_HEADER_DEAD_LETTER].encode(), self.codec)
+        except (KeyError, DecodeError):
+            logger.warning("skipping an unreadable dead letter in %s", self.dead_letter_stream)
+            return None
+        kind = headers.get(_HEADER_BODY)
+        payload: Any = None
+        if kind == "raw":
+            payload = msg.data
+        elif kind == "codec":
+            try:
+                payload = self.codec.decode(msg.data)
+            except DecodeError:
+                payload = msg.data
+        return dataclasses.replace(entry, envelope=entry.envelope.evolve(payload=payload))
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """Every dead letter in the stream, oldest first, without expired ones."""
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        nc, js = self._client()
+        with _broker_call(f"cannot read the dead-letter stream {self.dead_letter_stream}"):
+            info = await js.stream_info(self.dead_letter_stream)
+        if not info.state.messages:
+            return []
+        last = info.state.last_seq
+        reader = f"reader-{nc.new_inbox().rpartition('.')[2]}"
+        config = ConsumerConfig(
+            name=reader,
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=60.0,
+            mem_storage=True,
+        )
+        entries: list[DeadLetter] = []
+        with _broker_call(f"cannot read the dead-letter stream {self.dead_letter_stream}"):
+            await js.add_consumer(self.dead_letter_stream, config)
+            try:
+                pull = await js.pull_subscribe_bind(durable=reader, stream=self.dead_letter_stream)
+                try:
+                    remaining = info.state.messages
+                    while remaining > 0:
+                        try:
+                            msgs = await pull.fetch(
+                                min(remaining, 256), timeout=self.request_timeout
+                            )
+                        except NatsTimeout:
+                            break
+                        for msg in msgs:
+                            entry = self._dead_letter_from(msg)
+                            if entry is not None:
+                                entries.append(entry)
+                        metadata = msgs[-1].metadata
+                        if metadata.sequence.stream >= last or not metadata.num_pending:
+                            break
+                        remaining = metadata.num_pending
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await pull.unsubscribe()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await js.delete_consumer(self.dead_letter_stream, reader)
+        horizon = time.time() - self.dead_letter_ttl
+        entries = [entry for entry in entries if entry.dead_at > horizon]
+        if self.dead_letter_maxlen > 0:
+            del entries[: max(0, len(entries) - self.dead_letter_maxlen)]
+        return entries
+
+    async def remove_dead_letters(self, ids: Sequence[str]) -> None:
+        """Purge the dead letters of these envelope ids (every entry of each id)."""
+        _, js = self._client()
+        for envelope_id in dict.fromkeys(ids):
+            subject = f"{self._dead_prefix}.{_id_token(envelope_id)}"
+            with _broker_call(f"cannot remove the dead letters of {envelope_id}"):
+                await js.purge_stream(self.dead_letter_stream, subject=subject)
+
+
+def _server_id(nc: Client | None) -> str | None:
+    """The id of the server ``nc`` is connected to (a restarted server has a new one)."""
+    info = getattr(nc, "_server_info", None)  # nats-py keeps it private
+    server = info.get("server_id") if isinstance(info, dict) else None
+    return server if isinstance(server, str) else None
+
+
+def _same(current: Any, wanted: Any) -> bool:
+    if isinstance(current, int | float) and isinstance(wanted, int | float):
+        return abs(current - wanted) < 1e-3
+    return bool(current == wanted)
