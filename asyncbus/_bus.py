@@ -565,13 +565,19 @@ class Bus:
                 self.name,
             )
         if not self.observers and self._broker is None:
-            # The common case, without the general path's calls: one stage, with room.
+            # The common case, without the general path's calls: every stage has room.
             stages = self._router.route(topic)
             if len(stages) == 1:
                 stage = stages[0]
                 if stage.queued < stage.capacity and not stage.room_waiters:
                     stage.admit(envelope)
                     return make_receipt(envelope.id, stage.names)
+            elif stages and all(
+                stage.queued < stage.capacity and not stage.room_waiters for stage in stages
+            ):
+                for stage in stages:
+                    stage.admit(envelope)
+                return make_receipt(envelope.id, self._router.names(topic))
         return await self._route(envelope, timeout)
 
     def publish_nowait(

@@ -69,16 +69,18 @@ class Router(Generic[T]):
     Results are cached per topic; adding a route clears the cache.
     """
 
-    __slots__ = ("_cache", "_routes")
+    __slots__ = ("_cache", "_names", "_routes")
 
     def __init__(self) -> None:
         self._routes: list[tuple[Callable[[str], bool], str, T]] = []
         self._cache: dict[str, tuple[T, ...]] = {}
+        self._names: dict[str, tuple[str, ...]] = {}
 
     def add(self, pattern: str, group: str, target: T) -> None:
         """Register ``target`` for ``pattern`` in ``group``."""
         self._routes.append((compile_pattern(pattern), group, target))
         self._cache.clear()
+        self._names.clear()
 
     def targets(self) -> Iterable[T]:
         """Every registered target, in registration order."""
@@ -99,5 +101,15 @@ class Router(Generic[T]):
         result = tuple(chosen)
         if len(self._cache) >= _ROUTE_CACHE_LIMIT:
             self._cache.clear()
+            self._names.clear()
         self._cache[topic] = result
         return result
+
+    def names(self, topic: str) -> tuple[str, ...]:
+        """The ``name`` of every target of ``topic``, in route order (cached like routes)."""
+        found = self._names.get(topic)
+        if found is None:
+            found = self._names[topic] = tuple(
+                str(getattr(target, "name", target)) for target in self.route(topic)
+            )
+        return found

@@ -41,12 +41,15 @@ class Sample:
     :ivar messages: messages published in that time.
     :ivar handled: handler calls counted (checked against what the workload expects).
     :ivar latencies: per-request round trips in seconds (request/reply only).
+    :ivar cpu: share of one CPU the process got during the run (CPU time / wall time);
+        well below 1 means another process took the CPU and the timing is suspect.
     """
 
     seconds: float
     messages: int
     handled: int
     latencies: tuple[float, ...] = ()
+    cpu: float = 1.0
 
     @property
     def rate(self) -> float:
@@ -100,6 +103,8 @@ class Measurement:
     ratio: float | None = None
     #: Median over rounds of (this p99 / raw p99 in the same round).
     p99_ratio: float | None = None
+    #: Runs thrown away and run again because the process was starved of CPU.
+    reruns: int = 0
 
     @property
     def messages(self) -> int:

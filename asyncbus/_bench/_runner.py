@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +15,7 @@ import anyio
 
 from ._asyncbus import bus_runners
 from ._baselines import queue_runners, raw_runners, sync_runners
-from ._model import RAW, Impl, Measurement, Workload, make_messages, median, quantile
+from ._model import RAW, Impl, Measurement, Sample, Workload, make_messages, median, quantile
 from ._peers import FASTSTREAM_NATS, FASTSTREAM_RABBIT, bubus_available, bubus_runners
 
 __all__ = [
@@ -42,6 +44,9 @@ LOOPS = ("asyncio", "uvloop", "trio")
 
 #: No single run may take longer than this (a hung peer must not hang the suite).
 RUN_TIMEOUT = 300.0
+#: A run in which the process got less of a CPU than this was slowed down by another
+#: process (this machine may be shared): it is thrown away and run again.
+MIN_CPU_SHARE = 0.85
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ class Plan:
     rounds: int
     impls: tuple[str, ...] = IMPL_KEYS
     warmup: bool = True
+    #: How often a CPU-starved run may be run again before its best attempt is kept.
+    reruns: int = 2
 
 
 def loop_unavailable(loop: str) -> str | None:
@@ -147,35 +154,51 @@ def measure(
         return measurements
     messages = make_messages(max(_count(plan, workload, m.impl) for m in runnable))
 
-    async def once(measurement: Measurement, count: int, record: bool) -> None:
+    async def once(measurement: Measurement, count: int) -> Sample | None:
         run = measurement.impl.run
         assert run is not None
         gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             with anyio.fail_after(RUN_TIMEOUT):
                 sample = await run(messages[:count])
         except Exception as error:
             measurement.status = "error"
             measurement.reason = f"{type(error).__name__}: {error}"[:200]
-            return
+            return None
+        share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
         expected = count * workload.handled_per_message
         if sample.handled != expected:
             measurement.status = "error"
             measurement.reason = f"handled {sample.handled} of {expected} expected"
-            return
-        if record:
-            measurement.samples.append(sample)
+            return None
+        return dataclasses.replace(sample, cpu=share)
+
+    async def timed(measurement: Measurement) -> None:
+        """One timed run; run again (at most ``plan.reruns`` times) while CPU-starved."""
+        count = _count(plan, workload, measurement.impl)
+        best: Sample | None = None
+        for _ in range(1 + plan.reruns):
+            sample = await once(measurement, count)
+            if sample is None:
+                return
+            if best is None or sample.cpu > best.cpu:
+                best = sample
+            if sample.cpu >= MIN_CPU_SHARE:
+                break
+            measurement.reruns += 1
+        if best is not None:
+            measurement.samples.append(best)
 
     async def alternate() -> None:
         if plan.warmup:
             for measurement in runnable:
-                warmup = max(50, _count(plan, workload, measurement.impl) // 10)
-                await once(measurement, warmup, record=False)
+                await once(measurement, max(50, _count(plan, workload, measurement.impl) // 10))
         for round_index in range(plan.rounds):
             progress(f"  {loop:<7} workload {workload.key}: round {round_index + 1}/{plan.rounds}")
             for measurement in runnable:
                 if measurement.status == "ok":
-                    await once(measurement, _count(plan, workload, measurement.impl), record=True)
+                    await timed(measurement)
 
     run_on(loop, alternate)
     _ratios(measurements)

@@ -270,7 +270,10 @@ class _PullConsumer:
             self.remaining -= 1
             if self.remaining <= 0:
                 self.request = None
-        self.ready.append(msg)
+        if self.closed:
+            await self._give_back([msg])  # our request outlived the subscription
+        else:
+            self.ready.append(msg)
         self.wake()
 
     async def request_more(self) -> None:
@@ -359,12 +362,44 @@ class _PullConsumer:
                     logger.debug("in-progress for %s failed", self.name, exc_info=True)
                     break
 
-    async def release(self, subscription: Subscription) -> None:
+    async def release(self, subscription: Subscription) -> bool:
         """Give back everything held but not settled, so another consumer gets it now.
 
-        The inbox is drained first (unsubscribe, then a round trip), so messages the
-        server sent before it saw the unsubscribe are given back too.
+        :return: whether the inbox is closed; ``False`` when a pull request is still
+            open on the server, and :meth:`linger` must keep the inbox until it ends.
         """
+        self.closed = True
+        held = [d._msg for d in self.unsettled.values() if not d._settled]
+        for delivery in self.unsettled.values():
+            delivery._settled = True
+        self.unsettled.clear()
+        held += self.ready
+        self.ready.clear()
+        if self.request is None or self.nc.is_closed:
+            await self._unsubscribe(subscription)
+            await self._give_back(held)
+            return True
+        # Not unsubscribing yet: a 2.9 server that finds a redelivery's only waiting
+        # request without interest loses that redelivery until ack_wait and sends
+        # another message twice. What reaches the open request meanwhile is given
+        # back at once (on_message), until the request ends.
+        await self._give_back(held)
+        return False
+
+    async def linger(self, subscription: Subscription) -> None:
+        """Keep the inbox of a left subscription until its open pull request ended."""
+        try:
+            with anyio.move_on_after(max(0.0, self.deadline - time.monotonic())):
+                while self.request is not None:
+                    wakeup = self.wakeup = anyio.Event()
+                    await wakeup.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._unsubscribe(subscription)
+                self.transport._consumers.discard(self)
+
+    async def _unsubscribe(self, subscription: Subscription) -> None:
+        """Unsubscribe; messages the server sent before it saw that are given back too."""
         drained = False
         if not self.nc.is_closed:
             try:
@@ -376,14 +411,11 @@ class _PullConsumer:
         if not drained:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
-        held = [d._msg for d in self.unsettled.values() if not d._settled]
-        for delivery in self.unsettled.values():
-            delivery._settled = True
-        self.unsettled.clear()
-        held += self.ready
-        self.ready.clear()
-        held.sort(key=lambda msg: msg.metadata.sequence.stream)
-        for msg in held:
+
+    async def _give_back(self, msgs: list[Msg]) -> None:
+        """Nak them, oldest first (ack the replays that were for another group)."""
+        msgs.sort(key=lambda msg: msg.metadata.sequence.stream)
+        for msg in msgs:
             target = (msg.headers or {}).get(HEADER_REPLAY_GROUP)
             try:
                 if target is not None and target != self.name:
@@ -392,7 +424,7 @@ class _PullConsumer:
                     await msg.nak()
             except Exception:  # redelivered after ack_wait instead
                 logger.debug("could not give back a message of %s", self.name, exc_info=True)
-                break
+                return
 
 
 class NatsTransport(Transport):
@@ -473,6 +505,9 @@ class NatsTransport(Transport):
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._consumers: set[_PullConsumer] = set()
+        #: What outlives a subscription: inboxes kept until their request ends. Plain
+        #: asyncio tasks (nats-py is asyncio-only), so aclose() may run in any task.
+        self._lingering: set[asyncio.Task[None]] = set()
         self._server: str | None = None
 
     def __repr__(self) -> str:
@@ -611,6 +646,12 @@ class NatsTransport(Transport):
         if nc is None:
             return
         with anyio.CancelScope(shield=True):
+            lingering, self._lingering = list(self._lingering), set()
+            for consumer in list(self._consumers):
+                if consumer.closed:  # lingering: stop waiting, unsubscribe now
+                    consumer.request = None
+                    consumer.wake()
+            await asyncio.gather(*lingering, return_exceptions=True)
             try:
                 with anyio.move_on_after(self.request_timeout):
                     await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
@@ -773,10 +814,13 @@ class NatsTransport(Transport):
                 finally:
                     task_group.cancel_scope.cancel()
         finally:
-            consumer.closed = True
             with anyio.CancelScope(shield=True):
-                await consumer.release(subscription)
-                self._consumers.discard(consumer)
+                if await consumer.release(subscription):
+                    self._consumers.discard(consumer)
+                else:
+                    task = asyncio.create_task(consumer.linger(subscription))
+                    self._lingering.add(task)
+                    task.add_done_callback(self._lingering.discard)
 
     def _delivery(self, consumer: _PullConsumer, msg: Msg) -> _NatsDelivery | None:
         headers = msg.headers or {}
