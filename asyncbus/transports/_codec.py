@@ -162,14 +162,20 @@ def envelope_from_wire(
 
 def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
     """A dead letter as one JSON document (the body base64-encoded)."""
-    try:
-        body = codec.encode(entry.envelope.payload)
-    except EncodeError:
-        body = repr(entry.envelope.payload).encode()
+    payload = entry.envelope.payload
+    raw = isinstance(payload, bytes | bytearray)  # an undecodable body, kept byte for byte
+    if raw:
+        body = bytes(payload)
+    else:
+        try:
+            body = codec.encode(payload)
+        except EncodeError:
+            body = repr(payload).encode()
     return json.dumps(
         {
             "meta": envelope_meta(entry.envelope),
             "body": base64.b64encode(body).decode(),
+            "raw": raw,
             "reason": entry.reason.value,
             "error": entry.error,
             "stage": entry.stage,
@@ -191,10 +197,13 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
         reason = DeadLetterReason(fields["reason"])
     except (KeyError, TypeError, ValueError) as error:
         raise DecodeError(f"dead letter is unreadable: {error}") from error
-    try:
-        payload = codec.decode(body)
-    except DecodeError:
-        payload = body
+    if fields.get("raw"):
+        payload: Any = body
+    else:
+        try:
+            payload = codec.decode(body)
+        except DecodeError:
+            payload = body
     return DeadLetter(
         envelope=_envelope_from_meta(fields["meta"], payload, None),
         reason=reason,

@@ -206,7 +206,9 @@ class MemoryTransport(Transport):
             for delivery in reversed(list(consumer.unsettled.values())):
                 delivery._settled = True
                 target.unsettled -= 1
-                target.put(delivery.envelope, front=True)
+                # It was delivered once already: the next delivery is the next attempt.
+                again = delivery.envelope.evolve(attempt=delivery.envelope.attempt + 1)
+                target.put(again, front=True)
             consumer.unsettled.clear()
 
     async def backlog(self, pattern: str, group: str) -> int:
