@@ -1,0 +1,54 @@
+"""Smoke tests of the benchmark suite: every workload runs, counts right, and reports.
+
+Tiny counts, no timing assertions: the numbers are the suite's business, these
+tests only make sure that a change to the bus does not quietly break it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncbus._bench import main
+from asyncbus._bench._memory import measure_memory
+from asyncbus._bench._runner import WORKLOADS, Plan, measure
+
+LOOPS = ["asyncio", "trio"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_workload_runs_on_asyncbus_and_its_baselines(loop: str) -> None:
+    plan = Plan(messages=200, requests=50, rounds=3, impls=("asyncbus", "raw", "queue", "sync"))
+    for workload in WORKLOADS:
+        measured = {m.impl.key: m for m in measure(workload, loop, plan)}
+        for key in ("asyncbus", "raw", "sync"):
+            assert measured[key].status == "ok", (workload.key, key, measured[key].reason)
+            assert len(measured[key].samples) == 3
+        assert measured["asyncbus"].ratio is not None
+        if workload.latency:
+            assert measured["asyncbus"].p99_ratio is not None
+        expected_queue = "ok" if loop == "asyncio" else "n/a"
+        assert measured["queue"].status == expected_queue
+
+
+def test_main_writes_the_table_as_json(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    argv = ["--workloads", "1,5", "--impls", "asyncbus,raw", "--messages", "100"]
+    argv += ["--requests", "50", "--loops", "asyncio", "--no-memory", "--json", str(path)]
+    assert main([*argv, "--no-check"]) == 0
+    document = json.loads(path.read_text())
+    results = {(r["workload"], r["impl"]): r for r in document["results"]}
+    assert set(results) == {("1", "asyncbus"), ("1", "raw"), ("5", "asyncbus"), ("5", "raw")}
+    assert results[("1", "raw")]["ratio_to_raw"] == 1.0
+    assert results[("5", "asyncbus")]["p99_us"] > 0
+    verdicts = {check["name"]: check["verdict"] for check in document["targets"]["checks"]}
+    assert verdicts["envelope overhead"].startswith("SKIP")
+
+
+def test_memory_run_reports_overhead_per_envelope() -> None:
+    report = measure_memory("asyncio", capacity=2_000, sustained=4_000, traced=1_000)
+    assert report.depth_sustained and min(report.depth_sustained) > 0
+    assert 0 < report.overhead_per_envelope < 10_000
+    assert report.raw_overhead_per_item < report.overhead_per_envelope
