@@ -189,7 +189,19 @@ class Bus:
         for stage in self._stages.values():
             for subscription in stage.subscriptions:
                 self._start(stage, subscription)
+        # Over a broker, a publish made as soon as this returns must find every group.
+        await self.subscribed()
         return self
+
+    async def subscribed(self) -> None:
+        """Wait until every stage's broker subscription exists (at once in memory).
+
+        ``async with bus`` waits for this itself; after a ``subscribe`` on a running
+        bus over a broker, await it before publishing what the new group must get.
+        """
+        for stage in list(self._stages.values()):
+            if stage.subscribed is not None:
+                await stage.subscribed.wait()
 
     async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """The runner task: owns the transport, the portal and the bus's task group."""
@@ -467,6 +479,7 @@ class Bus:
         stage.start_consumers(subscription, build_chain(subscription, handler, self._middleware))
         if self._broker is not None and self._over_broker(stage) and not stage.pumping:
             stage.pumping = True
+            stage.subscribed = anyio.Event()
             self.task_group.start_soon(stage.pump, self._broker, name=f"asyncbus pump {stage.name}")
 
     def _over_broker(self, stage: Stage) -> bool:
@@ -1018,6 +1031,8 @@ class Bus:
         await checkpoint()
         envelope_id = new_id()
         reply_to = envelope_id if self._broker is None else f"{self._inbox()}.{envelope_id}"
+        if self._broker is not None:
+            await self.subscribed()  # the inbox, subscribed on the first request
         envelope = self._envelope(
             topic, payload, headers, ttl, slip, None, envelope_id, reply_to=reply_to
         )

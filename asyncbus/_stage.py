@@ -90,6 +90,8 @@ class Stage:
         self._receive: MemoryObjectReceiveStream[tuple[float, Envelope]] | None = None
         #: Whether a pump feeds this stage from the broker.
         self.pumping = False
+        #: Set once the pump's broker subscription exists (its group receives publishes).
+        self.subscribed: anyio.Event | None = None
         self._consumer_waiters: deque[anyio.Event] = deque()
 
     # -- life cycle -------------------------------------------------------------
@@ -365,6 +367,8 @@ class Stage:
         """Feed this stage from the broker: at most ``capacity`` deliveries held here."""
         subscription = transport.subscribe(self.pattern, group=self.group, prefetch=self.capacity)
         async with subscription as deliveries:
+            if self.subscribed is not None:
+                self.subscribed.set()  # the group exists in the broker from here on
             async for delivery in deliveries:
                 envelope = delivery.envelope
                 if delivery.error is not None:

@@ -1,0 +1,710 @@
+"""NatsTransport against the conformance suite, plus what only JetStream does.
+
+Runs against the local nats-server (JetStream enabled) on asyncio only: nats-py is
+asyncio-only. Every test uses its own prefix, so its own streams and consumers, and
+deletes them afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+from anyio.streams.text import TextReceiveStream
+
+from asyncbus import (
+    HEADER_REPLAYED,
+    Bus,
+    ConfigurationError,
+    ConnectError,
+    DeadLetter,
+    DeadLetterReason,
+    Envelope,
+    Reject,
+    TransportError,
+)
+from asyncbus.testing.transport_suite import TransportSuite
+from asyncbus.transports import Delivery, Transport
+from asyncbus.transports._codec import envelope_to_wire
+from asyncbus.transports.nats import HEADER_META, NatsTransport, consumer_name
+
+nats = pytest.importorskip("nats")
+
+pytestmark = pytest.mark.timeout(60)
+
+#: ack_timeout of the transports under test: short, so redelivery tests are quick.
+ACK_TIMEOUT = 1.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """nats-py runs on asyncio only."""
+    return "asyncio"
+
+
+async def _delete_streams(url: str, prefix: str) -> None:
+    """Delete the two streams of ``prefix`` (their consumers go with them)."""
+    with anyio.CancelScope(shield=True):
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2)
+        try:
+            js = nc.jetstream()
+            probe = NatsTransport(url, prefix=prefix)
+            for stream in (probe.stream, probe.dead_letter_stream):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await js.delete_stream(stream)
+        finally:
+            await nc.close()
+
+
+@pytest.fixture
+async def cleanup(nats_url: str, unique_prefix: str) -> AsyncIterator[str]:
+    """The test's prefix; its streams are deleted after the test."""
+    try:
+        yield unique_prefix
+    finally:
+        await _delete_streams(nats_url, unique_prefix)
+
+
+async def _publish_with_headers(
+    url: str, subject: str, body: bytes, headers: dict[str, str]
+) -> None:
+    nc = await nats.connect(url, allow_reconnect=False, connect_timeout=2)
+    try:
+        await nc.jetstream().publish(subject, body, headers=headers)
+    finally:
+        await nc.close()
+
+
+class TestNats(TransportSuite):
+    """NatsTransport passes the conformance suite."""
+
+    ack_timeout = ACK_TIMEOUT
+    #: The server's max_payload is 1 MiB (headers and body together); the suite's
+    #: 1 MiB string cannot fit, so the large payload is the largest that does.
+    large_payload_size = (1 << 20) - 4096
+
+    @pytest.fixture
+    async def transport(self, nats_url: str, cleanup: str) -> AsyncIterator[Transport]:
+        async with NatsTransport(
+            nats_url, prefix=cleanup, ack_timeout=self.ack_timeout
+        ) as transport:
+            yield transport
+
+    async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
+        assert isinstance(transport, NatsTransport)
+        envelope = Envelope(topic=topic)
+        meta, _ = envelope_to_wire(envelope, transport.codec)
+        await _publish_with_headers(
+            transport.url,
+            f"{transport.prefix}.{topic}",
+            body,
+            {"Nats-Msg-Id": envelope.id, HEADER_META: meta.decode()},
+        )
+
+
+# -- transport-specific behaviour ---------------------------------------------------
+
+
+@pytest.fixture
+async def transport(nats_url: str, cleanup: str) -> AsyncIterator[NatsTransport]:
+    async with NatsTransport(nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT) as transport:
+        yield transport
+
+
+async def _next(deliveries: AsyncIterator[Any], timeout: float = 10.0) -> Any:
+    with anyio.fail_after(timeout):
+        return await anext(deliveries)
+
+
+async def _nothing_within(deliveries: AsyncIterator[Any], seconds: float) -> None:
+    with anyio.move_on_after(seconds):
+        extra = await anext(deliveries)
+        raise AssertionError(f"unexpected delivery {extra.envelope!r}")
+
+
+@pytest.mark.anyio
+async def test_unreachable_server_raises_connect_error_naming_host_and_port() -> None:
+    transport = NatsTransport("nats://user:secret@127.0.0.1:4299", connect_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(ConnectError) as caught:
+        async with transport:
+            pass
+    assert "127.0.0.1:4299" in str(caught.value)
+    assert "secret" not in str(caught.value)
+    assert time.monotonic() - started < 5
+
+
+def test_topics_prefixes_and_settings_are_validated() -> None:
+    with pytest.raises(ConfigurationError):
+        NatsTransport(prefix="a b")
+    with pytest.raises(ConfigurationError):
+        NatsTransport(prefix="bus.>")
+    with pytest.raises(ConfigurationError):
+        NatsTransport(ack_timeout=0)
+
+
+@pytest.mark.anyio
+async def test_topic_that_is_not_a_nats_subject_is_refused(transport: NatsTransport) -> None:
+    for topic in ("has space", "tab\tbed", "a..b", "wild.*"):
+        with pytest.raises(ConfigurationError):
+            await transport.publish(topic, [Envelope(topic=topic)])
+
+
+def test_consumer_names_are_deterministic_unique_and_valid() -> None:
+    name = consumer_name("orders.*", "tests.mod:Handler.method")
+    assert name == consumer_name("orders.*", "tests.mod:Handler.method")
+    assert name != consumer_name("orders.>", "tests.mod:Handler.method")
+    assert name != consumer_name("orders.*", "tests.mod:Handler_method")
+    assert all(ch.isalnum() or ch in "_-" for ch in name), name
+
+
+@pytest.mark.anyio
+async def test_streams_are_created_as_documented(transport: NatsTransport, nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        main = (await js.stream_info(transport.stream)).config
+        dead = (await js.stream_info(transport.dead_letter_stream)).config
+    finally:
+        await nc.close()
+    assert main.subjects == [f"{transport.prefix}.>"]
+    assert main.retention == nats.js.api.RetentionPolicy.INTEREST
+    assert main.duplicate_window == pytest.approx(120.0)
+    assert dead.subjects == [f"{transport.prefix}_dlq.>"]
+    assert dead.max_age == pytest.approx(transport.dead_letter_ttl)
+    assert dead.max_msgs == transport.dead_letter_maxlen
+
+
+@pytest.mark.anyio
+async def test_dead_letter_stream_follows_changed_limits(nats_url: str, cleanup: str) -> None:
+    async with NatsTransport(nats_url, prefix=cleanup):
+        pass
+    transport = NatsTransport(nats_url, prefix=cleanup)
+    transport.dead_letter_ttl, transport.dead_letter_maxlen = 3600.0, 10
+    async with transport:
+        nc = await nats.connect(nats_url)
+        try:
+            dead = (await nc.jetstream().stream_info(transport.dead_letter_stream)).config
+        finally:
+            await nc.close()
+    assert (dead.max_age, dead.max_msgs) == (pytest.approx(3600.0), 10)
+
+
+@pytest.mark.anyio
+async def test_nack_delay_is_honoured_by_the_server(transport: NatsTransport) -> None:
+    """nak(delay=) is JetStream's own: not before the delay, and soon after it."""
+    async with transport.subscribe("later", group="g", prefetch=1) as deliveries:
+        await transport.publish("later", [Envelope(topic="later", payload=1)])
+        delivery = await _next(deliveries)
+        started = time.monotonic()
+        await delivery.nack(delay=1.0)
+        again = await _next(deliveries)
+        elapsed = time.monotonic() - started
+        assert 1.0 <= elapsed < 1.5, elapsed
+        assert again.envelope.attempt == 2
+        await again.ack()
+
+
+@pytest.mark.anyio
+async def test_republished_id_is_dropped_as_a_duplicate(transport: NatsTransport) -> None:
+    envelope = Envelope(topic="dedup", payload="once")
+    async with transport.subscribe("dedup", group="g", prefetch=5) as deliveries:
+        await transport.publish("dedup", [envelope])
+        await transport.publish("dedup", [envelope])
+        await transport.publish("dedup", [envelope.evolve(payload="twice?")])
+        first = await _next(deliveries)
+        assert (first.envelope.id, first.envelope.payload) == (envelope.id, "once")
+        await first.ack()
+        await _nothing_within(deliveries, 0.5)
+        assert await transport.backlog("dedup", "g") == 0
+
+
+@pytest.mark.anyio
+async def test_replay_of_an_id_is_not_dropped_as_a_duplicate(transport: NatsTransport) -> None:
+    """A replayed envelope keeps its id but is published anew, within the window too."""
+    envelope = Envelope(topic="again", payload=1)
+    replayed = envelope.evolve(headers={HEADER_REPLAYED: "1"}, timestamp=time.time() + 1)
+    async with transport.subscribe("again", group="g", prefetch=5) as deliveries:
+        await transport.publish("again", [envelope])
+        await (await _next(deliveries)).ack()
+        await transport.publish("again", [replayed])
+        second = await _next(deliveries)
+        assert second.envelope.id == envelope.id
+        assert second.envelope.headers[HEADER_REPLAYED] == "1"
+        assert second.envelope.attempt == 1
+        await second.ack()
+        await transport.publish_to_group("again", "g", [replayed])
+        third = await _next(deliveries)
+        assert third.envelope.id == envelope.id
+        await third.ack()
+
+
+@pytest.mark.anyio
+async def test_publish_to_group_refuses_a_topic_outside_the_pattern(
+    transport: NatsTransport,
+) -> None:
+    with pytest.raises(ConfigurationError):
+        await transport.publish_to_group("a.*", "g", [Envelope(topic="b.c")])
+
+
+@pytest.mark.anyio
+async def test_oversized_envelope_is_refused_at_publish(transport: NatsTransport) -> None:
+    huge = Envelope(topic="big", payload="x" * (1 << 20))
+    with pytest.raises(TransportError, match="max_payload"):
+        await transport.publish("big", [huge])
+    # The connection survives (the server never saw the oversized message).
+    async with transport.subscribe("big", group="g", prefetch=1) as deliveries:
+        await transport.publish("big", [Envelope(topic="big", payload="small")])
+        await (await _next(deliveries)).ack()
+
+
+@pytest.mark.anyio
+async def test_message_from_a_foreign_publisher_is_delivered_with_an_error(
+    transport: NatsTransport, nats_url: str
+) -> None:
+    async with transport.subscribe("foreign.*", group="g", prefetch=1) as deliveries:
+        await _publish_with_headers(
+            nats_url, f"{transport.prefix}.foreign.x", b"plain bytes", {"Nats-Msg-Id": "f-1"}
+        )
+        delivery = await _next(deliveries)
+        assert delivery.error and HEADER_META in delivery.error
+        assert (delivery.envelope.id, delivery.envelope.topic) == ("f-1", "foreign.x")
+        assert delivery.envelope.payload == b"plain bytes"
+        await delivery.reject(DeadLetterReason.REJECTED.value, error=delivery.error)
+    [entry] = await transport.dead_letters()
+    assert entry.envelope.payload == b"plain bytes"
+
+
+@pytest.mark.anyio
+async def test_dead_letters_survive_a_new_transport_instance(
+    transport: NatsTransport, nats_url: str, cleanup: str
+) -> None:
+    sent = Envelope(topic="poison", payload={"bad": True}, headers={"h": "v"})
+    async with transport.subscribe("poison", group="g", prefetch=1) as deliveries:
+        await transport.publish("poison", [sent])
+        delivery = await _next(deliveries)
+        await delivery.reject(DeadLetterReason.HANDLER_FAILED.value, error="E: x", stage="s")
+    await transport.add_dead_letter(
+        DeadLetter(
+            Envelope(topic="t", payload=b"\x00raw"),
+            DeadLetterReason.DROPPED,
+            None,
+            None,
+            0,
+            time.time(),
+        )
+    )
+    await transport.aclose()
+    async with NatsTransport(nats_url, prefix=cleanup) as fresh:
+        entries = await fresh.dead_letters()
+        assert entries[0].envelope.id == sent.id
+        assert (entries[0].reason, entries[0].error, entries[0].stage, entries[0].attempts) == (
+            DeadLetterReason.HANDLER_FAILED,
+            "E: x",
+            "s",
+            1,
+        )
+        assert entries[0].envelope.payload == {"bad": True}
+        assert entries[1].envelope.payload == b"\x00raw"
+        await fresh.remove_dead_letters([sent.id])
+        assert [e.reason for e in await fresh.dead_letters()] == [DeadLetterReason.DROPPED]
+
+
+@pytest.mark.anyio
+async def test_dead_letter_with_an_odd_envelope_id_is_stored_and_removed(
+    transport: NatsTransport,
+) -> None:
+    odd = Envelope(id="order 17/ü.*>", topic="t", payload=1)
+    await transport.add_dead_letter(
+        DeadLetter(odd, DeadLetterReason.EXPIRED, None, None, 1, time.time())
+    )
+    assert [e.envelope.id for e in await transport.dead_letters()] == [odd.id]
+    await transport.remove_dead_letters([odd.id])
+    assert await transport.dead_letters() == []
+
+
+@pytest.mark.anyio
+async def test_many_dead_letters_are_read_in_order(transport: NatsTransport) -> None:
+    now = time.time()
+    added = [
+        DeadLetter(Envelope(topic="t", payload=n), DeadLetterReason.DROPPED, None, None, 1, now)
+        for n in range(600)
+    ]
+    for entry in added:
+        await transport.add_dead_letter(entry)
+    listed = await transport.dead_letters()
+    assert [e.envelope.payload for e in listed] == list(range(600))
+
+
+@pytest.mark.anyio
+async def test_keep_alive_holds_deliveries_past_ack_timeout(nats_url: str, cleanup: str) -> None:
+    """With keep_alive, a live consumer keeps what it holds past ack_timeout."""
+    async with (
+        NatsTransport(nats_url, prefix=cleanup, ack_timeout=0.6, keep_alive=True) as transport,
+        transport.subscribe("slow", group="g", prefetch=1) as holder,
+    ):
+        await transport.publish("slow", [Envelope(topic="slow", payload=1)])
+        held = await _next(holder)
+        async with transport.subscribe("slow", group="g", prefetch=1) as other:
+            await _nothing_within(other, 2.0)
+        await held.ack()
+
+
+async def _lines(stream: Any) -> AsyncIterator[dict[str, Any]]:
+    buffer = ""
+    async for text in TextReceiveStream(stream):
+        buffer += text
+        while "\n" in buffer:
+            line, buffer = buffer.split("\n", 1)
+            yield json.loads(line)
+
+
+_CONSUMER_SCRIPT = """
+import asyncio, json, sys
+from asyncbus.transports.nats import NatsTransport
+
+async def main(url, prefix, count, ack_timeout):
+    # keep_alive: while alive it holds its deliveries however long; only death frees them.
+    async with NatsTransport(url, prefix=prefix, ack_timeout=ack_timeout, keep_alive=True) as t:
+        async with t.subscribe("crash.*", group="workers", prefetch=count) as deliveries:
+            print(json.dumps({"ready": True}), flush=True)
+            taken = []
+            async for delivery in deliveries:
+                taken.append(delivery.envelope.id)
+                if len(taken) == count:
+                    print(json.dumps({"taken": taken}), flush=True)
+                    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
+"""
+
+
+@pytest.mark.anyio
+async def test_deliveries_of_a_killed_process_reach_a_survivor_within_ack_timeout(
+    transport: NatsTransport, nats_url: str, cleanup: str
+) -> None:
+    count = 5
+    sent = [Envelope(topic="crash.job", payload=n) for n in range(count)]
+    process = await anyio.open_process(
+        [sys.executable, "-c", _CONSUMER_SCRIPT, nats_url, cleanup, str(count), str(ACK_TIMEOUT)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        lines = _lines(process.stdout)
+        with anyio.fail_after(15):
+            assert (await anext(lines)) == {"ready": True}
+            await transport.publish("crash.job", sent)
+            taken = (await anext(lines))["taken"]
+        assert sorted(taken) == sorted(e.id for e in sent)
+        async with transport.subscribe("crash.*", group="workers", prefetch=count) as survivor:
+            # The child holds them (keep-alive) while it lives.
+            await _nothing_within(survivor, ACK_TIMEOUT + 0.5)
+            os.kill(process.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            got: list[Envelope] = []
+            with anyio.fail_after(ACK_TIMEOUT + 1.0):
+                while len(got) < count:
+                    delivery = await anext(survivor)
+                    got.append(delivery.envelope)
+                    await delivery.ack()
+            elapsed = time.monotonic() - killed
+        assert sorted(e.id for e in got) == sorted(taken)
+        assert all(e.attempt == 2 for e in got), [e.attempt for e in got]
+        assert elapsed <= ACK_TIMEOUT + 1.0
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with anyio.CancelScope(shield=True):
+            await process.wait()
+            await process.aclose()
+
+
+@pytest.mark.anyio
+async def test_two_connections_in_one_group_split_the_work(
+    transport: NatsTransport, nats_url: str, cleanup: str
+) -> None:
+    sent = [Envelope(topic="split", payload=n) for n in range(500)]
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+    async with NatsTransport(nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT) as other:
+
+        async def consume(name: str, deliveries: AsyncIterator[Delivery]) -> None:
+            async for delivery in deliveries:
+                seen[name].append(delivery.envelope.id)
+                await delivery.ack()
+
+        async with (
+            transport.subscribe("split", group="g", prefetch=16) as first,
+            other.subscribe("split", group="g", prefetch=16) as second,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(consume, "a", first)
+            tg.start_soon(consume, "b", second)
+            await transport.publish("split", sent)
+            with anyio.fail_after(15):
+                while len(seen["a"]) + len(seen["b"]) < len(sent):
+                    await anyio.sleep(0.02)
+            await anyio.sleep(0.3)
+            tg.cancel_scope.cancel()
+    assert sorted(seen["a"] + seen["b"]) == sorted(e.id for e in sent)
+    assert seen["a"] and seen["b"]
+
+
+# -- the bus over NATS --------------------------------------------------------------
+
+
+async def _wait_for_consumer(transport: NatsTransport, pattern: str, group: str) -> None:
+    """Until the bus's pump has created the group's consumer (see the module notes)."""
+    nc = await nats.connect(transport.url)
+    try:
+        js = nc.jetstream()
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    await js.consumer_info(transport.stream, consumer_name(pattern, group))
+                    return
+                except nats.js.errors.NotFoundError:
+                    await anyio.sleep(0.01)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_bus_over_nats_handles_dead_letters_and_replays(nats_url: str, cleanup: str) -> None:
+    transport = NatsTransport(nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT)
+    handled: list[Any] = []
+    healed = False
+    bus = Bus(transport=transport)
+
+    @bus.subscribe("jobs.*", group="workers")
+    async def work(n: int) -> None:
+        if n == 3 and not healed:
+            raise Reject("three is bad")
+        handled.append(n)
+
+    with anyio.fail_after(30):
+        async with bus:
+            await _wait_for_consumer(transport, "jobs.*", "workers")
+            for n in range(5):
+                await bus.publish("jobs.run", n)
+            await bus.drain()
+            assert sorted(handled) == [0, 1, 2, 4]
+            [dead] = bus.dead_letters.list()
+            assert (dead.reason, dead.stage) == (DeadLetterReason.REJECTED, "jobs.*@workers")
+        second = Bus(transport=transport)
+        second.subscribe("jobs.*", work, group="workers")
+        async with second:
+            [restored] = second.dead_letters.list()
+            assert restored.envelope.id == dead.envelope.id
+            healed = True
+            await second.dead_letters.replay(restored.envelope.id)
+            await second.drain()
+            assert sorted(handled) == [0, 1, 2, 3, 4]
+            assert await transport.dead_letters() == []
+
+
+# -- a server restarted under load ----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def _start_server(port: int, store: str) -> anyio.abc.Process:
+    """A private nats-server with JetStream on loopback, ready to accept connections."""
+    process = await anyio.open_process(
+        [NATS_SERVER, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    with anyio.fail_after(10):
+        while True:
+            try:
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+            except OSError:
+                await anyio.sleep(0.05)
+            else:
+                await stream.aclose()
+                return process
+
+
+async def _stop_server(process: anyio.abc.Process) -> None:
+    with anyio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        await process.aclose()
+
+
+NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not os.path.exists(NATS_SERVER), reason="no nats-server binary")
+async def test_server_restart_under_load_loses_no_confirmed_publish(tmp_path: Any) -> None:
+    """The client reconnects by itself; the subscription resumes without a restart."""
+    port = _free_port()
+    store = str(tmp_path / "js")
+    server = await _start_server(port, store)
+    url = f"nats://127.0.0.1:{port}"
+    confirmed: list[str] = []
+    received: set[str] = set()
+    try:
+        async with (
+            NatsTransport(url, ack_timeout=ACK_TIMEOUT, request_timeout=1.0) as transport,
+            transport.subscribe("load", group="g", prefetch=50) as deliveries,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def consume() -> None:
+                while True:
+                    try:
+                        delivery = await anext(deliveries)
+                    except TransportError:
+                        await anyio.sleep(0.05)
+                        continue
+                    received.add(delivery.envelope.id)
+                    with contextlib.suppress(TransportError):
+                        await delivery.ack()
+
+            async def produce(stop: anyio.Event, stopped: anyio.Event) -> None:
+                while not stop.is_set():
+                    envelope = Envelope(topic="load", payload=len(confirmed))
+                    try:
+                        await transport.publish("load", [envelope])
+                    except TransportError:
+                        await anyio.sleep(0.05)  # down: not confirmed, so not counted
+                        continue
+                    confirmed.append(envelope.id)
+                    await anyio.sleep(0.002)
+                stopped.set()
+
+            stop, stopped = anyio.Event(), anyio.Event()
+            tg.start_soon(consume)
+            tg.start_soon(produce, stop, stopped)
+            with anyio.fail_after(10):
+                while len(confirmed) < 100:
+                    await anyio.sleep(0.01)
+            await _stop_server(server)
+            await anyio.sleep(0.5)
+            server = await _start_server(port, store)
+            before = len(confirmed)
+            with anyio.fail_after(15):
+                while len(confirmed) < before + 100:
+                    await anyio.sleep(0.01)
+            stop.set()
+            await stopped.wait()
+            with anyio.fail_after(ACK_TIMEOUT + 10):
+                while not received.issuperset(confirmed):
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    finally:
+        await _stop_server(server)
+    assert received.issuperset(confirmed)
+
+
+@pytest.mark.anyio
+async def test_cancelled_wait_for_a_delivery_keeps_the_subscription_usable(
+    transport: NatsTransport,
+) -> None:
+    async with transport.subscribe("patient", group="g", prefetch=2) as deliveries:
+        with anyio.move_on_after(0.2):
+            await anext(deliveries)
+        await transport.publish("patient", [Envelope(topic="patient", payload=1)])
+        delivery = await _next(deliveries)
+        assert delivery.envelope.payload == 1
+        await delivery.ack()
+
+
+@pytest.mark.anyio
+async def test_deleted_consumer_ends_the_subscription_with_transport_error(
+    transport: NatsTransport, nats_url: str
+) -> None:
+    async with transport.subscribe("doomed", group="g", prefetch=1) as deliveries:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().delete_consumer(transport.stream, consumer_name("doomed", "g"))
+        finally:
+            await nc.close()
+        with anyio.fail_after(10), pytest.raises(TransportError, match="gone"):
+            await anext(deliveries)
+
+
+@pytest.mark.anyio
+async def test_backlog_counts_delayed_nacks_until_redelivered_and_acked(
+    transport: NatsTransport,
+) -> None:
+    async with transport.subscribe("wait", group="g", prefetch=1) as deliveries:
+        await transport.publish("wait", [Envelope(topic="wait", payload=1)])
+        delivery = await _next(deliveries)
+        await delivery.nack(delay=0.5)
+        assert await transport.backlog("wait", "g") == 1
+        again = await _next(deliveries)
+        await again.ack()
+        with anyio.fail_after(5):
+            while await transport.backlog("wait", "g"):
+                await anyio.sleep(0.02)
+
+
+@pytest.mark.anyio
+async def test_consumer_deleted_while_no_request_waits_is_noticed(
+    transport: NatsTransport, nats_url: str
+) -> None:
+    """A pull on a deleted consumer gets no reply at all; the expired request tells."""
+    async with transport.subscribe("doomed", group="g", prefetch=1) as deliveries:
+        await transport.publish("doomed", [Envelope(topic="doomed", payload=1)])
+        delivery = await _next(deliveries)  # the request is fulfilled: none waits now
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().delete_consumer(transport.stream, consumer_name("doomed", "g"))
+        finally:
+            await nc.close()
+        await delivery.ack()
+        with anyio.fail_after(15), pytest.raises(TransportError, match="gone"):
+            await anext(deliveries)
+
+
+@pytest.mark.anyio
+async def test_dead_letter_stream_expires_entries_after_the_ttl(
+    nats_url: str, cleanup: str
+) -> None:
+    transport = NatsTransport(nats_url, prefix=cleanup)
+    transport.dead_letter_ttl = 1.0  # as the bus sets it before entering
+    async with transport:
+        entry = DeadLetter(
+            Envelope(topic="t", payload=1), DeadLetterReason.DROPPED, None, None, 0, time.time()
+        )
+        await transport.add_dead_letter(entry)
+        assert len(await transport.dead_letters()) == 1
+        await anyio.sleep(1.5)
+        transport.dead_letter_ttl = 3600.0  # only the server's max_age can drop it now
+        assert await transport.dead_letters() == []
+
+
+@pytest.mark.anyio
+async def test_large_batch_is_pipelined_in_publish_order(transport: NatsTransport) -> None:
+    sent = [Envelope(topic="bulk", payload=n) for n in range(1000)]
+    got: list[int] = []
+    async with transport.subscribe("bulk", group="g", prefetch=100) as deliveries:
+        await transport.publish("bulk", sent)
+        with anyio.fail_after(15):
+            while len(got) < len(sent):
+                delivery = await anext(deliveries)
+                got.append(delivery.envelope.payload)
+                await delivery.ack()
+    assert got == list(range(1000))
