@@ -52,6 +52,8 @@ SCRIPTS = {
 }
 #: examples that are apps, not scripts; tested below.
 APPS = {"fastapi_orders.py"}
+#: scripts that need a broker on this machine; tested below.
+BROKER_SCRIPTS = {"scaled_out_redis.py"}
 
 
 def run_example(name: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -67,7 +69,35 @@ def run_example(name: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 
 def test_every_example_is_run_by_a_test() -> None:
-    assert {path.name for path in EXAMPLES.glob("*.py")} == set(SCRIPTS) | APPS
+    assert {path.name for path in EXAMPLES.glob("*.py")} == set(SCRIPTS) | APPS | BROKER_SCRIPTS
+
+
+def require_port(name: str, port: int) -> None:
+    """Skip unless 127.0.0.1:port answers; fail instead when CI requires the services."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+    except OSError as error:
+        message = f"{name} not reachable on 127.0.0.1:{port} ({error})"
+        if os.environ.get("ASYNCBUS_REQUIRE_SERVICES") == "1":
+            pytest.fail(f"{message}; ASYNCBUS_REQUIRE_SERVICES=1 requires it", pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.mark.timeout(120)
+def test_the_service_scaled_out_over_redis_splits_the_orders_between_two_processes() -> None:
+    require_port("Redis", 6379)
+    result = run_example("scaled_out_redis.py", timeout=110)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""
+    shares = re.search(
+        r"^200 orders fulfilled by two processes \(worker-1: (\d+), worker-2: (\d+)\)$",
+        result.stdout,
+        re.MULTILINE,
+    )
+    assert shares is not None, result.stdout
+    assert int(shares[1]) + int(shares[2]) == 200
+    assert "each exactly once: True" in result.stdout
 
 
 @pytest.mark.timeout(90)
