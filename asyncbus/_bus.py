@@ -32,6 +32,7 @@ from ._envelope import (
     new_id,
 )
 from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
+from ._offload import hold_switch_interval, release_switch_interval
 from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Admission, Backpressure, Stage
@@ -141,6 +142,7 @@ class Bus:
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
         self._inbox_prefix: str | None = None
+        self._holds_switch_interval = False
         self._host: TaskGroup | None = None
         self._drained = False
         self._stop_requested: anyio.Event | None = None
@@ -181,8 +183,10 @@ class Bus:
         await host.__aenter__()
         try:
             await host.start(self._run, name=f"asyncbus {self.name}")
-        except BaseException as error:
-            await host.__aexit__(type(error), error, error.__traceback__)
+        except BaseException:
+            # The runner failed before it started (a broker that cannot be reached):
+            # close the empty host group and raise that error itself, unwrapped.
+            await host.__aexit__(None, None, None)
             raise
         self._host = host
         self._state = "running"
@@ -296,6 +300,9 @@ class Bus:
     def _finish(self, drained: bool = False) -> ShutdownReport:
         if self._report is not None:
             return self._report
+        if self._holds_switch_interval:
+            self._holds_switch_interval = False
+            release_switch_interval()
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close()
@@ -475,6 +482,9 @@ class Bus:
 
     def _start(self, stage: Stage, subscription: Subscription) -> None:
         assert self._limiter is not None
+        if subscription.offload == "thread" and not self._holds_switch_interval:
+            self._holds_switch_interval = True
+            hold_switch_interval()
         handler = adapt_handler(subscription, self._limiter)
         stage.start_consumers(subscription, build_chain(subscription, handler, self._middleware))
         if self._broker is not None and self._over_broker(stage) and not stage.pumping:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-__all__ = ["run_in_worker", "run_niced"]
+__all__ = ["hold_switch_interval", "release_switch_interval", "run_in_worker", "run_niced"]
 
 #: How much lower than the event loop's process a CPU-bound worker process runs.
 WORKER_NICENESS = 5
@@ -81,3 +82,45 @@ async def run_in_worker(
         raise
     limiter.release_on_behalf_of(slot)
     return result
+
+
+#: The GIL hand-over interval while a bus runs sync handlers in threads (GIL builds).
+SWITCH_INTERVAL = 0.0005
+_switch_holders = 0
+_switch_saved: float | None = None
+
+
+def hold_switch_interval() -> None:
+    """Shorten the interpreter's GIL switch interval while worker threads may be busy.
+
+    On a GIL build a busy worker thread keeps the GIL until the event loop's thread
+    has waited ``sys.getswitchinterval()`` (5 ms by default), which is then the loop's
+    lag on every wake-up. Each running bus with thread-offloaded stages holds the
+    shorter interval; the interpreter's own value comes back when the last one stops.
+    Free-threaded builds have no GIL to hand over and are left alone.
+    """
+    global _switch_holders, _switch_saved
+    if _free_threaded():
+        return
+    if _switch_holders == 0:
+        _switch_saved = sys.getswitchinterval()
+        if _switch_saved > SWITCH_INTERVAL:
+            sys.setswitchinterval(SWITCH_INTERVAL)
+    _switch_holders += 1
+
+
+def release_switch_interval() -> None:
+    """Undo one :func:`hold_switch_interval`."""
+    global _switch_holders, _switch_saved
+    if _free_threaded() or _switch_holders == 0:
+        return
+    _switch_holders -= 1
+    if _switch_holders == 0 and _switch_saved is not None:
+        sys.setswitchinterval(_switch_saved)
+        _switch_saved = None
+
+
+def _free_threaded() -> bool:
+    from ._runtime import FREE_THREADED
+
+    return FREE_THREADED

@@ -382,3 +382,19 @@ async def test_a_timed_out_thread_keeps_its_worker_slot_until_it_returns() -> No
             reasons = [dead.reason for dead in bus.dead_letters.list()]
             assert reasons == [DeadLetterReason.TIMEOUT] * 3
             assert gauge.most == 1
+
+
+async def test_thread_stages_shorten_the_gil_switch_interval_while_the_bus_runs() -> None:
+    before = sys.getswitchinterval()
+    bus = Bus()
+
+    @bus.subscribe("work", group="g")
+    def work(n: int) -> int:
+        return n
+
+    async with bus:
+        if asyncbus.FREE_THREADED:
+            assert sys.getswitchinterval() == before
+        else:
+            assert sys.getswitchinterval() == min(before, 0.0005)
+    assert sys.getswitchinterval() == before
