@@ -120,6 +120,7 @@ class Bus:
         self.workers = workers
         self._middleware = tuple(middleware)
         self._router: Router[Stage] = Router()
+        self._routes = self._router.cache  # topic -> stages, read directly on the hot path
         self._stages: dict[tuple[str, str], Stage] = {}
         self._stages_by_name: dict[str, Stage] = {}
         #: Dead letters of every stage, newest last.
@@ -589,7 +590,7 @@ class Bus:
             )
         if not self.observers and self._broker is None:
             # The common case, without the general path's calls: every stage has room.
-            stages = self._router.route(topic)
+            stages = self._routes.get(topic) or self._router.route(topic)
             if len(stages) == 1:
                 stage = stages[0]
                 if stage.queued < stage.capacity and not stage.room_waiters:

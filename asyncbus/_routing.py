@@ -76,6 +76,11 @@ class Router(Generic[T]):
         self._cache: dict[str, tuple[T, ...]] = {}
         self._names: dict[str, tuple[str, ...]] = {}
 
+    @property
+    def cache(self) -> dict[str, tuple[T, ...]]:
+        """The routes computed so far (topic -> targets); the same dict for ever."""
+        return self._cache
+
     def add(self, pattern: str, group: str, target: T) -> None:
         """Register ``target`` for ``pattern`` in ``group``."""
         self._routes.append((compile_pattern(pattern), group, target))

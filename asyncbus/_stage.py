@@ -297,6 +297,7 @@ class Stage:
         receive_nowait = self._pop
         checkpoint = self.bus.yield_now
         waiters = self._consumer_waiters
+        deliveries = self.deliveries  # the same dict for the stage's life
         wait_record, latency_record = self.wait.record, self.latency.record
         while True:
             # Items always sit in the stream's buffer (no consumer ever waits inside
@@ -340,7 +341,7 @@ class Stage:
                 self.in_flight -= 1
                 if bus.idle_waiters and not self.queued and not self.in_flight:
                     bus.wake_drainers()
-            if self.deliveries and outcome is not Outcome.DEFERRED:
+            if deliveries and outcome is not Outcome.DEFERRED:
                 await self._settle_delivery(
                     envelope, dispatch.dead if outcome is Outcome.DEAD else None
                 )

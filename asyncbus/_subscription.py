@@ -192,6 +192,7 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
             def call_async(env: Envelope) -> Any:
                 return function(env.payload)
 
+            call_async.payload_function = function  # type: ignore[attr-defined]
             return call_async
 
         def call_async_typed(env: Envelope) -> Any:
@@ -260,6 +261,15 @@ def build_chain(
         # Only layers that do nothing for a plain envelope: test that once and call
         # the handler directly, instead of passing through each layer in turn.
         general = chain
+        on_payload = getattr(handler, "payload_function", None)
+        if on_payload is not None:  # an async handler of the payload: call it directly
+
+            def fused_payload(envelope: Envelope) -> Awaitable[Any]:
+                if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
+                    return general(envelope)
+                return on_payload(envelope.payload)  # type: ignore[no-any-return]
+
+            return fused_payload
 
         def fused(envelope: Envelope) -> Awaitable[Any]:
             if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:

@@ -1,0 +1,499 @@
+"""The consuming side of the RabbitMQ transport: subscriptions and their deliveries.
+
+A :class:`Subscription` owns one consumer channel at a time (a new one after a lost
+connection); :class:`ConsumerChannel` keeps the acks that channel owes the broker;
+:class:`RabbitDelivery` is what a subscription hands out. The broker calls go through
+the transport (:mod:`asyncbus.transports.rabbit`), which also runs the helpers that
+write acks behind and give back what a stuck consumer holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+import time
+from collections import deque
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+
+from .._dead_letters import DeadLetter, DeadLetterReason
+from .._envelope import Envelope
+from .._exceptions import DecodeError, TransportError
+from ._codec import envelope_from_wire
+from .base import Delivery
+
+if TYPE_CHECKING:
+    from aiormq.abc import AbstractChannel, DeliveredMessage
+
+    from .rabbit import RabbitTransport
+
+__all__ = [
+    "BACKOFF_MIN",
+    "EXPIRED",
+    "LOST",
+    "META_HEADER",
+    "RELEASED",
+    "RELEASE_TIMEOUT",
+    "RETURNED",
+    "ConsumerChannel",
+    "RabbitDelivery",
+    "Subscription",
+    "retrieve",
+    "spurious_cancel",
+]
+
+logger = logging.getLogger("asyncbus")
+
+#: Header carrying the envelope's fields (all but the payload) as JSON.
+META_HEADER = "asyncbus-meta"
+#: Quorum queues count the returns of a message in this header.
+_DELIVERY_COUNT = "x-delivery-count"
+BACKOFF_MIN = 0.05
+#: Seconds a leaving consumer, or one found stuck, may take to give its deliveries back.
+RELEASE_TIMEOUT = 5.0
+
+# Delivery states (``None``: handed out or waiting, not settled).
+SETTLED = "settled"
+EXPIRED = "expired"
+LOST = "lost"
+RELEASED = "released"
+RETURNED = "returned"
+
+_STATE_MESSAGES = {
+    SETTLED: "was already settled",
+    EXPIRED: "was not settled within ack_timeout and went back to the queue",
+    LOST: "came over a connection that was lost: the broker delivers it again",
+    RELEASED: "was released when its subscription ended",
+    RETURNED: "went back to the queue",
+}
+
+
+#: A bare yield to the event loop: ``anyio.lowlevel.checkpoint`` on asyncio, without
+#: looking the backend up on every delivery (the transport runs on asyncio only).
+_yield = partial(asyncio.sleep, 0)
+
+
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a done future's exception as retrieved (asyncio logs unretrieved ones)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def spurious_cancel() -> bool:
+    """Whether a ``CancelledError`` came from the client library, not a cancel request."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+class ConsumerChannel:
+    """One channel of a subscription, and the acks it owes the broker."""
+
+    __slots__ = ("acks", "channel", "consuming", "done", "lock", "next_tag", "tag")
+
+    def __init__(self, channel: AbstractChannel) -> None:
+        self.channel = channel
+        self.tag = ""
+        self.consuming = False
+        #: Every delivery tag below this one is settled and written.
+        self.next_tag = 1
+        #: Settled tags from ``next_tag`` on (acked, or nacked one by one).
+        self.done: set[int] = set()
+        #: Tags settled by ``ack`` and not written yet.
+        self.acks: list[int] = []
+        self.lock = anyio.Lock()
+
+    async def flush(self) -> None:
+        """Write the acks owed: one ``multiple`` for the contiguous run, single ones after."""
+        async with self.lock:
+            acks, self.acks = self.acks, []
+            if not acks:
+                return
+            fresh = set(acks)
+            done = self.done
+            tag = self.next_tag
+            last = 0
+            while tag in done:
+                done.remove(tag)
+                if tag in fresh:
+                    last = tag
+                tag += 1
+            self.next_tag = tag
+            try:
+                # A multiple ack must name a tag still unacked: the last fresh one.
+                if last:
+                    await self.channel.basic_ack(last, multiple=True)
+                for single in acks:
+                    if single >= tag:
+                        await self.channel.basic_ack(single)
+            except asyncio.CancelledError:
+                if not spurious_cancel():
+                    raise
+            except Exception as error:
+                # The channel is gone; so are its deliveries (the broker returns them).
+                logger.debug("RabbitMQ: acks lost with their channel: %s", error)
+
+    async def give_back(self, tags: Sequence[int]) -> None:
+        """``basic.nack`` with requeue: the broker gives them to a consumer again."""
+        async with self.lock:
+            self.done.update(tags)
+            try:
+                for tag in tags:
+                    await self.channel.basic_nack(tag, requeue=True)
+            except asyncio.CancelledError:
+                if not spurious_cancel():
+                    raise
+            except Exception as error:
+                logger.debug("RabbitMQ: nack lost with its channel: %s", error)
+
+
+class RabbitDelivery:
+    """A delivery from :class:`RabbitTransport`; settled exactly once."""
+
+    __slots__ = (
+        "_body",
+        "_consumer",
+        "_deadline",
+        "_state",
+        "_subscription",
+        "_tag",
+        "envelope",
+        "error",
+    )
+
+    def __init__(
+        self,
+        subscription: Subscription,
+        consumer: ConsumerChannel,
+        tag: int,
+        envelope: Envelope,
+        body: bytes,
+        error: str | None,
+    ) -> None:
+        self.envelope = envelope
+        self.error = error
+        self._subscription = subscription
+        self._consumer = consumer
+        self._tag = tag
+        self._body = body
+        self._state: str | None = None
+        self._deadline = 0.0
+
+    def _settle(self) -> Subscription:
+        state = self._state
+        if state is not None:
+            raise TransportError(
+                f"delivery of {self.envelope.id} {_STATE_MESSAGES.get(state, state)}"
+            )
+        self._state = SETTLED
+        subscription = self._subscription
+        subscription.handed.pop(self._tag, None)
+        return subscription
+
+    async def ack(self) -> None:
+        """Done: acked at the broker, written behind with other acks (within 2 ms).
+
+        A process that dies before the ack is written gets the message redelivered,
+        as at-least-once delivery allows.
+        """
+        subscription = self._settle()
+        subscription.transport._ack(self._consumer, self._tag)
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        """Deliver it again (attempt + 1) to the group, after ``delay`` seconds.
+
+        :raises TransportError: when it could not be republished (it then goes back
+            to the queue as it is).
+        """
+        subscription = self._settle()
+        await subscription.transport._retry(self, delay)
+
+    async def reject(
+        self, reason: str, *, error: str | None = None, stage: str | None = None
+    ) -> None:
+        """Store it as a dead letter (the body byte for byte), then ack it."""
+        entry = DeadLetter(
+            self.envelope,
+            DeadLetterReason(reason),
+            error,
+            stage,
+            self.envelope.attempt,
+            time.time(),
+        )
+        subscription = self._settle()
+        await subscription.transport._bury(self, entry)
+
+
+class Subscription:
+    """One ``subscribe``: its consumer channel, what it received, and what it handed out."""
+
+    def __init__(self, transport: RabbitTransport, pattern: str, group: str, prefetch: int):
+        self.transport = transport
+        self.pattern = pattern
+        self.group = group
+        self.prefetch = prefetch
+        self.queue = transport.queue_name(pattern, group)
+        self.consumer: ConsumerChannel | None = None
+        #: Received, not handed out yet (unsettled at the broker).
+        self.ready: deque[RabbitDelivery] = deque()
+        #: Handed out and not settled, by delivery tag, oldest first.
+        self.handed: dict[int, RabbitDelivery] = {}
+        self.wake = anyio.Event()
+        #: Cancelled at the broker after a timeout; consumes again at the next iteration.
+        self.suspended = False
+        self.closed = False
+        #: A channel whose consumer the broker cancelled, to be closed.
+        self.stale: AbstractChannel | None = None
+
+    def unsettled(self) -> int:
+        return len(self.ready) + len(self.handed)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        while True:
+            if self.closed:
+                raise StopAsyncIteration
+            if self.consumer is None or self.suspended:
+                await self._consume()
+                continue
+            if self.ready:
+                await _yield()  # once per delivery, as anyio's streams do
+                if not self.ready or self.consumer is None:
+                    continue
+                delivery = self.ready.popleft()
+                if delivery._state is not None:
+                    continue
+                delivery._deadline = time.monotonic() + self.transport.ack_timeout
+                self.handed[delivery._tag] = delivery
+                return delivery
+            wake = self.wake = anyio.Event()
+            await wake.wait()
+
+    async def _consume(self) -> None:
+        """Open a consumer channel if there is none, and (re)start consuming on it."""
+        transport = self.transport
+        backoff = BACKOFF_MIN
+        while True:
+            if self.closed:
+                return
+            try:
+                await self._close_stale()
+                consumer = self.consumer
+                if consumer is None:
+                    link = await transport._wait_link(None)
+                    await transport._declare_queue(link, self.pattern, self.group)
+                    channel = await link.consumer.channel(publisher_confirms=False)
+                    consumer = self.consumer = ConsumerChannel(channel)
+                    channel.closing.add_done_callback(partial(self._channel_closed, consumer))
+                    cancelled = getattr(channel, "on_consumer_cancel_callbacks", None)
+                    if cancelled is not None:
+                        cancelled.add(partial(self._cancelled_by_broker, consumer))
+                    await channel.basic_qos(prefetch_count=self.prefetch)
+                consumer.tag = f"asyncbus.{transport._client_id}.{secrets.token_hex(4)}"
+                await consumer.channel.basic_consume(
+                    self.queue, partial(self._on_message, consumer), consumer_tag=consumer.tag
+                )
+                consumer.consuming = True
+                self.suspended = False
+                return
+            except asyncio.CancelledError:
+                if not spurious_cancel():
+                    raise
+                problem: BaseException = TransportError("the connection closed")
+            except TransportError:
+                raise
+            except transport._not_found as error:
+                # The queue was deleted under us: declare it again.
+                transport._forget_queue(self.queue)
+                problem = error
+            except transport._fatal as error:
+                raise transport._failed(f"consuming {self.queue!r}", error) from error
+            except Exception as error:
+                problem = error
+            if transport._closing:
+                raise TransportError("RabbitTransport is closed")
+            logger.warning(
+                "RabbitMQ: consuming %s failed, retrying in %.2f s: %s",
+                self.queue,
+                backoff,
+                problem,
+            )
+            await anyio.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, transport.max_backoff)
+
+    async def _close_stale(self) -> None:
+        stale, self.stale = self.stale, None
+        if stale is not None and not stale.is_closed:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+                try:
+                    await stale.close()
+                except Exception as error:
+                    logger.debug("RabbitMQ: closing a stale channel failed: %s", error)
+
+    async def _on_message(self, consumer: ConsumerChannel, message: DeliveredMessage) -> None:
+        if consumer is not self.consumer or self.closed:
+            return  # a late delivery on a channel being closed: the broker requeues it
+        self.ready.append(self.receive(consumer, message))
+        if not self.wake.is_set():
+            self.wake.set()
+
+    def receive(self, consumer: ConsumerChannel, message: DeliveredMessage) -> RabbitDelivery:
+        """The delivery of a received message; an unreadable one carries ``error``."""
+        codec, prefix = self.transport.codec, self.transport.prefix
+        properties = message.header.properties
+        headers = properties.headers or {}
+        count = headers.get(_DELIVERY_COUNT) or 0
+        if not isinstance(count, int):
+            count = 0
+        body = message.body
+        tag = message.delivery_tag or 0
+        error: str | None
+        try:
+            meta = headers.get(META_HEADER)
+            if isinstance(meta, str):
+                meta = meta.encode()
+            if not isinstance(meta, bytes):
+                raise DecodeError(f"the message has no {META_HEADER} header")
+            envelope, error = envelope_from_wire(meta, body, codec)
+            if count:
+                envelope = envelope.evolve(attempt=envelope.attempt + count)
+        except (DecodeError, KeyError, TypeError, ValueError) as problem:
+            # Nothing to rebuild: hand over a stand-in carrying the raw body, with the
+            # error set, so it is dead-lettered instead of blocking the queue.
+            topic = message.routing_key if message.exchange == prefix else None
+            envelope = Envelope(
+                id=properties.message_id or f"rabbit:{secrets.token_hex(8)}",
+                topic=topic or self.pattern,
+                payload=body,
+                attempt=1 + count,
+            )
+            error = (
+                str(problem)
+                if isinstance(problem, DecodeError)
+                else f"envelope metadata is unreadable: {type(problem).__name__}: {problem}"
+            )
+        return RabbitDelivery(self, consumer, tag, envelope, body, error)
+
+    async def expire(self, now: float) -> None:
+        """Give back what is overdue and what is not handed out; cancel until next asked."""
+        consumer = self.consumer
+        overdue: list[RabbitDelivery] = []
+        for delivery in self.handed.values():
+            if delivery._deadline > now:
+                break
+            overdue.append(delivery)
+        for delivery in overdue:
+            delivery._state = EXPIRED
+            del self.handed[delivery._tag]
+        logger.warning(
+            "RabbitMQ: %d deliveries of %s@%s not settled within ack_timeout=%s s; "
+            "giving them (and what the consumer has not taken yet) back to the queue: %s",
+            len(overdue),
+            self.pattern,
+            self.group,
+            self.transport.ack_timeout,
+            ", ".join(delivery.envelope.id for delivery in overdue[:5]),
+        )
+        if consumer is None or consumer.channel.is_closed:
+            return
+        with anyio.move_on_after(RELEASE_TIMEOUT):
+            try:
+                if consumer.consuming:
+                    consumer.consuming = False
+                    await consumer.channel.basic_cancel(consumer.tag)
+            except asyncio.CancelledError:
+                if not spurious_cancel():
+                    raise
+            except Exception as error:
+                logger.debug("RabbitMQ: cancelling a stuck consumer failed: %s", error)
+            await anyio.lowlevel.checkpoint()  # deliveries sent before the cancel land
+            waiting = [d for d in self.ready if d._state is None]
+            if consumer is self.consumer:
+                self.ready.clear()
+                self.suspended = True
+            for delivery in waiting:
+                delivery._state = RETURNED
+            await consumer.give_back([delivery._tag for delivery in overdue + waiting])
+        if not self.wake.is_set():
+            self.wake.set()
+
+    def _channel_closed(self, consumer: ConsumerChannel, future: asyncio.Future[Any]) -> None:
+        retrieve(future)
+        if consumer is self.consumer:
+            if not (self.closed or self.transport._closing):
+                logger.warning(
+                    "RabbitMQ: the channel consuming %s closed; consuming again", self.queue
+                )
+            self.lose(LOST)
+
+    async def _cancelled_by_broker(self, consumer: ConsumerChannel, frame: Any) -> None:
+        # The queue was deleted (or the broker cancelled us otherwise): declare it and
+        # consume again on a new channel.
+        if consumer is self.consumer and getattr(frame, "consumer_tag", None) == consumer.tag:
+            logger.warning("RabbitMQ: the broker cancelled the consumer of %s", self.queue)
+            self.stale = consumer.channel
+            self.lose(LOST)
+            self.transport._forget_queue(self.queue)
+
+    def lose(self, state: str) -> None:
+        """Forget the current channel and every delivery received on it."""
+        self.consumer = None
+        self.suspended = False
+        for delivery in self.ready:
+            delivery._state = state
+        for delivery in self.handed.values():
+            delivery._state = state
+        self.ready.clear()
+        self.handed.clear()
+        if not self.wake.is_set():
+            self.wake.set()
+
+    async def sync(self) -> None:
+        """A round trip on the consumer channel: deliveries sent before it have arrived."""
+        consumer = self.consumer
+        if consumer is None or consumer.channel.is_closed:
+            return
+        try:
+            await consumer.channel.basic_qos(prefetch_count=self.prefetch)
+            await anyio.lowlevel.checkpoint()
+        except asyncio.CancelledError:
+            if not spurious_cancel():
+                raise
+        except Exception:  # the channel is going: nothing in flight to wait for
+            pass
+
+    async def release(self) -> None:
+        """Give back everything unsettled at once (shielded): cancel, write acks, close."""
+        self.closed = True
+        transport = self.transport
+        transport._subscriptions.discard(self)
+        consumer = self.consumer
+        self.lose(RELEASED)
+        await self._close_stale()
+        if consumer is None or consumer.channel.is_closed:
+            return
+        channel = consumer.channel
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT) as scope:
+            try:
+                if consumer.consuming:
+                    consumer.consuming = False
+                    await channel.basic_cancel(consumer.tag)
+                # Acks before the close: what was acked must not come back.
+                await transport._flush(consumer)
+                await channel.close()
+            except Exception as error:
+                logger.warning(
+                    "RabbitMQ: releasing the deliveries of %s failed (the broker returns "
+                    "them when the connection closes): %s",
+                    self.queue,
+                    error,
+                )
+        if scope.cancelled_caught:
+            logger.warning("RabbitMQ: releasing the deliveries of %s timed out", self.queue)
