@@ -900,11 +900,17 @@ class Bus:
                 observe(envelope)
         if broker is not None:
             with anyio.CancelScope(shield=True):
-                if stage is not None and self._over_broker(stage):
-                    await broker.publish_to_group(stage.pattern, stage.group, [envelope])
-                else:
-                    await broker.publish(envelope.topic, [envelope])
+                # Forget the stored entry first: the replay may die again at once, and
+                # its new dead letter (same id) must not be the one removed.
                 await broker.remove_dead_letters([envelope.id])
+                try:
+                    if stage is not None and self._over_broker(stage):
+                        await broker.publish_to_group(stage.pattern, stage.group, [envelope])
+                    else:
+                        await broker.publish(envelope.topic, [envelope])
+                except BaseException:
+                    await broker.add_dead_letter(entry)  # not re-sent: keep it stored
+                    raise
             return make_receipt(envelope.id, (stage.name,) if stage else ())
         if stage is None:
             return await self._route(envelope, None)

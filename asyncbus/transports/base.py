@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, Self, runtime_checkable
 
 from anyio.abc import AsyncResource
 
@@ -91,7 +91,7 @@ class Transport(AsyncResource, abc.ABC):
         self.dead_letter_ttl: float = 7 * 24 * 3600
         self.dead_letter_maxlen: int = 100_000
 
-    async def __aenter__(self) -> Transport:
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 

@@ -315,6 +315,10 @@ class RabbitTransport(Transport):
 
     # -- life cycle -----------------------------------------------------------
 
+    async def __aenter__(self) -> RabbitTransport:
+        await self.connect()
+        return self
+
     async def connect(self) -> None:
         """Connect, declare the exchanges and the dead-letter queue, start the helpers.
 
