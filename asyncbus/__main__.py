@@ -15,6 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("bench", help="run the benchmark suite (see --help there)", add_help=False)
     arguments, rest = parser.parse_known_args(argv)
     if arguments.command == "bench":
+        if rest[:1] == ["rabbit"]:  # RabbitMQ end to end vs a hand-written aio-pika loop
+            from ._bench._rabbit import main as rabbit
+
+            return rabbit(rest[1:])
         from ._bench import main as bench
 
         return bench(rest)
