@@ -12,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run an orders pipeline and print its statistics")
     demo.add_argument("--orders", type=int, default=2000, help="how many orders to publish")
+    demo.add_argument(
+        "--serve", action="store_true", help="also serve the live admin dashboard on 127.0.0.1"
+    )
+    demo.add_argument("--port", type=int, default=8000, help="the dashboard's port (0: any)")
     commands.add_parser("bench", help="run the benchmark suite (see --help there)", add_help=False)
     arguments, rest = parser.parse_known_args(argv)
     if arguments.command == "bench":
@@ -29,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._demo import run_demo
     from ._runtime import run
 
-    run(partial(run_demo, arguments.orders))
+    run(partial(run_demo, arguments.orders, serve=arguments.serve, port=arguments.port))
     return 0
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 import sys
 from typing import Any, TextIO
 
 import anyio
+from anyio.abc import TaskGroup
 
 from ._bus import Bus
 from ._envelope import Envelope
@@ -15,6 +18,49 @@ from ._stats import BusStatistics
 from .middleware.retry import Retry
 
 __all__ = ["format_statistics", "run_demo"]
+
+
+async def _serve_dashboard(bus: Bus, port: int, task_group: TaskGroup, out: TextIO) -> anyio.Event:
+    """Serve ``admin_app(bus)`` on 127.0.0.1 with uvicorn; the event fires when it stops."""
+    try:
+        import uvicorn
+
+        from .integrations.starlette import admin_app
+    except ImportError as error:
+        raise SystemExit(
+            f"--serve needs the dashboard's dependencies: pip install 'asyncbus[starlette]' "
+            f"uvicorn ({error})"
+        ) from None
+    config = uvicorn.Config(admin_app(bus), host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    # Ctrl-C is ours: it stops the server, then the demo finishes and reports (uvicorn's
+    # own handlers would raise KeyboardInterrupt again after its shutdown).
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    stopped = anyio.Event()
+
+    async def serve() -> None:
+        try:
+            await server.serve()
+        finally:
+            stopped.set()
+
+    async def stop_on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                server.should_exit = True
+                return
+
+    task_group.start_soon(serve)
+    task_group.start_soon(stop_on_signal)
+    while not server.started:
+        if stopped.is_set():
+            raise SystemExit(f"the dashboard could not start on 127.0.0.1:{port}")
+        await anyio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+    out.write(f"dashboard: http://127.0.0.1:{bound}/  (Ctrl-C stops it)\n")
+    out.flush()
+    return stopped
+
 
 _COLUMNS = (
     ("stage", "name"),
@@ -100,14 +146,24 @@ def build_demo_bus(orders: int) -> tuple[Bus, dict[str, int]]:
     return bus, seen
 
 
-async def run_demo(orders: int = 2000, out: TextIO = sys.stdout) -> BusStatistics:
-    """Run the demo pipeline, printing progress and the statistics table; return the stats."""
+async def run_demo(
+    orders: int = 2000, out: TextIO = sys.stdout, *, serve: bool = False, port: int = 8000
+) -> BusStatistics:
+    """Run the demo pipeline, printing progress and the statistics table; return the stats.
+
+    :param serve: also serve the admin dashboard on ``127.0.0.1:port`` while the orders
+        flow (a few hundred a second, so a person can watch), and keep serving after
+        the table until interrupted (Ctrl-C).
+    """
     bus, seen = build_demo_bus(orders)
-    async with bus:
+    async with bus, anyio.create_task_group() as task_group:
+        dashboard = await _serve_dashboard(bus, port, task_group, out) if serve else None
         for number in range(1, orders + 1):
             order = {"id": number, "card": f"4111-{number % 100:02d}", "total": number % 97}
             await bus.publish("orders.created", order)
             await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
+            if dashboard is not None:
+                await anyio.sleep(0.003)
             if number % 200 == 0 or number == orders:
                 stats = bus.statistics()
                 out.write(
@@ -133,6 +189,11 @@ async def run_demo(orders: int = 2000, out: TextIO = sys.stdout) -> BusStatistic
                 f"first dead letter: {first[0].error.splitlines()[0] if first[0].error else ''}"
                 f" (stage {first[0].stage}, attempts {first[0].attempts})\n"
             )
+        if dashboard is not None:
+            out.write("the dashboard keeps serving; press Ctrl-C to stop\n")
+            out.flush()
+            await dashboard.wait()
+            task_group.cancel_scope.cancel()  # the signal watcher, if still waiting
     report = await bus.aclose()
     out.write(
         f"shutdown: drained={report.drained} published={report.published} "
