@@ -18,9 +18,19 @@ from anyio.abc import AsyncResource
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
+from .._exceptions import TransportError
 from ._codec import Codec, default_codec
 
-__all__ = ["Capabilities", "Delivery", "Transport"]
+__all__ = ["Capabilities", "Delivery", "Transport", "require_asyncio"]
+
+
+def require_asyncio(transport: str, client: str) -> None:
+    """Raise :class:`TransportError` unless running on asyncio (asyncio-only clients)."""
+    import sniffio
+
+    library = sniffio.current_async_library()
+    if library != "asyncio":
+        raise TransportError(f"{transport} runs on asyncio only ({client}), not {library}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,7 +127,7 @@ from ._rabbit_names import (
     escape,
     redact,
 )
-from .base import Capabilities, Delivery, Transport
+from .base import Capabilities, Delivery, Transport, require_asyncio
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection
@@ -334,11 +334,7 @@ class RabbitTransport(Transport):
             from pamqp.commands import Basic
         except ImportError as error:
             raise ConnectError(_EXTRA_MISSING) from error
-        import sniffio
-
-        library = sniffio.current_async_library()
-        if library != "asyncio":
-            raise TransportError(f"RabbitTransport runs on asyncio only (aiormq), not {library}")
+        require_asyncio("RabbitTransport", "aiormq")
         self._aiormq = aiormq
         self._properties = Basic.Properties
         # The client may fail a call on a closing connection with anything (a future

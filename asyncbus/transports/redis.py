@@ -71,7 +71,7 @@ from ._codec import (
     envelope_meta,
     envelope_to_wire,
 )
-from .base import Capabilities, Delivery, Transport
+from .base import Capabilities, Delivery, Transport, require_asyncio
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -328,11 +328,7 @@ class RedisTransport(Transport):
             from redis.backoff import ExponentialBackoff
         except ImportError as error:
             raise ConnectError(_EXTRA_MISSING) from error
-        import sniffio
-
-        library = sniffio.current_async_library()
-        if library != "asyncio":
-            raise TransportError(f"RedisTransport runs on asyncio only (redis-py), not {library}")
+        require_asyncio("RedisTransport", "redis-py")
         # A few quick retries on a broken connection: a server that restarted leaves
         # pooled connections dead, and the first command on each must not fail for it.
         retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3)
