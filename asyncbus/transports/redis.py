@@ -332,7 +332,12 @@ class RedisTransport(Transport):
         # A few quick retries on a broken connection: a server that restarted leaves
         # pooled connections dead, and the first command on each must not fail for it.
         retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3)
-        client = aioredis.Redis.from_url(self.url, socket_connect_timeout=5.0, retry=retry)
+        # A blocking pool: a burst of concurrent publishes waits for a connection
+        # instead of failing with "Too many connections".
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.url, max_connections=256, timeout=None, socket_connect_timeout=5.0, retry=retry
+        )
+        client = aioredis.Redis.from_pool(pool)
         try:
             with anyio.fail_after(10):
                 await client.ping()
