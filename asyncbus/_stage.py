@@ -353,16 +353,19 @@ class Stage:
         delivery = self.deliveries.pop(id(envelope), None)
         if delivery is None:
             return
-        with anyio.CancelScope(shield=True):
-            try:
+        try:
+            if dead is None and (ack_nowait := getattr(delivery, "ack_nowait", None)):
+                ack_nowait()  # only queued for the transport's writer: nothing to shield
+                return
+            with anyio.CancelScope(shield=True):
                 if dead is None:
                     await delivery.ack()
                 else:
                     await delivery.reject(dead.reason.value, error=dead.error, stage=self.name)
-            except Exception:
-                # The broker will deliver it again (at-least-once); the local ledger
-                # already counts what the handler did.
-                logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
+        except Exception:
+            # The broker will deliver it again (at-least-once); the local ledger
+            # already counts what the handler did.
+            logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
 
     async def pump(self, transport: Transport) -> None:
         """Feed this stage from the broker: at most ``capacity`` deliveries held here."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ __all__ = [
     "dead_letter_from_wire",
     "dead_letter_to_wire",
     "default_codec",
+    "dump_meta",
     "envelope_from_wire",
     "envelope_meta",
     "envelope_to_wire",
@@ -94,26 +95,77 @@ def default_codec() -> Codec:
 
 
 def envelope_meta(envelope: Envelope) -> dict[str, Any]:
-    """Everything about an envelope but its payload, as JSON-ready values."""
-    return {
+    """Everything about an envelope but its payload, as JSON-ready values.
+
+    Fields at their defaults (no headers, no ttl, no slip, the correlation id equal to
+    the id, no causation, reply address or sender) are left out: every envelope pays
+    for the meta on the wire and in the broker, and most use none of them.
+    """
+    meta: dict[str, Any] = {
         "id": envelope.id,
         "topic": envelope.topic,
-        "headers": dict(envelope.headers),
         "timestamp": envelope.timestamp,
-        "ttl": envelope.ttl,
         "attempt": envelope.attempt,
-        "slip": list(envelope.slip),
-        "correlation_id": envelope.correlation_id,
-        "causation_id": envelope.causation_id,
-        "reply_to": envelope.reply_to,
-        "sender": envelope.sender,
     }
+    if envelope.headers:
+        meta["headers"] = dict(envelope.headers)
+    if envelope.ttl is not None:
+        meta["ttl"] = envelope.ttl
+    if envelope.slip:
+        meta["slip"] = list(envelope.slip)
+    if envelope.correlation_id != envelope.id:
+        meta["correlation_id"] = envelope.correlation_id
+    if envelope.causation_id is not None:
+        meta["causation_id"] = envelope.causation_id
+    if envelope.reply_to is not None:
+        meta["reply_to"] = envelope.reply_to
+    if envelope.sender is not None:
+        meta["sender"] = envelope.sender
+    return meta
+
+
+class _MetaJson:
+    """JSON for envelope meta: msgspec's when it is installed (several times faster), else
+    the standard library's. Chosen on first use, so importing asyncbus imports neither."""
+
+    def __init__(self) -> None:
+        self.dumps: Callable[[Any], bytes] = self._choose_dumps
+        self.loads: Callable[[bytes], Any] = self._choose_loads
+
+    def _choose(self) -> None:
+        try:
+            import msgspec
+        except ImportError:
+            self.dumps = _stdlib_dumps
+            self.loads = json.loads
+        else:
+            self.dumps = msgspec.json.Encoder().encode
+            self.loads = msgspec.json.Decoder().decode
+
+    def _choose_dumps(self, value: Any) -> bytes:
+        self._choose()
+        return self.dumps(value)
+
+    def _choose_loads(self, data: bytes) -> Any:
+        self._choose()
+        return self.loads(data)
+
+
+def _stdlib_dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+_meta_json = _MetaJson()
+
+
+def dump_meta(meta: Mapping[str, Any]) -> bytes:
+    """``meta`` (from :func:`envelope_meta`) as compact JSON bytes."""
+    return _meta_json.dumps(meta)
 
 
 def envelope_to_wire(envelope: Envelope, codec: Codec) -> tuple[bytes, bytes]:
     """``(meta, body)``: the envelope's fields as JSON, and its payload by ``codec``."""
-    meta = json.dumps(envelope_meta(envelope), separators=(",", ":")).encode()
-    return meta, codec.encode(envelope.payload)
+    return _meta_json.dumps(envelope_meta(envelope)), codec.encode(envelope.payload)
 
 
 def _envelope_from_meta(meta: Mapping[str, Any], payload: Any, attempt: int | None) -> Envelope:
@@ -148,7 +200,7 @@ def envelope_from_wire(
     :raises DecodeError: when ``meta`` itself is unreadable (nothing to rebuild).
     """
     try:
-        fields = json.loads(meta)
+        fields = _meta_json.loads(meta)
         if not isinstance(fields, dict) or "id" not in fields or "topic" not in fields:
             raise ValueError("meta is not an envelope")
     except (UnicodeDecodeError, ValueError) as error:

@@ -7,7 +7,30 @@ consumers, moving due retries back.
 
 from __future__ import annotations
 
-__all__ = ["CLAIM", "MOVE_DUE", "REAP", "RELEASE"]
+__all__ = ["CLAIM", "MOVE_DUE", "PUBLISH", "REAP", "RELEASE"]
+
+#: XADD a batch of publishes and read the bindings' version, in one command (one reply
+#: to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
+#: ARGV holds one group per publish: the number of its streams, their indexes into
+#: KEYS, the number of its envelopes, then (meta, body) for each envelope.
+#: Returns the version as it was when the entries were added.
+PUBLISH = """
+local i = 1
+while i <= #ARGV do
+  local streams = tonumber(ARGV[i])
+  local first = i + 1
+  i = first + streams
+  local envelopes = tonumber(ARGV[i])
+  i = i + 1
+  for at = i, i + envelopes * 2 - 1, 2 do
+    for s = first, first + streams - 1 do
+      redis.call('XADD', KEYS[tonumber(ARGV[s])], '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+    end
+  end
+  i = i + envelopes * 2
+end
+return redis.call('GET', KEYS[1])
+"""
 
 #: XAUTOCLAIM entries idle for ARGV[3] ms and report each one's delivery count.
 #: KEYS[1] stream; ARGV group, consumer, min-idle ms, cursor, count.
@@ -67,15 +90,15 @@ return reaped
 
 #: Move delayed retries that are due back to their streams.
 #: KEYS[1] the sorted set of item keys by due time (ms), KEYS[2] the hash of counts
-#: per stream; ARGV now ms, limit. Each item is a hash (stream, meta, body, id).
+#: per stream; ARGV now ms, limit. Each item is a hash (stream, meta, body).
 #: Returns {moved, score of the next item or nil}.
 MOVE_DUE = """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
 for _, item in ipairs(due) do
   redis.call('ZREM', KEYS[1], item)
-  local fields = redis.call('HMGET', item, 'stream', 'meta', 'body', 'id')
+  local fields = redis.call('HMGET', item, 'stream', 'meta', 'body')
   if fields[1] then
-    redis.call('XADD', fields[1], '*', 'meta', fields[2], 'body', fields[3], 'id', fields[4])
+    redis.call('XADD', fields[1], '*', 'meta', fields[2], 'body', fields[3])
     if redis.call('HINCRBY', KEYS[2], fields[1], -1) <= 0 then
       redis.call('HDEL', KEYS[2], fields[1])
     end

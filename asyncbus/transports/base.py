@@ -18,10 +18,41 @@ from anyio.abc import AsyncResource
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
-from .._exceptions import TransportError
+from .._exceptions import ConfigurationError, TransportError
 from ._codec import Codec, default_codec
 
-__all__ = ["Capabilities", "Delivery", "Transport", "require_asyncio"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "Capabilities",
+    "Delivery",
+    "Transport",
+    "checked_max_message_size",
+    "refuse_oversized",
+    "require_asyncio",
+]
+
+
+#: Default largest envelope a broker transport accepts at publish (meta + body, bytes).
+DEFAULT_MAX_MESSAGE_SIZE = 16 * 1024 * 1024
+
+
+def checked_max_message_size(value: int) -> int:
+    """``value`` as a size limit; :class:`ConfigurationError` unless it is > 0."""
+    if not (isinstance(value, int) and value > 0):
+        raise ConfigurationError(f"max_message_size must be an int > 0, got {value!r}")
+    return value
+
+
+def refuse_oversized(envelope: Envelope, size: int, limit: int) -> None:
+    """Refuse, before anything is sent, an envelope of ``size`` bytes over ``limit``.
+
+    :raises TransportError: naming the envelope, its size and the limit.
+    """
+    if size > limit:
+        raise TransportError(
+            f"envelope {envelope.id} on {envelope.topic!r} is {size} bytes on the wire, "
+            f"over max_message_size={limit}: nothing was published"
+        )
 
 
 def require_asyncio(transport: str, client: str) -> None:
@@ -56,6 +87,10 @@ class Capabilities:
 @runtime_checkable
 class Delivery(Protocol):
     """One envelope handed to a consumer, to be settled exactly once.
+
+    A delivery whose ack only queues it for a writer (nothing to await) may also offer
+    ``ack_nowait() -> None``; the bus then acks through it, without a shielded await
+    per envelope.
 
     :ivar envelope: the envelope; when ``error`` is set its payload is the raw body.
     :ivar error: why the body could not be decoded, else ``None``.

@@ -71,6 +71,7 @@ from ._codec import (
     envelope_from_wire,
     envelope_to_wire,
 )
+from ._nats_publisher import JetStreamPublisher
 from .base import Capabilities, Delivery, Transport
 
 if TYPE_CHECKING:
@@ -509,6 +510,7 @@ class NatsTransport(Transport):
         #: asyncio tasks (nats-py is asyncio-only), so aclose() may run in any task.
         self._lingering: set[asyncio.Task[None]] = set()
         self._server: str | None = None
+        self._publishes: JetStreamPublisher | None = None
 
     def __repr__(self) -> str:
         return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
@@ -562,15 +564,17 @@ class NatsTransport(Transport):
         nc.options["max_reconnect_attempts"] = -1
         self._server = _server_id(nc)
         js = nc.jetstream(timeout=self.request_timeout)
+        publisher = JetStreamPublisher(nc, self.request_timeout)
         try:
             await self._ensure_streams(js)
+            await publisher.start()
         except BaseException as error:
             with anyio.CancelScope(shield=True):
                 await nc.close()
             if isinstance(error, TransportError) and not isinstance(error, ConnectError):
                 raise ConnectError(f"NatsTransport on {where}: {error}") from error
             raise
-        self._nc, self._js = nc, js
+        self._nc, self._js, self._publishes = nc, js, publisher
 
     async def _ensure_streams(self, js: JetStreamContext) -> None:
         from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -643,6 +647,7 @@ class NatsTransport(Transport):
     async def aclose(self) -> None:
         """Flush what is buffered (acks, naks) and close the connection, shielded."""
         nc, self._nc, self._js = self._nc, None, None
+        publisher, self._publishes = self._publishes, None
         if nc is None:
             return
         with anyio.CancelScope(shield=True):
@@ -657,6 +662,8 @@ class NatsTransport(Transport):
                     await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
             except Exception:
                 logger.debug("flush before close failed", exc_info=True)
+            if publisher is not None:
+                await publisher.stop()
             try:
                 await nc.close()
             except Exception:
@@ -688,6 +695,11 @@ class NatsTransport(Transport):
     async def _on_closed(self) -> None:
         for consumer in list(self._consumers):
             consumer.wake()
+
+    def _publisher(self) -> JetStreamPublisher:
+        if self._publishes is None:
+            raise TransportError("NatsTransport is not connected: use `async with transport:`")
+        return self._publishes
 
     def _client(self) -> tuple[Client, JetStreamContext]:
         if self._nc is None or self._js is None:
@@ -739,7 +751,7 @@ class NatsTransport(Transport):
             await self._send(f"{self.prefix}.{envelope.topic}", envelope, target)
 
     async def _send(self, subject: str, envelope: Envelope, target: str | None) -> None:
-        nc, js = self._client()
+        nc, _js = self._client()
         meta, body = envelope_to_wire(envelope, self.codec)
         msg_id = envelope.id
         if HEADER_REPLAYED in envelope.headers or target is not None:
@@ -757,7 +769,7 @@ class NatsTransport(Transport):
                 f"server's max_payload of {nc.max_payload} bytes"
             )
         with _broker_call(f"publish of {envelope.id} to {subject} was not confirmed"):
-            await js.publish(subject, body, headers=headers)
+            await self._publisher().publish(subject, body, headers)
 
     # -- consuming ----------------------------------------------------------------
 

@@ -127,7 +127,15 @@ from ._rabbit_names import (
     escape,
     redact,
 )
-from .base import Capabilities, Delivery, Transport, require_asyncio
+from .base import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    Capabilities,
+    Delivery,
+    Transport,
+    checked_max_message_size,
+    refuse_oversized,
+    require_asyncio,
+)
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection
@@ -232,7 +240,11 @@ class RabbitTransport(Transport):
         broker, reconnecting included, before raising :class:`TransportError`.
     :param connect_timeout: longest one connection attempt may take.
     :param max_backoff: longest pause between two reconnection attempts.
-    :raises ConfigurationError: for a non-positive timeout or an unusable prefix.
+    :param max_message_size: largest envelope (fields + body, in bytes) ``publish``
+        accepts; a larger one is refused with :class:`TransportError` before anything
+        is sent. (RabbitMQ's own limit, ``max_message_size`` in its configuration, is
+        16 MiB by default since 4.0.)
+    :raises ConfigurationError: for a non-positive timeout or size, or an unusable prefix.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -255,6 +267,7 @@ class RabbitTransport(Transport):
         publish_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         max_backoff: float = 5.0,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         super().__init__(codec=codec)
         for label, value in (
@@ -277,6 +290,7 @@ class RabbitTransport(Transport):
             )
         self.url = url
         self.prefix = prefix
+        self.max_message_size = checked_max_message_size(max_message_size)
         self.ack_timeout = float(ack_timeout)
         self.publish_timeout = float(publish_timeout)
         self.connect_timeout = float(connect_timeout)
@@ -711,6 +725,7 @@ class RabbitTransport(Transport):
             )
         if body is None:
             body = self.codec.encode(envelope.payload)
+        refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
         properties = self._properties_type()(
             content_type=self.codec.content_type,
             delivery_mode=2,

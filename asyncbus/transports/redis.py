@@ -16,9 +16,11 @@ How it works:
 
 * **Routing.** ``publish`` matches the topic against the cached bindings and XADDs each
   envelope to every matching binding stream in one MULTI/EXEC, which also reads the
-  version key; when the version moved (a binding was added anywhere), the bindings are
-  read again and the streams missed are written too, so a binding registered before a
-  publish always receives it.
+  version key. Publishes from concurrent tasks share that MULTI/EXEC (a group commit,
+  :mod:`._coalesce`): one writer task writes all that arrived during its last write,
+  and each publish returns once the write holding it succeeded. When the version moved
+  (a binding was added anywhere), the bindings are read again and the streams missed
+  are written too, so a binding registered before a publish always receives it.
 * **Settling.** Every settle removes the entry from the stream together with its XACK
   (MULTI), so a stream holds exactly what its group has not settled: ``backlog`` is its
   XLEN plus the retries waiting in the sorted set. Acks are written behind, in batches
@@ -63,15 +65,25 @@ from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, TransportError
 from .._routing import compile_pattern, validate_topic
 from . import _redis_scripts
+from ._coalesce import Coalescer
 from ._codec import (
     Codec,
     dead_letter_from_wire,
     dead_letter_to_wire,
+    dump_meta,
     envelope_from_wire,
     envelope_meta,
     envelope_to_wire,
 )
-from .base import Capabilities, Delivery, Transport, require_asyncio
+from .base import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    Capabilities,
+    Delivery,
+    Transport,
+    checked_max_message_size,
+    refuse_oversized,
+    require_asyncio,
+)
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -99,6 +111,9 @@ _BACKOFF_MAX = 2.0
 _ACK_LINGER = 0.002
 _ROUTE_CACHE_LIMIT = 4096
 _PAGE = 1000
+
+#: One publish waiting to be written: its topic and its envelopes as (meta, body).
+_Publish = tuple[str, list[tuple[bytes, bytes]]]
 
 
 def _redact(url: str) -> str:
@@ -169,7 +184,7 @@ class _RedisDelivery:
     def _retry_meta(self) -> bytes:
         meta = envelope_meta(self.envelope)
         meta["attempt"] = self.envelope.attempt + 1
-        return json.dumps(meta, separators=(",", ":")).encode()
+        return dump_meta(meta)
 
     async def ack(self) -> None:
         """Done: the entry is XACKed and removed, batched with other acks.
@@ -178,6 +193,10 @@ class _RedisDelivery:
         event loop, before the subscription or the transport closes): a process that
         dies first gets the entry redelivered, as at-least-once delivery allows.
         """
+        self.ack_nowait()
+
+    def ack_nowait(self) -> None:
+        """:meth:`ack` without awaiting: it only queues the ack for the writer task."""
         consumer = self._settle()
         consumer.transport._ack(consumer, self._entry)
 
@@ -187,7 +206,7 @@ class _RedisDelivery:
         await consumer.transport._settle(
             consumer,
             self._entry,
-            retry=(self.envelope.id, self._retry_meta(), self._body),
+            retry=(self._retry_meta(), self._body),
             delay=delay,
         )
 
@@ -245,7 +264,10 @@ class RedisTransport(Transport):
     :param codec: how payloads become bytes (JSON by default; never pickle).
     :param block_ms: longest wait of one XREADGROUP; claims run between reads.
     :param claim_interval: seconds between two looks for entries to reclaim.
-    :raises ConfigurationError: for a non-positive timeout or interval.
+    :param max_message_size: largest envelope (meta + body, in bytes) ``publish``
+        accepts; a larger one is refused with :class:`TransportError` before anything
+        is written.
+    :raises ConfigurationError: for a non-positive timeout, interval or size.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -267,6 +289,7 @@ class RedisTransport(Transport):
         codec: Codec | None = None,
         block_ms: int = 200,
         claim_interval: float = 0.5,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         super().__init__(codec=codec)
         if not ack_timeout > 0:
@@ -278,6 +301,7 @@ class RedisTransport(Transport):
         if not prefix:
             raise ConfigurationError("prefix must be a non-empty string")
         self.url = url
+        self.max_message_size = checked_max_message_size(max_message_size)
         self.prefix = prefix
         self.ack_timeout = float(ack_timeout)
         self.block_ms = int(block_ms)
@@ -304,6 +328,7 @@ class RedisTransport(Transport):
         self._delay_wake: anyio.Event
         self._ack_wake: anyio.Event
         self._ack_lock: anyio.Lock
+        self._publishes: Coalescer[_Publish]
 
     # -- keys -----------------------------------------------------------------
 
@@ -356,11 +381,13 @@ class RedisTransport(Transport):
         self._delay_wake = anyio.Event()
         self._ack_wake = anyio.Event()
         self._ack_lock = anyio.Lock()
+        self._publishes = Coalescer(self._write_publishes)
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
         task_group.start_soon(self._move_due_loop)
         task_group.start_soon(self._ack_loop)
+        task_group.start_soon(self._publishes.run)
 
     async def aclose(self) -> None:
         """Write pending acks, stop the background tasks, close the connections (shielded)."""
@@ -376,6 +403,7 @@ class RedisTransport(Transport):
             # cancelled and left here, then the client is closed shielded.
             task_group.cancel_scope.cancel()
             await task_group.__aexit__(None, None, None)
+            self._publishes.close("RedisTransport is closed: nothing more can be published")
         client, self._client = self._client, None
         if client is not None:
             with anyio.CancelScope(shield=True):
@@ -440,37 +468,64 @@ class RedisTransport(Transport):
         return found
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
-        """XADD each envelope to every binding whose pattern matches ``topic`` (one MULTI).
+        """XADD each envelope to every binding whose pattern matches ``topic``.
+
+        Publishes from concurrent tasks are written together (see the module docstring);
+        this one returns once the MULTI/EXEC holding its envelopes succeeded.
 
         :raises EncodeError: when a payload cannot be encoded (nothing is published).
-        :raises TransportError: when Redis fails.
+        :raises TransportError: when an envelope is over ``max_message_size`` (nothing
+            is published) or Redis fails.
         """
         validate_topic(topic)
-        client = self._redis()
+        self._redis()
         if not envelopes:
             await anyio.lowlevel.checkpoint()
             return
-        wire = [(*envelope_to_wire(envelope, self.codec), envelope.id) for envelope in envelopes]
-        written: set[str] = set()
-        try:
-            if self._bindings is None:
-                await self._load_bindings()
-            while True:
-                targets = [stream for stream in self._route(topic) if stream not in written]
-                pipe = client.pipeline(transaction=True)
-                pipe.get(self._version_key)
-                for stream in targets:
-                    for meta, body, id in wire:
-                        pipe.xadd(stream, {"meta": meta, "body": body, "id": id})
-                version = (await pipe.execute())[0]
-                written.update(targets)
-                if version == self._version:
-                    return
-                # A binding appeared since the cache was read: route again and write
-                # to the streams missed.
-                await self._load_bindings()
-        except self._errors.RedisError as error:
+        wire = [self._encode(envelope) for envelope in envelopes]
+        error = await self._publishes.submit((topic, wire))
+        if error is not None:
             raise self._failed(f"publish to {topic!r}", error) from error
+
+    def _encode(self, envelope: Envelope) -> tuple[bytes, bytes]:
+        meta, body = envelope_to_wire(envelope, self.codec)
+        refuse_oversized(envelope, len(meta) + len(body), self.max_message_size)
+        return meta, body
+
+    async def _write_publishes(self, batch: list[_Publish]) -> None:
+        """Write a batch of publishes with one script that also reads the bindings' version.
+
+        When the version moved (a binding was added anywhere), the bindings are read
+        again and the streams missed are written too.
+        """
+        if self._bindings is None:
+            await self._load_bindings()
+        written: list[set[str]] = [set() for _ in batch]
+        while True:
+            keys: list[str] = [self._version_key]
+            index: dict[str, int] = {}
+            args: list[bytes | str | int] = []
+            targets: list[list[str]] = []
+            for (topic, wire), done in zip(batch, written, strict=True):
+                streams = [stream for stream in self._route(topic) if stream not in done]
+                targets.append(streams)
+                if not streams:
+                    continue
+                args.append(len(streams))
+                for stream in streams:
+                    if stream not in index:
+                        keys.append(stream)
+                        index[stream] = len(keys)
+                    args.append(index[stream])
+                args.append(len(wire))
+                for meta, body in wire:
+                    args += (meta, body)
+            version = await self._scripts["PUBLISH"](keys=keys, args=args)
+            for done, streams in zip(written, targets, strict=True):
+                done.update(streams)
+            if version == self._version:
+                return
+            await self._load_bindings()
 
     async def publish_to_group(
         self, pattern: str, group: str, envelopes: Sequence[Envelope]
@@ -480,9 +535,8 @@ class RedisTransport(Transport):
         if stream not in self._bound:
             await self._bind(pattern, group)
         pipe = self._redis().pipeline(transaction=True)
-        for envelope in envelopes:
-            meta, body = envelope_to_wire(envelope, self.codec)
-            pipe.xadd(stream, {"meta": meta, "body": body, "id": envelope.id})
+        for meta, body in [self._encode(envelope) for envelope in envelopes]:
+            pipe.xadd(stream, {"meta": meta, "body": body})
         try:
             await pipe.execute()
         except self._errors.RedisError as error:
@@ -531,8 +585,8 @@ class RedisTransport(Transport):
                     backoff = 0.05
                     if not consumer.ready:
                         continue
-                else:
-                    await anyio.lowlevel.checkpoint()
+                # No yield per delivery: a fetched batch is handed over in one go (the
+                # read above is the yield; the stage's room bounds the batch).
                 delivery = consumer.ready.popleft()
                 if not delivery._settled:
                     yield delivery
@@ -647,7 +701,7 @@ class RedisTransport(Transport):
         consumer: _Consumer,
         entry: bytes,
         *,
-        retry: tuple[str, bytes, bytes] | None = None,
+        retry: tuple[bytes, bytes] | None = None,
         delay: float | None = None,
         dead: tuple[DeadLetter, bytes] | None = None,
     ) -> None:
@@ -655,17 +709,15 @@ class RedisTransport(Transport):
         pipe = self._redis().pipeline(transaction=True)
         due = 0.0
         if retry is not None:
-            id, meta, body = retry
+            meta, body = retry
             if delay is not None and delay > 0:
                 due = time.time() + delay
                 item = f"{self._delayed_key}:{secrets.token_hex(12)}"
-                pipe.hset(
-                    item, mapping={"stream": consumer.stream, "meta": meta, "body": body, "id": id}
-                )
+                pipe.hset(item, mapping={"stream": consumer.stream, "meta": meta, "body": body})
                 pipe.zadd(self._delayed_key, {item: int(due * 1000)})
                 pipe.hincrby(self._delayed_counts_key, consumer.stream, 1)
             else:
-                pipe.xadd(consumer.stream, {"meta": meta, "body": body, "id": id})
+                pipe.xadd(consumer.stream, {"meta": meta, "body": body})
         if dead is not None:
             self._queue_dead_letter(pipe, dead[0], _Verbatim(dead[1]))
         pipe.xack(consumer.stream, consumer.group, entry)

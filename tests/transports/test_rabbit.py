@@ -413,6 +413,30 @@ async def test_tail_wildcard_does_not_match_the_bare_prefix(made: Made) -> None:
         await _nothing_within(d)
 
 
+async def test_an_envelope_over_max_message_size_is_refused_and_nothing_is_sent(
+    made: Made,
+) -> None:
+    async with (
+        made(max_message_size=1000) as transport,
+        transport.subscribe("sized", group="g", prefetch=5) as deliveries,
+    ):
+        small, huge = (
+            Envelope(topic="sized", payload="s"),
+            Envelope(topic="sized", payload="x" * 1000),
+        )
+        with pytest.raises(
+            TransportError, match=rf"envelope {huge.id} .* over max_message_size=1000"
+        ):
+            await transport.publish("sized", [small, huge])
+        await transport.publish("sized", [small])
+        delivery = await _next(deliveries)
+        assert delivery.envelope.id == small.id
+        await delivery.ack()
+        await _nothing_within(deliveries)
+    with pytest.raises(ConfigurationError, match="max_message_size must be an int > 0"):
+        RabbitTransport(max_message_size=0)
+
+
 async def test_ack_is_written_to_the_broker(made: Made, rabbit_url: str) -> None:
     async with made() as transport:
         async with transport.subscribe("acked", group="g", prefetch=5) as deliveries:

@@ -28,6 +28,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from asyncbus import (
     Bus,
+    ConfigurationError,
     ConnectError,
     DeadLetter,
     DeadLetterReason,
@@ -278,6 +279,56 @@ async def test_binding_made_by_another_process_receives_the_next_publish(
             assert delivery.envelope.id == sent.id
             await delivery.ack()
             await _nothing_within(deliveries)
+
+
+async def test_concurrent_publishes_share_one_write_and_each_arrives_once(
+    redis_url: str, clean_prefix: str, redis: Any
+) -> None:
+    """A burst of publishes from many tasks is one script call, delivered to every group."""
+    async with RedisTransport(redis_url, prefix=clean_prefix) as transport:
+        for group in ("a", "b"):
+            await transport._bind("burst.*", group)
+        batches: list[int] = []
+        write = transport._write_publishes
+
+        async def counting_write(batch: list[Any]) -> None:
+            batches.append(len(batch))
+            await write(batch)
+
+        transport._publishes._write = counting_write
+        sent = _envelopes("burst.x", 300)
+        async with anyio.create_task_group() as task_group:
+            for envelope in sent:
+                task_group.start_soon(transport.publish, "burst.x", [envelope])
+        assert batches == [300]
+        for group in ("a", "b"):
+            entries = await redis.xrange(_stream_key(transport, "burst.*", group))
+            ids = sorted(json.loads(fields[b"meta"])["id"] for _entry, fields in entries)
+            assert ids == sorted(envelope.id for envelope in sent)
+
+
+async def test_an_envelope_over_max_message_size_is_refused_and_nothing_is_written(
+    redis_url: str, clean_prefix: str, redis: Any
+) -> None:
+    async with RedisTransport(redis_url, prefix=clean_prefix, max_message_size=1000) as transport:
+        await transport._bind("sized", "g")
+        small, huge = (
+            Envelope(topic="sized", payload="s"),
+            Envelope(topic="sized", payload="x" * 1000),
+        )
+        with pytest.raises(
+            TransportError, match=rf"envelope {huge.id} .* over max_message_size=1000"
+        ):
+            await transport.publish("sized", [small, huge])
+        assert await redis.xlen(_stream_key(transport, "sized", "g")) == 0
+        await transport.publish("sized", [small])
+        assert await redis.xlen(_stream_key(transport, "sized", "g")) == 1
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5])
+def test_max_message_size_must_be_a_positive_int(size: Any) -> None:
+    with pytest.raises(ConfigurationError, match="max_message_size must be an int > 0"):
+        RedisTransport(max_message_size=size)
 
 
 async def test_pattern_and_group_with_separators_get_distinct_streams(

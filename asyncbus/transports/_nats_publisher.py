@@ -1,0 +1,119 @@
+"""JetStream publishes that share one reply inbox: many in flight, each awaited alone.
+
+nats-py's ``js.publish`` is a request: a fresh inbox token, a future and a
+``wait_for`` timer per message, which costs more than the message itself when a
+service publishes from many tasks at once. :class:`JetStreamPublisher` subscribes
+once to ``{inbox}.*``, sends each message with ``reply={inbox}.{n}`` and keeps its
+future under ``n``; the stream's ack (or its error) resolves the future. One task
+fails the futures not answered within ``timeout`` (in publish order, so it only
+ever looks at the oldest), instead of a timer per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._exceptions import TransportError
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+__all__ = ["JetStreamPublisher"]
+
+#: Status of the reply when no stream captures the subject.
+_NO_RESPONDERS = "503"
+
+
+class JetStreamPublisher:
+    """Publishes to JetStream and waits for each stream ack (see the module docstring).
+
+    :param nc: a connected client.
+    :param timeout: seconds to wait for a stream's ack before :class:`TimeoutError`.
+    """
+
+    def __init__(self, nc: Client, timeout: float) -> None:
+        self._nc = nc
+        self._timeout = timeout
+        self._prefix = ""
+        self._tokens = itertools.count()
+        #: Unanswered publishes, oldest first: token -> (future, deadline).
+        self._waiting: dict[str, tuple[asyncio.Future[None], float]] = {}
+        self._subscription: Subscription | None = None
+        self._expiry: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Subscribe to the reply inbox and start the expiry task."""
+        self._prefix = f"{self._nc.new_inbox()}."
+        self._subscription = await self._nc.subscribe(f"{self._prefix}*", cb=self._on_reply)
+        self._expiry = asyncio.get_running_loop().create_task(self._expire())
+
+    async def stop(self) -> None:
+        """Stop the expiry task, and fail what still waits (the connection is closing)."""
+        expiry, self._expiry = self._expiry, None
+        if expiry is not None:
+            expiry.cancel()
+            await asyncio.gather(expiry, return_exceptions=True)
+        waiting, self._waiting = self._waiting, {}
+        for future, _deadline in waiting.values():
+            if not future.done():
+                future.set_exception(TransportError("the NATS connection closed before the ack"))
+
+    async def publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        """Publish one message and return once its stream stored it.
+
+        :raises TransportError: when no stream captures ``subject`` or the stream
+            refused the message.
+        :raises TimeoutError: when no ack came within ``timeout``.
+        """
+        token = str(next(self._tokens))
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = (future, time.monotonic() + self._timeout)
+        try:
+            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
+            await future
+        finally:
+            self._waiting.pop(token, None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        if entry is None or entry[0].done():
+            return  # answered after its timeout, or its publisher was cancelled
+        future = entry[0]
+        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            future.set_exception(TransportError("no JetStream stream captures the subject"))
+            return
+        try:
+            answer: Any = json.loads(msg.data)
+        except ValueError:
+            answer = {"error": {"description": f"unreadable ack {msg.data[:80]!r}"}}
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if error:
+            future.set_exception(
+                TransportError(
+                    f"JetStream refused the message: {error.get('description', error)} "
+                    f"(code {error.get('err_code', error.get('code', '?'))})"
+                )
+            )
+        else:
+            future.set_result(None)
+
+    async def _expire(self) -> None:
+        waiting = self._waiting
+        while True:
+            await asyncio.sleep(min(self._timeout / 4, 0.25))
+            now = time.monotonic()
+            while waiting:
+                token, (future, deadline) = next(iter(waiting.items()))
+                if deadline > now:
+                    break  # the oldest is not due: none is (one timeout for all)
+                del waiting[token]
+                if not future.done():
+                    future.set_exception(
+                        TimeoutError(f"no ack from JetStream within {self._timeout:g} s")
+                    )
