@@ -168,24 +168,11 @@ def make_envelope(
     causation_id: str | None,
     reply_to: str | None,
     sender: str | None,
-    *,
-    _new: Any = _new,
-    _set_id: Any = _set_id,
-    _set_topic: Any = _set_topic,
-    _set_payload: Any = _set_payload,
-    _set_headers: Any = _set_headers,
-    _set_timestamp: Any = _set_timestamp,
-    _set_ttl: Any = _set_ttl,
-    _set_attempt: Any = _set_attempt,
-    _set_slip: Any = _set_slip,
-    _set_correlation_id: Any = _set_correlation_id,
-    _set_causation_id: Any = _set_causation_id,
-    _set_reply_to: Any = _set_reply_to,
-    _set_sender: Any = _set_sender,
 ) -> Envelope:
     """Build an :class:`Envelope` from every field, skipping the dataclass machinery.
 
-    (The keyword-only defaults bind the slot setters as fast locals.)
+    (The slot setters are module globals: on CPython 3.11+ a cached global is read
+    faster than keyword-only defaults are bound on every call.)
     """
     envelope: Envelope = _new(Envelope)
     _set_id(envelope, id)
@@ -213,12 +200,6 @@ def make_receipt(
     accepted: tuple[str, ...],
     rejected: tuple[str, ...] = (),
     dropped: tuple[str, ...] = (),
-    *,
-    _new: Any = _new,
-    _set_receipt_id: Any = _set_receipt_id,
-    _set_accepted: Any = _set_accepted,
-    _set_rejected: Any = _set_rejected,
-    _set_dropped: Any = _set_dropped,
 ) -> Receipt:
     """Build a :class:`Receipt`, skipping the dataclass machinery."""
     receipt: Receipt = _new(Receipt)

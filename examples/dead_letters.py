@@ -58,8 +58,8 @@ async def main() -> None:
         await bus.drain(timeout=10)
         print(f"replayed {len(failed)} dead letters: orders {sorted(charged)} charged")
 
-        left = bus.dead_letters.list()
-        print("left in the queue: " + ", ".join(f"{d.reason} ({d.envelope.topic})" for d in left))
+        left = sorted(f"{dead.reason} ({dead.envelope.topic})" for dead in bus.dead_letters.list())
+        print("left in the queue: " + ", ".join(left))
         purged = bus.dead_letters.purge()
         print(f"purged {purged}; the queue is empty: {len(bus.dead_letters) == 0}")
 

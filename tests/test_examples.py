@@ -44,8 +44,8 @@ SCRIPTS = {
         r"handler_failed +stage=payments\.requested@charger  attempts=3  "
         r"error=ConnectionError: payment gateway unreachable",
         r"replayed 2 dead letters: orders \[1, 2\] charged",
-        r"left in the queue: rejected \(payments\.requested\), "
-        r"no_subscribers \(refunds\.requested\)",
+        r"left in the queue: no_subscribers \(refunds\.requested\), "
+        r"rejected \(payments\.requested\)",
         r"purged 2; the queue is empty: True",
         r"published 5 = acked 2 \+ dead-lettered 3",
     ],
