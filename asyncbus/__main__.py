@@ -16,13 +16,22 @@ def main(argv: list[str] | None = None) -> int:
         "--serve", action="store_true", help="also serve the live admin dashboard on 127.0.0.1"
     )
     demo.add_argument("--port", type=int, default=8000, help="the dashboard's port (0: any)")
-    commands.add_parser("bench", help="run the benchmark suite (see --help there)", add_help=False)
+    commands.add_parser(
+        "bench",
+        help="run the benchmark suite (see --help there); 'bench brokers' and 'bench rabbit' "
+        "run the broker end-to-end benchmarks",
+        add_help=False,
+    )
     arguments, rest = parser.parse_known_args(argv)
     if arguments.command == "bench":
         if rest[:1] == ["rabbit"]:  # RabbitMQ end to end vs a hand-written aio-pika loop
             from ._bench._rabbit import main as rabbit
 
             return rabbit(rest[1:])
+        if rest[:1] == ["brokers"]:  # Redis and NATS end to end vs hand-written clients
+            from ._bench._brokers import main as brokers
+
+            return brokers(rest[1:])
         from ._bench import main as bench
 
         return bench(rest)

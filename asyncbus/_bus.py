@@ -20,7 +20,7 @@ from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import checkpoint
 
 from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
-from ._dispatch import current_dispatch, describe_error
+from ._dispatch import current_dispatch, describe_error, short_traceback
 from ._envelope import (
     EMPTY_HEADERS,
     HEADER_KEY,
@@ -50,6 +50,8 @@ logger = logging.getLogger("asyncbus")
 DEADLETTER_TOPIC = "$deadletter"
 
 _now = time.time
+#: Dead letters whose cause is a handler's own exception: they keep its traceback.
+_RAISED = frozenset({DeadLetterReason.HANDLER_FAILED, DeadLetterReason.TIMEOUT})
 
 #: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
 _INBOX = "_reply."
@@ -811,7 +813,10 @@ class Bus:
         if envelope.topic == DEADLETTER_TOPIC:
             logger.warning("a $deadletter envelope failed in %s (%s); discarded", stage, reason)
             return None
-        entry = DeadLetter(envelope, reason, error, stage, attempts, time.time())
+        trace = None
+        if cause is not None and reason in _RAISED:
+            trace = short_traceback(cause)
+        entry = DeadLetter(envelope, reason, error, stage, attempts, time.time(), trace)
         self.dead_letters.add(entry)
         if self._broker is not None and not stored and self._task_group is not None:
             self._background += 1

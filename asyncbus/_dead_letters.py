@@ -29,11 +29,13 @@ class DeadLetterReason(StrEnum):
 class DeadLetter:
     """One envelope that ended in the dead-letter queue.
 
-    :ivar error: ``"ExceptionType: message"`` (and a short traceback) when an
-        exception caused it, else ``None``.
+    :ivar error: ``"ExceptionType: message"`` when an exception caused it, else ``None``.
     :ivar stage: name of the stage that dead-lettered it, ``None`` when it reached none.
     :ivar attempts: how many times a handler was tried.
     :ivar dead_at: epoch seconds when it died; it expires ``dead_letter_ttl`` later.
+    :ivar traceback: for a handler that raised (``handler_failed``, ``timeout``), the
+        last three frames of the last attempt's traceback outside asyncbus, else
+        ``None``. Kept by this process; a broker stores the other fields.
     """
 
     envelope: Envelope
@@ -42,6 +44,7 @@ class DeadLetter:
     stage: str | None
     attempts: int
     dead_at: float
+    traceback: str | None = None
 
 
 Resend = Callable[[DeadLetter], Awaitable[Receipt]]

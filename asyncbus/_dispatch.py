@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ._envelope import Envelope
     from ._stage import Stage
 
-__all__ = ["Dispatch", "Outcome", "current_dispatch", "describe_error"]
+__all__ = ["Dispatch", "Outcome", "current_dispatch", "describe_error", "short_traceback"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _current: ContextVar[Dispatch | None] = ContextVar("asyncbus_dispatch", default=None)
@@ -40,14 +40,18 @@ def current_dispatch() -> Dispatch | None:
 
 
 def describe_error(error: BaseException) -> str:
-    """``"Type: message"`` followed by the last frames of the traceback."""
-    text = f"{type(error).__name__}: {error}"
+    """``"Type: message"``: what :attr:`DeadLetter.error` holds."""
+    return f"{type(error).__name__}: {error}"
+
+
+def short_traceback(error: BaseException) -> str | None:
+    """The last three frames of ``error``'s traceback outside asyncbus, else ``None``."""
     frames = [
         frame
         for frame in traceback.extract_tb(error.__traceback__)
         if not frame.filename.startswith(_PACKAGE_DIR)
     ][-3:]
-    return text + ("\n" + "".join(traceback.format_list(frames)).rstrip() if frames else "")
+    return "".join(traceback.format_list(frames)).rstrip() if frames else None
 
 
 class Dispatch:

@@ -332,3 +332,33 @@ async def test_replay_of_a_no_subscribers_letter_goes_to_its_topic() -> None:
             assert len(bus.dead_letters) == 0
             stats = stage_stats(bus, "late.topic@late")
             assert (stats.published, stats.acked, stats.dead_lettered) == (1, 1, 0)
+
+
+def _charge(amount: int) -> None:
+    raise ValueError(f"cannot charge {amount}")
+
+
+async def test_error_is_type_and_message_and_the_traceback_is_kept_beside_it() -> None:
+    bus = Bus()
+
+    @bus.subscribe("charges", retry=Retry(max_attempts=2, backoff=0))
+    async def charge(amount: int) -> None:
+        _charge(amount)
+
+    @bus.subscribe("refunds")
+    async def refund(amount: int) -> None:
+        raise Reject("refunds are closed")
+
+    async with bus:
+        await bus.publish("charges", 5)
+        await bus.publish("refunds", 5)
+        await bus.drain()
+    [failed] = bus.dead_letters.list(reason=DeadLetterReason.HANDLER_FAILED)
+    assert (failed.error, failed.attempts) == ("ValueError: cannot charge 5", 2)
+    assert failed.traceback is not None
+    frames = [line for line in failed.traceback.splitlines() if line.startswith("  File ")]
+    assert [line.rsplit(", in ", 1)[1] for line in frames] == ["charge", "_charge"]
+    assert all(__file__ in line for line in frames)  # no asyncbus frame among them
+    assert "raise ValueError" in failed.traceback
+    [rejected] = bus.dead_letters.list(reason=DeadLetterReason.REJECTED)
+    assert (rejected.error, rejected.traceback) == ("Reject: refunds are closed", None)

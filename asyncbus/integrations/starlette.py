@@ -139,6 +139,7 @@ def _dead_letter_json(entry: DeadLetter) -> dict[str, Any]:
         "topic": envelope.topic,
         "reason": str(entry.reason),
         "error": entry.error,
+        "traceback": entry.traceback,
         "stage": entry.stage,
         "attempts": entry.attempts,
         "dead_at": json_safe(entry.dead_at),

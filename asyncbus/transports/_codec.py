@@ -230,6 +230,7 @@ def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
             "raw": raw,
             "reason": entry.reason.value,
             "error": entry.error,
+            "traceback": entry.traceback,
             "stage": entry.stage,
             "attempts": entry.attempts,
             "dead_at": entry.dead_at,
@@ -263,4 +264,5 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
         stage=fields.get("stage"),
         attempts=int(fields.get("attempts", 0)),
         dead_at=float(fields.get("dead_at", 0.0)),
+        traceback=fields.get("traceback"),
     )

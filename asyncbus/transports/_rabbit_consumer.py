@@ -201,6 +201,10 @@ class RabbitDelivery:
         A process that dies before the ack is written gets the message redelivered,
         as at-least-once delivery allows.
         """
+        self.ack_nowait()
+
+    def ack_nowait(self) -> None:
+        """:meth:`ack` without awaiting: it only queues the ack for the writer."""
         subscription = self._settle()
         subscription.transport._ack(self._consumer, self._tag)
 

@@ -7,7 +7,7 @@ consumers, moving due retries back.
 
 from __future__ import annotations
 
-__all__ = ["CLAIM", "MOVE_DUE", "PUBLISH", "REAP", "RELEASE"]
+__all__ = ["CLAIM", "MOVE_DUE", "PUBLISH", "REAP", "RELEASE", "TOUCH"]
 
 #: XADD a batch of publishes and read the bindings' version, in one command (one reply
 #: to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
@@ -48,6 +48,21 @@ for _, entry in ipairs(reply[2]) do
   end
 end
 return {reply[1], out}
+"""
+
+#: Reset the idle time of the entries ARGV[3..] that consumer ARGV[2] still owns
+#: (XCLAIM to itself, JUSTID: no delivery is counted); an entry another consumer took
+#: meanwhile is left alone. KEYS[1] stream; ARGV group, consumer, ids. Returns how many.
+TOUCH = """
+local touched = 0
+for i = 3, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if pending[1] and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    touched = touched + 1
+  end
+end
+return touched
 """
 
 #: Hand every entry a consumer holds to a sentinel consumer, idle enough to be

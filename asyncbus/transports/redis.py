@@ -35,7 +35,9 @@ How it works:
   every ``claim_interval`` (between reads of at most ``block_ms``): an entry not
   settled within ``ack_timeout`` of its delivery (its consumer was killed, or hangs)
   goes to another consumer as the next attempt. ``ack_timeout`` therefore bounds the
-  time from delivery to settling, waiting in a local queue included.
+  time from delivery to settling, waiting in a local queue included, unless
+  ``keep_alive=True``: then a task resets the idle time of every held entry every
+  ``ack_timeout / 3`` (a Lua script that touches only entries the consumer still owns).
 * **Hand-back.** Leaving ``subscribe`` gives every entry the consumer holds to a
   sentinel consumer, idle enough to be claimed at once and with its delivery count put
   back, then deletes the consumer (one Lua script, shielded). The group's next claim
@@ -267,6 +269,9 @@ class RedisTransport(Transport):
     :param max_message_size: largest envelope (meta + body, in bytes) ``publish``
         accepts; a larger one is refused with :class:`TransportError` before anything
         is written.
+    :param keep_alive: while a delivery is held (queued in its stage, waiting for a
+        retry), reset its idle time every ``ack_timeout / 3``, so only a dead process's
+        entries go to another consumer (a hung one keeps them until it leaves).
     :raises ConfigurationError: for a non-positive timeout, interval or size.
     """
 
@@ -290,6 +295,7 @@ class RedisTransport(Transport):
         block_ms: int = 200,
         claim_interval: float = 0.5,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        keep_alive: bool = False,
     ) -> None:
         super().__init__(codec=codec)
         if not ack_timeout > 0:
@@ -302,6 +308,7 @@ class RedisTransport(Transport):
             raise ConfigurationError("prefix must be a non-empty string")
         self.url = url
         self.max_message_size = checked_max_message_size(max_message_size)
+        self.keep_alive = keep_alive
         self.prefix = prefix
         self.ack_timeout = float(ack_timeout)
         self.block_ms = int(block_ms)
@@ -558,6 +565,8 @@ class RedisTransport(Transport):
         stream = await self._bind(pattern, group)
         consumer = _Consumer(self, pattern, group, stream, prefetch)
         self._consumers.add(consumer)
+        if self.keep_alive and self._task_group is not None:
+            self._task_group.start_soon(self._keep_alive, consumer)
 
         async def deliveries() -> AsyncIterator[Delivery]:
             backoff = 0.05
@@ -802,6 +811,22 @@ class RedisTransport(Transport):
                     other.next_claim = 0.0
 
     # -- background tasks -----------------------------------------------------
+
+    async def _keep_alive(self, consumer: _Consumer) -> None:
+        """Reset the idle time of what ``consumer`` holds, until it leaves."""
+        while True:
+            await anyio.sleep(self.ack_timeout / 3)
+            if consumer not in self._consumers:
+                return
+            held = list(consumer.held)
+            if not held:
+                continue
+            try:
+                await self._scripts["TOUCH"](
+                    keys=[consumer.stream], args=[consumer.group, consumer.name, *held]
+                )
+            except self._errors.RedisError as error:
+                logger.warning("Redis: keeping %d entries alive failed: %s", len(held), error)
 
     async def _move_due_loop(self) -> None:
         """Move due delayed retries back to their streams (any process's, atomically)."""

@@ -512,6 +512,32 @@ async def test_entry_held_past_ack_timeout_is_not_delivered_twice_to_its_process
         await held.ack()
 
 
+@pytest.mark.parametrize("keep_alive", [False, True])
+async def test_keep_alive_keeps_a_held_entry_from_other_consumers(
+    redis_url: str, clean_prefix: str, keep_alive: bool
+) -> None:
+    """Held past ack_timeout: another consumer takes it, unless the holder keeps it alive."""
+    async with (
+        RedisTransport(
+            redis_url, prefix=clean_prefix, ack_timeout=0.6, keep_alive=keep_alive
+        ) as holder,
+        RedisTransport(redis_url, prefix=clean_prefix, ack_timeout=0.6) as other,
+        holder.subscribe("held", group="g", prefetch=5) as held_deliveries,
+    ):
+        sent = Envelope(topic="held", payload=1)
+        await holder.publish("held", [sent])
+        held = await _next(held_deliveries)
+        async with other.subscribe("held", group="g", prefetch=5) as other_deliveries:
+            if keep_alive:
+                await _nothing_within(other_deliveries, 2.0)  # more than 3 x ack_timeout
+                await held.ack()
+            else:
+                taken = await _next(other_deliveries)
+                assert (taken.envelope.id, taken.envelope.attempt) == (sent.id, 2)
+                await taken.ack()
+        await _backlog_becomes_zero(holder, "held", "g")
+
+
 async def test_two_processes_split_the_work_without_loss_or_duplicates(
     redis_url: str, clean_prefix: str, workers: list[_Worker]
 ) -> None:

@@ -1,0 +1,57 @@
+"""``python -m asyncbus bench brokers``: runs against the local servers, skips when they are down.
+
+Tiny counts and no timing assertions: the numbers are the benchmark's business; these
+tests make sure it runs end to end, checks every message, and reports every target.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from asyncbus.__main__ import main as asyncbus_main
+from asyncbus._bench._brokers import main
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_small_run_reports_both_brokers_and_every_target(
+    redis_url: str, nats_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--messages", "300", "--rounds", "3", "--no-check"]
+    assert main([*argv, "--redis-url", redis_url, "--nats-url", nats_url]) == 0
+    out = capsys.readouterr().out
+    assert "Redis Streams (127.0.0.1:6379): 300 messages per run, 3 alternating rounds" in out
+    assert "NATS JetStream (127.0.0.1:4222): 300 messages per run, 3 alternating rounds" in out
+    assert "error" not in out  # every run handled and acked exactly its 300 messages
+    for side in ("asyncbus", "hand-written"):
+        # both tables: msg/s, µs/msg, ratio and the three rounds
+        rows = re.findall(rf"^  {side} +[\d,]+ +[\d.]+ +[\d.]+ +[\d,]+ [\d,]+ [\d,]+$", out, re.M)
+        assert len(rows) == 2, out
+    verdicts = re.findall(r"^  (PASS|FAIL|n/a) +(Redis Streams|NATS JetStream): ", out, re.M)
+    assert [broker for _verdict, broker in verdicts] == [
+        "Redis Streams",
+        "Redis Streams",
+        "NATS JetStream",
+    ]
+    hand_written = [verdict for verdict, _broker in verdicts[::2]]
+    assert all(verdict in ("PASS", "FAIL") for verdict in hand_written)
+
+
+def test_brokers_that_are_down_are_skipped_with_a_note(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--redis-url", "redis://127.0.0.1:1/0", "--nats-url", "nats://127.0.0.1:1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Redis Streams: skipped (nothing listens on 127.0.0.1:1)" in out
+    assert "NATS JetStream: skipped (nothing listens on 127.0.0.1:1)" in out
+    assert out.count("n/a   ") == 3
+
+
+def test_it_is_a_subcommand_of_the_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        asyncbus_main(["bench", "brokers", "--help"])
+    assert exited.value.code == 0
+    assert "usage: python -m asyncbus bench brokers" in capsys.readouterr().out
