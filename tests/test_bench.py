@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncbus.__main__ import main as asyncbus_main
 from asyncbus._bench import main
 from asyncbus._bench._memory import measure_memory
 from asyncbus._bench._runner import WORKLOADS, Plan, measure
@@ -52,3 +53,21 @@ def test_memory_run_reports_overhead_per_envelope() -> None:
     assert report.depth_sustained and min(report.depth_sustained) > 0
     assert 0 < report.overhead_per_envelope < 10_000
     assert report.raw_overhead_per_item < report.overhead_per_envelope
+
+
+def test_the_bench_help_names_the_broker_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        asyncbus_main(["bench", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    assert text.startswith("usage: python -m asyncbus bench [-h] [--quick]")
+    assert "'python -m asyncbus bench brokers' (Redis Streams and NATS JetStream vs" in text
+    assert "'python -m asyncbus bench rabbit' (RabbitMQ vs hand-written aio-pika)" in text
+
+
+def test_the_rabbit_benchmark_is_a_bench_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    # `bench brokers` and its runs against the local servers: tests/transports/test_broker_bench.py
+    with pytest.raises(SystemExit) as exited:
+        asyncbus_main(["bench", "rabbit", "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m asyncbus bench rabbit [-h]")

@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
             "asyncbus side by side with raw anyio streams, asyncio.Queue, a plain call loop, "
             "FastStream and bubus; alternating runs, medians, ratios to the raw stream."
         ),
+        epilog=(
+            "The brokers end to end, on local servers (see --help there): "
+            "'python -m asyncbus bench brokers' (Redis Streams and NATS JetStream vs "
+            "hand-written clients and FastStream) and 'python -m asyncbus bench rabbit' "
+            "(RabbitMQ vs hand-written aio-pika)."
+        ),
     )
     parser.add_argument("--quick", action="store_true", help="small counts, 3 rounds (< 1 min)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -196,7 +196,9 @@ def report(result: Result, messages: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run, print the report, exit 1 on a missed target."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncbus bench rabbit", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--url", default=URL)
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)

@@ -29,6 +29,7 @@ def test_a_small_run_reports_both_brokers_and_every_target(
         # both tables: msg/s, µs/msg, ratio and the three rounds
         rows = re.findall(rf"^  {side} +[\d,]+ +[\d.]+ +[\d.]+ +[\d,]+ [\d,]+ [\d,]+$", out, re.M)
         assert len(rows) == 2, out
+    assert "\ntargets (issue 6):\n" in out
     verdicts = re.findall(r"^  (PASS|FAIL|n/a) +(Redis Streams|NATS JetStream): ", out, re.M)
     assert [broker for _verdict, broker in verdicts] == [
         "Redis Streams",
@@ -47,6 +48,7 @@ def test_brokers_that_are_down_are_skipped_with_a_note(
     out = capsys.readouterr().out
     assert "Redis Streams: skipped (nothing listens on 127.0.0.1:1)" in out
     assert "NATS JetStream: skipped (nothing listens on 127.0.0.1:1)" in out
+    assert "\ntargets (issue 6):\n" in out
     assert out.count("n/a   ") == 3
 
 
