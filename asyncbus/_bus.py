@@ -50,8 +50,6 @@ logger = logging.getLogger("asyncbus")
 DEADLETTER_TOPIC = "$deadletter"
 
 _now = time.time
-#: Dead letters whose cause is a handler's own exception: they keep its traceback.
-_RAISED = frozenset({DeadLetterReason.HANDLER_FAILED, DeadLetterReason.TIMEOUT})
 
 #: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
 _INBOX = "_reply."
@@ -814,7 +812,7 @@ class Bus:
             logger.warning("a $deadletter envelope failed in %s (%s); discarded", stage, reason)
             return None
         trace = None
-        if cause is not None and reason in _RAISED:
+        if cause is not None and reason is DeadLetterReason.HANDLER_FAILED:
             trace = short_traceback(cause)
         entry = DeadLetter(envelope, reason, error, stage, attempts, time.time(), trace)
         self.dead_letters.add(entry)

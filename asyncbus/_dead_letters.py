@@ -33,9 +33,8 @@ class DeadLetter:
     :ivar stage: name of the stage that dead-lettered it, ``None`` when it reached none.
     :ivar attempts: how many times a handler was tried.
     :ivar dead_at: epoch seconds when it died; it expires ``dead_letter_ttl`` later.
-    :ivar traceback: for a handler that raised (``handler_failed``, ``timeout``), the
-        last three frames of the last attempt's traceback outside asyncbus, else
-        ``None``. Kept by this process; a broker stores the other fields.
+    :ivar traceback: for ``handler_failed``, the last three frames of the last
+        attempt's traceback outside asyncbus, else ``None``.
     """
 
     envelope: Envelope

@@ -134,3 +134,71 @@ async def test_a_write_cancelled_midway_is_reported_as_unknown() -> None:
     error = results[7]
     assert isinstance(error, TransportError)
     assert "may or may not have been written" in str(error)
+
+
+async def test_batches_are_bounded_in_items_and_in_size() -> None:
+    writer = Writer()
+    coalescer: Coalescer[int] = Coalescer(writer.write, max_items=3, max_size=100)
+    results: dict[int, BaseException | None] = {}
+
+    async def submit(item: int, size: int) -> None:
+        results[item] = await coalescer.submit(item, size)
+
+    async with anyio.create_task_group() as task_group:
+        for item in range(7):  # 3 + 3 + 1 by count
+            task_group.start_soon(submit, item, 1)
+        await anyio.wait_all_tasks_blocked()
+        for item, size in ((10, 60), (11, 60), (12, 500)):  # by size; an outsize one alone
+            task_group.start_soon(submit, item, size)
+            await anyio.wait_all_tasks_blocked()  # one at a time: in this order on trio too
+        task_group.start_soon(coalescer.run)
+        with anyio.fail_after(5):
+            while len(results) < 10:
+                await anyio.wait_all_tasks_blocked()
+                await anyio.lowlevel.checkpoint()
+        task_group.cancel_scope.cancel()
+    # The 7th item opens a batch that 10 joins (61 bytes); 11 would make it 121 > 100.
+    assert [len(batch) for batch in writer.batches] == [3, 3, 2, 1, 1]
+    assert writer.batches[2][1:] + writer.batches[3] + writer.batches[4] == [10, 11, 12]
+    assert sorted(item for batch in writer.batches for item in batch) == [*range(7), 10, 11, 12]
+    assert set(results.values()) == {None}
+
+
+async def test_a_caller_cancelled_before_the_write_takes_its_item_back() -> None:
+    writer = Writer()
+    coalescer: Coalescer[int] = Coalescer(writer.write)
+    results: dict[int, BaseException | None] = {}
+
+    async def submit(item: int) -> None:
+        results[item] = await coalescer.submit(item)
+
+    async with anyio.create_task_group() as task_group:
+        with anyio.CancelScope() as cancelled:
+            async with anyio.create_task_group() as doomed:
+                doomed.start_soon(submit, 1)
+                await anyio.wait_all_tasks_blocked()
+                cancelled.cancel()
+        task_group.start_soon(submit, 2)
+        await anyio.wait_all_tasks_blocked()
+        task_group.start_soon(coalescer.run)
+        with anyio.fail_after(5):
+            while 2 not in results:
+                await anyio.wait_all_tasks_blocked()
+                await anyio.lowlevel.checkpoint()
+        task_group.cancel_scope.cancel()
+    assert writer.batches == [[2]]
+    assert results == {2: None}
+
+
+async def test_when_the_writer_stops_nothing_waits_forever() -> None:
+    writer = Writer()
+    coalescer: Coalescer[int] = Coalescer(writer.write)
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(coalescer.run)
+        await anyio.wait_all_tasks_blocked()
+        task_group.cancel_scope.cancel()  # the writer dies without anyone calling close()
+    with anyio.fail_after(5):
+        error = await coalescer.submit(1)
+    assert isinstance(error, TransportError)
+    assert "writer stopped" in str(error)
+    assert writer.batches == []

@@ -2,15 +2,17 @@
 
 A broker round trip costs far more than the bytes of one small envelope, and a busy
 service has many publishes waiting on it at once. :class:`Coalescer` lets each of them
-hand its item over and wait; one writer task takes everything handed over since its
-last write and writes it in one go (one Redis pipeline, say). Nobody waits for a
-timer: a lone publish is written at once, and under load the batch grows by itself to
-the number of publishers waiting. Each caller returns only after the write holding its
-item succeeded, so a publish still means "the broker has it".
+hand its item over and wait; one writer task takes the oldest batch handed over since
+its last write and writes it in one go (one Redis script call, say). Nobody waits for
+a timer: a lone publish is written at once, and under load a batch grows by itself to
+the number of publishers waiting, up to a bound in items and bytes (the next items
+start the next batch). Each caller returns only after the write holding its item
+succeeded, so a publish still means "the broker has it".
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -22,12 +24,18 @@ __all__ = ["Coalescer"]
 
 T = TypeVar("T")
 
+#: Why the items of a write that was cancelled midway failed.
+_UNKNOWN = (
+    "the transport closed while writing: the envelopes may or may not have been written"
+)
+
 
 class _Batch(Generic[T]):
-    __slots__ = ("done", "error", "items")
+    __slots__ = ("done", "error", "items", "size")
 
     def __init__(self) -> None:
         self.items: list[T] = []
+        self.size = 0
         self.done = anyio.Event()
         self.error: BaseException | None = None
 
@@ -37,58 +45,91 @@ class Coalescer(Generic[T]):
 
     :param write: writes one batch (in submission order); raising fails every item
         of that batch.
+    :param max_items: most items in one batch.
+    :param max_size: most bytes (as the callers count them) in one batch; an item
+        larger than that goes alone.
     """
 
-    def __init__(self, write: Callable[[list[T]], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        write: Callable[[list[T]], Awaitable[None]],
+        *,
+        max_items: int = 1000,
+        max_size: int = 16 * 1024 * 1024,
+    ) -> None:
         self._write = write
-        self._open: _Batch[T] | None = None  # taking items, not written yet
+        self._max_items = max_items
+        self._max_size = max_size
+        #: Batches taking items or waiting for the writer, oldest first.
+        self._waiting: deque[_Batch[T]] = deque()
         self._closed: str | None = None
         self._wake = anyio.Event()
 
-    async def submit(self, item: T) -> BaseException | None:
-        """Queue ``item`` for the next write and wait for it.
+    async def submit(self, item: T, size: int = 0) -> BaseException | None:
+        """Queue ``item`` (``size`` bytes) for a write and wait for that write.
+
+        A caller cancelled before the writer took its batch takes its item back; once
+        the write began, the item may or may not be written.
 
         :returns: ``None`` once the write holding ``item`` succeeded, else what that
             write raised (the caller words the error: it knows what it published).
         """
         if self._closed is not None:
             return TransportError(self._closed)
-        batch = self._open
-        if batch is None:
-            batch = self._open = _Batch()
+        batch = self._waiting[-1] if self._waiting else None
+        if batch is None or (
+            batch.items
+            and (len(batch.items) >= self._max_items or batch.size + size > self._max_size)
+        ):
+            batch = _Batch()
+            self._waiting.append(batch)
             self._wake.set()
         batch.items.append(item)
-        await batch.done.wait()
+        batch.size += size
+        try:
+            await batch.done.wait()
+        except BaseException:
+            if batch in self._waiting:  # not taken by the writer yet: take the item back
+                for index, queued in enumerate(batch.items):
+                    if queued is item:
+                        del batch.items[index]
+                        batch.size -= size
+                        break
+            raise
         return batch.error
 
     async def run(self) -> None:
-        """The writer loop; run it as a task until it is cancelled (then :meth:`close`)."""
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            batch, self._open = self._open, None
-            if batch is None:
-                continue
-            written = False
-            try:
-                await self._write(batch.items)
-                written = True
-            except Exception as error:
-                batch.error = error
-                written = True
-            finally:
-                if not written:
-                    # Cancelled in the middle of the write: its outcome is unknown.
-                    batch.error = TransportError(
-                        "the transport closed while writing: the envelopes may or may not "
-                        "have been written"
-                    )
-                batch.done.set()
+        """The writer loop; run it as a task. However it ends, the coalescer closes."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                while self._waiting:
+                    await self._write_one(self._waiting.popleft())
+        finally:
+            self.close("the transport's writer stopped: nothing more can be published")
+
+    async def _write_one(self, batch: _Batch[T]) -> None:
+        if not batch.items:  # every caller took its item back
+            batch.done.set()
+            return
+        written = False
+        try:
+            await self._write(batch.items)
+            written = True
+        except Exception as error:
+            batch.error = error
+            written = True
+        finally:
+            if not written:
+                batch.error = TransportError(_UNKNOWN)  # cancelled in the middle of the write
+            batch.done.set()
 
     def close(self, reason: str) -> None:
         """Fail what waits for a write that will not come, and refuse new items."""
-        self._closed = reason
-        batch, self._open = self._open, None
-        if batch is not None:
-            batch.error = TransportError(reason)
+        if self._closed is None:
+            self._closed = reason
+        while self._waiting:
+            batch = self._waiting.popleft()
+            batch.error = TransportError(self._closed)
             batch.done.set()

@@ -153,6 +153,11 @@ def _broker_call(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
 
 
+def _ascii_json(data: bytes) -> str:
+    """The same JSON document with every non-ASCII character escaped."""
+    return json.dumps(json.loads(data), separators=(",", ":"), ensure_ascii=True)
+
+
 def _header_size(headers: Mapping[str, str]) -> int:
     # "NATS/1.0\r\n" + "name: value\r\n"... + "\r\n"
     return 12 + sum(len(name) + len(value.encode()) + 4 for name, value in headers.items())
@@ -759,7 +764,9 @@ class NatsTransport(Transport):
             # of the original (or of another replay of it).
             msg_id = f"{envelope.id}:{target or ''}:{envelope.timestamp!r}"
         headers = {"Nats-Msg-Id": msg_id.replace("\r", " ").replace("\n", " ")}
-        headers[HEADER_META] = meta.decode()
+        # Header values must be ASCII for every nats-py (up to 2.14 a non-ASCII value
+        # loses the whole header block): escape what msgspec wrote as UTF-8.
+        headers[HEADER_META] = meta.decode() if meta.isascii() else _ascii_json(meta)
         if target is not None:
             headers[HEADER_REPLAY_GROUP] = target
         size = len(body) + _header_size(headers)

@@ -723,9 +723,9 @@ class RabbitTransport(Transport):
                 f"envelope {envelope.id}: its headers and fields take {size} bytes, more "
                 f"than the {_META_LIMIT} an AMQP header frame can carry here"
             )
-        if body is None:
+        if body is None:  # a publish (a retry re-sends a body that was accepted once)
             body = self.codec.encode(envelope.payload)
-        refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
+            refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
         properties = self._properties_type()(
             content_type=self.codec.content_type,
             delivery_mode=2,

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -405,16 +406,19 @@ class RedisTransport(Transport):
                 except Exception as error:
                     logger.warning("Redis: acks lost at close (redelivered later): %s", error)
         task_group, self._task_group = self._task_group, None
-        if task_group is not None:
-            # The background tasks were started in ``connect``'s task: their scope is
-            # cancelled and left here, then the client is closed shielded.
-            task_group.cancel_scope.cancel()
-            await task_group.__aexit__(None, None, None)
-            self._publishes.close("RedisTransport is closed: nothing more can be published")
-        client, self._client = self._client, None
-        if client is not None:
-            with anyio.CancelScope(shield=True):
-                await client.aclose()
+        try:
+            if task_group is not None:
+                # The background tasks were started in ``connect``'s task: their scope
+                # is cancelled and left here, then the client is closed shielded.
+                task_group.cancel_scope.cancel()
+                await task_group.__aexit__(None, None, None)
+        finally:
+            if task_group is not None:  # however the tasks ended: no publish waits on
+                self._publishes.close("RedisTransport is closed: nothing more can be published")
+            client, self._client = self._client, None
+            if client is not None:
+                with anyio.CancelScope(shield=True):
+                    await client.aclose()
 
     def _redis(self) -> Redis:
         if self._client is None:
@@ -490,7 +494,8 @@ class RedisTransport(Transport):
             await anyio.lowlevel.checkpoint()
             return
         wire = [self._encode(envelope) for envelope in envelopes]
-        error = await self._publishes.submit((topic, wire))
+        size = sum(len(meta) + len(body) for meta, body in wire)
+        error = await self._publishes.submit((topic, wire), size)
         if error is not None:
             raise self._failed(f"publish to {topic!r}", error) from error
 
@@ -723,7 +728,7 @@ class RedisTransport(Transport):
                 due = time.time() + delay
                 item = f"{self._delayed_key}:{secrets.token_hex(12)}"
                 pipe.hset(item, mapping={"stream": consumer.stream, "meta": meta, "body": body})
-                pipe.zadd(self._delayed_key, {item: int(due * 1000)})
+                pipe.zadd(self._delayed_key, {item: math.ceil(due * 1000)})  # never early
                 pipe.hincrby(self._delayed_counts_key, consumer.stream, 1)
             else:
                 pipe.xadd(consumer.stream, {"meta": meta, "body": body})
@@ -825,7 +830,7 @@ class RedisTransport(Transport):
                 await self._scripts["TOUCH"](
                     keys=[consumer.stream], args=[consumer.group, consumer.name, *held]
                 )
-            except self._errors.RedisError as error:
+            except Exception as error:  # keep trying: a failed round only risks a reclaim
                 logger.warning("Redis: keeping %d entries alive failed: %s", len(held), error)
 
     async def _move_due_loop(self) -> None:

@@ -260,6 +260,41 @@ async def test_publish_to_group_refuses_a_topic_outside_the_pattern(
 
 
 @pytest.mark.anyio
+async def test_non_ascii_fields_travel_as_ascii_headers(
+    transport: NatsTransport, nats_url: str
+) -> None:
+    """Header values stay ASCII (older nats-py drops a header block that is not)."""
+    seen: list[str] = []
+    tapped = anyio.Event()
+
+    async def tap(msg: Any) -> None:
+        seen.append(msg.headers[HEADER_META])
+        tapped.set()
+
+    nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
+    try:
+        await nc.subscribe(f"{transport.prefix}.accents", cb=tap)
+        await nc.flush()
+        async with transport.subscribe("accents", group="g", prefetch=1) as deliveries:
+            sent = Envelope(topic="accents", payload="café", headers={"user": "José 🚀"})
+            await transport.publish("accents", [sent])
+            delivery = await _next(deliveries)
+            assert delivery.error is None
+            assert (delivery.envelope.headers, delivery.envelope.payload) == (
+                {"user": "José 🚀"},
+                "café",
+            )
+            await delivery.ack()
+        with anyio.fail_after(5):
+            await tapped.wait()
+    finally:
+        await nc.close()
+    [header] = seen
+    assert header.isascii()
+    assert json.loads(header)["headers"] == {"user": "José 🚀"}
+
+
+@pytest.mark.anyio
 async def test_oversized_envelope_is_refused_at_publish(transport: NatsTransport) -> None:
     huge = Envelope(topic="big", payload="x" * (1 << 20))
     with pytest.raises(TransportError, match="max_payload"):
