@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from .._exceptions import TransportError
 
@@ -102,10 +103,14 @@ class Coalescer(Generic[T]):
         """The writer loop; run it as a task. However it ends, the coalescer closes."""
         try:
             while True:
-                await self._wake.wait()
-                self._wake = anyio.Event()
-                while self._waiting:
-                    await self._write_one(self._waiting.popleft())
+                while not self._waiting:
+                    wake = self._wake = anyio.Event()
+                    await wake.wait()
+                await self._write_one(self._waiting.popleft())
+                # Let the callers this write woke up run first: they fill the next batch
+                # before it is taken (without this yield, batches shrink to what came in
+                # during the write, and round trips multiply).
+                await anyio.lowlevel.checkpoint()
         finally:
             self.close("the transport's writer stopped: nothing more can be published")
 
