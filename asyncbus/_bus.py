@@ -34,7 +34,7 @@ from ._envelope import (
 from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
 from ._offload import hold_switch_interval, release_switch_interval
 from ._routing import Router, compile_pattern, validate_topic
-from ._runtime import FREE_THREADED, YIELD_BUDGET, fast_checkpoint
+from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Admission, Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, adapt_handler, build_chain, make_subscription
@@ -150,8 +150,6 @@ class Bus:
         self._stopped: anyio.Event | None = None
         #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
         self.yield_now: Callable[[], Awaitable[None]] = checkpoint
-        #: Publishes left before the next one yields to the event loop (YIELD_BUDGET).
-        self._budget = 1
         #: Called with every envelope routed (publishes, slip hops, replays); for test
         #: helpers such as :func:`asyncbus.testing.capture`.
         self.observers: list[Callable[[Envelope], None]] = []
@@ -569,16 +567,13 @@ class Bus:
         :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``
             (``.receipt`` tells which stages accepted).
 
-        A publish that has to wait for room yields to the event loop; one that finds
-        room yields once every ``YIELD_BUDGET`` (16) publishes, so a publishing loop
-        never starves other tasks and still meets a cancellation within 16 calls.
+        Every call yields to the event loop once before it admits anything, like
+        anyio's ``send``: a publishing loop never starves other tasks, and a cancelled
+        publish admits nothing.
         """
-        if self._state != "running":
+        await self.yield_now()
+        if self._state != "running":  # checked after the yield: aclose may have begun
             self._check_open()
-        self._budget -= 1
-        if self._budget <= 0:
-            self._budget = YIELD_BUDGET
-            await self.yield_now()
         if headers or ttl is not None or slip or key is not None:
             envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
         else:

@@ -8,7 +8,7 @@ import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-__all__ = ["FREE_THREADED", "YIELD_BUDGET", "fast_checkpoint", "run"]
+__all__ = ["FREE_THREADED", "fast_checkpoint", "run"]
 
 T = TypeVar("T")
 
@@ -19,13 +19,6 @@ FREE_THREADED: bool = (
     and not getattr(sys, "_is_gil_enabled", lambda: True)()
 )
 
-
-#: Operations the bus does in a row without yielding to the event loop, when none of
-#: them had to wait: publishes that found room, envelopes a consumer found queued.
-#: (Tokio's cooperative budget, smaller: a yield costs more than the bus's own work
-#: for one envelope, and one yield per sixteen keeps every other task at most sixteen
-#: steps behind. An operation that has to wait always yields.)
-YIELD_BUDGET = 16
 
 
 @types.coroutine

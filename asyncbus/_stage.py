@@ -15,7 +15,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._dead_letters import DeadLetterReason
 from ._dispatch import Dispatch, Outcome
-from ._runtime import YIELD_BUDGET
 from ._stats import LatencyHistogram, StageStatistics
 
 if TYPE_CHECKING:
@@ -300,15 +299,11 @@ class Stage:
         waiters = self._consumer_waiters
         deliveries = self.deliveries  # the same dict for the stage's life
         wait_record, latency_record = self.wait.record, self.latency.record
-        budget = 1
         while True:
             # Items always sit in the stream's buffer (no consumer ever waits inside
             # anyio's receive), so ``queued`` is exactly what a stage holds and nothing
             # is ever in a hand-over that cancellation could lose.
-            budget -= 1  # one yield per YIELD_BUDGET envelopes, and whenever it runs dry
-            if budget <= 0 or not self.queued:
-                budget = YIELD_BUDGET
-                await checkpoint()
+            await checkpoint()  # the one yield per envelope
             if not self.queued:
                 # Still empty after a yield: park until an admission wakes us. (The
                 # yield first lets a publisher that runs in step with us refill the

@@ -1,0 +1,127 @@
+"""Fairness (DESIGN): a publish yields once per call, a consumer once per envelope."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from asyncbus import Bus
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+
+
+async def test_every_publish_is_a_checkpoint_that_admits_nothing_when_cancelled() -> None:
+    """Like anyio's send: the yield comes first, so a cancelled publish admits nothing."""
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("fair.cancel", capacity=100)
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    async with bus:
+        await bus.publish("fair.cancel", 0)
+        published: list[int] = []
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            for n in range(1, 10):
+                await bus.publish("fair.cancel", n)
+                published.append(n)
+        await bus.drain()
+    assert scope.cancelled_caught
+    assert published == []
+    assert handled == [0]
+    [stage] = bus.statistics().stages
+    assert (stage.published, stage.acked) == (1, 1)
+
+
+async def test_another_task_runs_between_any_two_publishes(anyio_backend_name: str) -> None:
+    """A publishing loop that always finds room still lets other tasks run each call."""
+    events: list[str] = []
+    stop = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("fair.publish", capacity=1000)
+    async def handle(n: int) -> None:
+        pass
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            events.append("tick")
+            await anyio.lowlevel.checkpoint()
+
+    async with bus, anyio.create_task_group() as task_group:
+        task_group.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()  # the ticker has started
+        for n in range(50):
+            await bus.publish("fair.publish", n)
+            events.append("publish")
+        stop.set()
+        await bus.drain()
+    runs = _runs(events, "publish")
+    assert sum(runs) == 50
+    if anyio_backend_name == "trio":
+        # Trio steps each batch of ready tasks in a random order: two publishes can
+        # meet across a batch boundary, never three.
+        assert max(runs) <= 2
+    else:
+        assert runs == [1] * 50  # asyncio steps ready tasks in FIFO order
+
+
+async def test_a_consumer_yields_once_per_envelope(anyio_backend_name: str) -> None:
+    """A stage with a backlog lets other tasks run between any two envelopes."""
+    events: list[str] = []
+    stop = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("fair.backlog", capacity=100)
+    async def handle(n: int) -> None:
+        events.append("handled")
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            events.append("tick")
+            await anyio.lowlevel.checkpoint()
+
+    async with bus:
+        for n in range(40):
+            bus.publish_nowait("fair.backlog", n)  # a backlog, queued without yielding
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(ticker)
+            await bus.drain()
+            stop.set()
+    runs = _runs(events, "handled")
+    assert sum(runs) == 40
+    if anyio_backend_name == "trio":
+        assert max(runs) <= 2
+    else:
+        assert runs == [1] * 40
+
+
+async def test_a_publish_that_waits_for_room_waits() -> None:
+    """A full BLOCK stage holds the publisher until there is room (or its scope ends)."""
+    bus = Bus()
+    release = anyio.Event()
+
+    @bus.subscribe("fair.full", capacity=1)
+    async def handle(n: int) -> None:
+        await release.wait()
+
+    async with bus:
+        await bus.publish("fair.full", 0)  # taken by the consumer, which waits
+        await anyio.wait_all_tasks_blocked()
+        await bus.publish("fair.full", 1)  # queued: the stage is full now
+        with anyio.move_on_after(0.2) as scope:
+            await bus.publish("fair.full", 2)
+        assert scope.cancelled_caught
+        release.set()
+        await bus.drain()
+    [stage] = bus.statistics().stages
+    assert (stage.published, stage.acked) == (2, 2)
+
+
+def _runs(events: list[str], name: str) -> list[int]:
+    """Lengths of the runs of ``name`` in ``events`` (other entries separate runs)."""
+    marks = "".join("x" if event == name else " " for event in events)
+    return [len(run) for run in marks.split()]
