@@ -1,4 +1,5 @@
-"""Baselines: raw anyio memory object streams, ``asyncio.Queue``, and a plain call loop.
+"""Baselines: raw anyio memory object streams, ``asyncio.Queue``, a plain call loop,
+and the fairness floor (the yields DESIGN asks for, with no other work).
 
 Each is shaped like its workload and calls the same handler as asyncbus does, so
 the ratio measures what the bus adds: routing, envelopes, the middleware chain and
@@ -10,6 +11,7 @@ fan-out, which uses the cheapest honest shape: ``send_nowait`` to each stream,
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 
@@ -17,6 +19,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._runtime import fast_checkpoint
 from ._model import Payload, Sample, Tally, counting, echoing, settle
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "FAN_OUT",
     "SLIP_STAGES",
     "WORKERS",
+    "fairness_floor_runners",
     "queue_runners",
     "raw_runners",
     "sync_runners",
@@ -362,3 +366,52 @@ def sync_runners() -> dict[str, Run]:
         "5": sync_request,
         "6": sync_one,
     }
+
+
+# -- the fairness floor ----------------------------------------------------------------
+
+
+async def fairness_floor_one(messages: Sequence[Payload]) -> Sample:
+    """The yields DESIGN's fairness rule asks for, and nothing else.
+
+    A publisher task and a consumer task hand messages over through a deque; each
+    yields to the event loop once per message (the publisher before it appends, the
+    consumer before it takes one), with the bus's own yield, and the consumer waits
+    on an event only when the deque is empty. No envelope, no routing, no ledger:
+    no bus that publishes and consumes under that rule can go faster than this.
+    """
+    tally = Tally()
+    handle = counting(tally)
+    yield_now = fast_checkpoint()
+    queued: collections.deque[Payload] = collections.deque()
+    wake: list[anyio.Event] = []
+    finished = anyio.Event()
+    total = len(messages)
+
+    async def consume() -> None:
+        for _ in range(total):
+            await yield_now()
+            while not queued:
+                event = anyio.Event()
+                wake.append(event)
+                await event.wait()
+            await handle(queued.popleft())
+        finished.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await settle()
+        started = perf_counter()
+        for message in messages:
+            await yield_now()
+            queued.append(message)
+            if wake:
+                wake.pop().set()
+        await finished.wait()
+    return Sample(perf_counter() - started, total, tally.n)
+
+
+def fairness_floor_runners() -> dict[str, Run | str]:
+    """The fairness floor per workload key (workload 1 only: the FastStream target's)."""
+    why = "measured on workload 1 only (the floor under the FastStream target)"
+    return {"1": fairness_floor_one, "2": why, "3": why, "4": why, "5": why, "6": why}

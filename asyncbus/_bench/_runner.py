@@ -14,11 +14,12 @@ from typing import Any
 import anyio
 
 from ._asyncbus import bus_runners
-from ._baselines import queue_runners, raw_runners, sync_runners
+from ._baselines import fairness_floor_runners, queue_runners, raw_runners, sync_runners
 from ._model import RAW, Impl, Measurement, Sample, Workload, make_messages, median, quantile
 from ._peers import FASTSTREAM_NATS, FASTSTREAM_RABBIT, bubus_available, bubus_runners
 
 __all__ = [
+    "FAIRNESS_FLOOR",
     "IMPL_KEYS",
     "LOOPS",
     "WORKLOADS",
@@ -39,7 +40,10 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("6", "one stage, reliability chain", 1),
 )
 
-IMPL_KEYS = ("asyncbus", RAW, "queue", "sync", "faststream", "faststream-rabbit", "bubus")
+#: Label of the fairness floor: two tasks, one yield each per message, no other work.
+FAIRNESS_FLOOR = "fairness floor (2 yields/msg)"
+
+IMPL_KEYS = ("asyncbus", RAW, "queue", "sync", "floor", "faststream", "faststream-rabbit", "bubus")
 LOOPS = ("asyncio", "uvloop", "trio")
 
 #: No single run may take longer than this (a hung peer must not hang the suite).
@@ -91,6 +95,11 @@ def implementations(
         _maybe("queue", "asyncio.Queue", queue_runners()[key], on_trio),
         Impl("sync", "sync call loop (floor)", sync_runners()[key]),
     ]
+    floor = fairness_floor_runners()[key]
+    if isinstance(floor, str):
+        impls.append(Impl("floor", FAIRNESS_FLOOR, None, floor))
+    else:
+        impls.append(Impl("floor", FAIRNESS_FLOOR, floor))
     peers: tuple[tuple[str, str, Any, Callable[[], str | None], float], ...] = (
         (
             "faststream",
