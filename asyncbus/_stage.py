@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 import time
@@ -361,7 +363,9 @@ class Stage:
                 if dead is None:
                     await delivery.ack()
                 else:
-                    await delivery.reject(dead.reason.value, error=dead.error, stage=self.name)
+                    await reject_delivery(
+                        delivery, dead.reason.value, dead.error, self.name, dead.attempts
+                    )
         except Exception:
             # The broker will deliver it again (at-least-once); the local ledger
             # already counts what the handler did.
@@ -375,23 +379,26 @@ class Stage:
                 self.subscribed.set()  # the group exists in the broker from here on
             async for delivery in deliveries:
                 envelope = delivery.envelope
-                if delivery.error is not None:
+                undecodable = getattr(delivery, "error", None)  # optional in DESIGN's protocol
+                if undecodable is not None:
                     # An undecodable body: admitted and dead-lettered at once, never handled.
                     self.published += 1
                     self._count_dead(DeadLetterReason.REJECTED)
                     entry = self.bus.dead_letter(
                         envelope,
                         DeadLetterReason.REJECTED,
-                        delivery.error,
+                        undecodable,
                         self.name,
                         envelope.attempt,
                         stored=True,
                     )
                     with anyio.CancelScope(shield=True):
-                        await delivery.reject(
+                        await reject_delivery(
+                            delivery,
                             DeadLetterReason.REJECTED.value,
-                            error=entry.error if entry else delivery.error,
-                            stage=self.name,
+                            entry.error if entry else undecodable,
+                            self.name,
+                            envelope.attempt,
                         )
                     continue
                 await self._wait_for_room()
@@ -427,6 +434,32 @@ class Stage:
             latency_p99=_finite(self.latency.quantile(0.99)),
             wait_p99=_finite(self.wait.quantile(0.99)),
         )
+
+
+async def reject_delivery(
+    delivery: Delivery, reason: str, error: str | None, stage: str, attempts: int
+) -> None:
+    """``delivery.reject(reason)``, with the dead letter's details when it takes them.
+
+    DESIGN's ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
+    also take ``error``, ``stage`` and ``attempts`` so the broker's copy of the dead
+    letter matches the bus's. A transport written to the protocol alone still works.
+    """
+    if _reject_takes_details(type(delivery)):
+        await delivery.reject(reason, error=error, stage=stage, attempts=attempts)
+    else:
+        await delivery.reject(reason)
+
+
+@functools.cache
+def _reject_takes_details(delivery_type: type[Delivery]) -> bool:
+    try:
+        parameters = inspect.signature(delivery_type.reject).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return True
+    return {"error", "stage", "attempts"} <= {parameter.name for parameter in parameters}
 
 
 def _finite(value: float) -> float:

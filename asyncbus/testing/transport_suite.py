@@ -556,6 +556,25 @@ class TransportSuite:
         _check(entries[0].attempts, 1, "attempts")
         _check(entries[0].envelope.payload, [1, 2], "payload")
 
+    @pytest.mark.anyio
+    async def test_reject_records_the_last_attempt_the_bus_ran(self, transport: Transport) -> None:
+        """``reject(attempts=N)``: retries ran in the bus, the dead letter says N."""
+        self._require(transport, "replay")
+        sent = Envelope(topic="poison", payload="retried")
+        async with transport.subscribe("poison", group="g", prefetch=1) as deliveries:
+            await transport.publish("poison", [sent])
+            delivery = await _next(deliveries, self.timeout, "the published envelope")
+            await delivery.reject(
+                DeadLetterReason.HANDLER_FAILED.value,
+                error="ValueError: third time",
+                stage="poison@g",
+                attempts=3,
+            )
+        entries = await transport.dead_letters()
+        _check([entry.envelope.id for entry in entries], [sent.id], "dead letter ids")
+        _check((entries[0].attempts, entries[0].envelope.attempt), (3, 3), "attempts")
+        _check(entries[0].error, "ValueError: third time", "error")
+
     # -- the dead-letter store ------------------------------------------------------
 
     def _dead_letter(self, payload: Any, *, dead_at: float | None = None) -> DeadLetter:

@@ -26,9 +26,7 @@ __all__ = ["Coalescer"]
 T = TypeVar("T")
 
 #: Why the items of a write that was cancelled midway failed.
-_UNKNOWN = (
-    "the transport closed while writing: the envelopes may or may not have been written"
-)
+_UNKNOWN = "the transport closed while writing: the envelopes may or may not have been written"
 
 
 class _Batch(Generic[T]):

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
-from .._dead_letters import DeadLetter, DeadLetterReason
 from .._envelope import Envelope
 from .._exceptions import DecodeError, TransportError
 from ._codec import envelope_from_wire
-from .base import Delivery
+from .base import Delivery, rejected_entry
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, DeliveredMessage
@@ -218,17 +217,15 @@ class RabbitDelivery:
         await subscription.transport._retry(self, delay)
 
     async def reject(
-        self, reason: str, *, error: str | None = None, stage: str | None = None
+        self,
+        reason: str,
+        *,
+        error: str | None = None,
+        stage: str | None = None,
+        attempts: int | None = None,
     ) -> None:
         """Store it as a dead letter (the body byte for byte), then ack it."""
-        entry = DeadLetter(
-            self.envelope,
-            DeadLetterReason(reason),
-            error,
-            stage,
-            self.envelope.attempt,
-            time.time(),
-        )
+        entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
         subscription = self._settle()
         await subscription.transport._bury(self, entry)
 

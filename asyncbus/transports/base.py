@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol, Self, runtime_checkable
 
 from anyio.abc import AsyncResource
 
-from .._dead_letters import DeadLetter
+from .._dead_letters import DeadLetter, DeadLetterReason
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
 from ._codec import Codec, default_codec
@@ -28,6 +28,7 @@ __all__ = [
     "Transport",
     "checked_max_message_size",
     "refuse_oversized",
+    "rejected_entry",
     "require_asyncio",
 ]
 
@@ -97,6 +98,7 @@ class Delivery(Protocol):
     """
 
     envelope: Envelope
+    #: Optional: the bus reads it with ``getattr(delivery, "error", None)``.
     error: str | None
 
     async def ack(self) -> None:
@@ -106,9 +108,20 @@ class Delivery(Protocol):
         """Not done: deliver it again (to any consumer of the group) after ``delay`` s."""
 
     async def reject(
-        self, reason: str, *, error: str | None = None, stage: str | None = None
+        self,
+        reason: str,
+        *,
+        error: str | None = None,
+        stage: str | None = None,
+        attempts: int | None = None,
     ) -> None:
-        """Give up: move it to the transport's dead-letter store, then forget it."""
+        """Give up: move it to the transport's dead-letter store, then forget it.
+
+        The keywords are optional: the bus passes them to a delivery whose ``reject``
+        accepts them (``error`` and ``stage`` of the dead letter, and ``attempts``, the
+        attempt that failed last when retries ran), and calls ``reject(reason)`` alone
+        otherwise, as DESIGN's protocol has it.
+        """
 
 
 class Transport(AsyncResource, abc.ABC):
@@ -196,3 +209,18 @@ class Transport(AsyncResource, abc.ABC):
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Forget the dead letters of these envelope ids (no ids: none)."""
+
+
+def rejected_entry(
+    envelope: Envelope,
+    reason: str,
+    error: str | None,
+    stage: str | None,
+    attempts: int | None,
+    dead_at: float,
+) -> DeadLetter:
+    """The dead letter a delivery's ``reject`` stores: ``attempts`` (the last attempt,
+    when retries ran) also becomes the stored envelope's ``attempt``."""
+    if attempts is not None and attempts != envelope.attempt:
+        envelope = envelope.evolve(attempt=attempts)
+    return DeadLetter(envelope, DeadLetterReason(reason), error, stage, envelope.attempt, dead_at)

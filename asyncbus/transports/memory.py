@@ -11,12 +11,12 @@ from typing import ClassVar
 import anyio
 from anyio.abc import TaskGroup
 
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import TransportError
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
-from .base import Capabilities, Delivery, Transport
+from .base import Capabilities, Delivery, Transport, rejected_entry
 
 __all__ = ["MemoryTransport"]
 
@@ -71,19 +71,17 @@ class _MemoryDelivery:
         self._transport._redeliver(self._consumer.group, again, delay)
 
     async def reject(
-        self, reason: str, *, error: str | None = None, stage: str | None = None
+        self,
+        reason: str,
+        *,
+        error: str | None = None,
+        stage: str | None = None,
+        attempts: int | None = None,
     ) -> None:
         """Move it to the transport's dead letters."""
         self._settle()
         self._transport._dead.append(
-            DeadLetter(
-                self.envelope,
-                DeadLetterReason(reason),
-                error,
-                stage,
-                self.envelope.attempt,
-                time.time(),
-            )
+            rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
         )
 
 

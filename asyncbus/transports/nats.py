@@ -72,7 +72,7 @@ from ._codec import (
     envelope_to_wire,
 )
 from ._nats_publisher import JetStreamPublisher
-from .base import Capabilities, Delivery, Transport
+from .base import Capabilities, Delivery, Transport, rejected_entry
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -197,7 +197,12 @@ class _NatsDelivery:
             await msg.nak(delay=delay if delay is not None and delay > 0 else None)
 
     async def reject(
-        self, reason: str, *, error: str | None = None, stage: str | None = None
+        self,
+        reason: str,
+        *,
+        error: str | None = None,
+        stage: str | None = None,
+        attempts: int | None = None,
     ) -> None:
         """Store a dead letter in the dead-letter stream, then terminate the message.
 
@@ -206,7 +211,7 @@ class _NatsDelivery:
         """
         why = DeadLetterReason(reason)
         msg = self._settle()
-        entry = DeadLetter(self.envelope, why, error, stage, self.envelope.attempt, time.time())
+        entry = rejected_entry(self.envelope, why, error, stage, attempts, time.time())
         await self._consumer.transport.add_dead_letter(entry)
         with _broker_call(f"cannot settle {self.envelope.id}"):
             await msg.term()

@@ -63,7 +63,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, TransportError
 from .._routing import compile_pattern, validate_topic
@@ -85,6 +85,7 @@ from .base import (
     Transport,
     checked_max_message_size,
     refuse_oversized,
+    rejected_entry,
     require_asyncio,
 )
 
@@ -214,7 +215,12 @@ class _RedisDelivery:
         )
 
     async def reject(
-        self, reason: str, *, error: str | None = None, stage: str | None = None
+        self,
+        reason: str,
+        *,
+        error: str | None = None,
+        stage: str | None = None,
+        attempts: int | None = None,
     ) -> None:
         """Move it to the dead-letter stream and remove the entry, in one transaction.
 
@@ -222,14 +228,7 @@ class _RedisDelivery:
         decode).
         """
         consumer = self._settle()
-        entry = DeadLetter(
-            self.envelope,
-            DeadLetterReason(reason),
-            error,
-            stage,
-            self.envelope.attempt,
-            time.time(),
-        )
+        entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
         await consumer.transport._settle(consumer, self._entry, dead=(entry, self._body))
 
 

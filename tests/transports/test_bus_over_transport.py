@@ -90,6 +90,8 @@ async def test_retries_dead_letters_and_replay_over_the_transport() -> None:
             stored = await transport.dead_letters()
             assert [entry.envelope.id for entry in stored] == [receipt.id]
             assert stored[0].reason == DeadLetterReason.HANDLER_FAILED
+            # The transport's copy records the attempt that failed last, like the bus's.
+            assert (stored[0].attempts, stored[0].envelope.attempt) == (3, 3)
 
             healed = True
             await bus.dead_letters.replay(receipt.id)

@@ -1,0 +1,115 @@
+"""A transport written to DESIGN's ``Delivery`` protocol alone works with the bus.
+
+DESIGN's protocol has ``envelope``, ``ack()``, ``nack(delay=)`` and ``reject(reason)``;
+asyncbus's own deliveries add ``error`` and keywords on ``reject``, which the bus must
+not require.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import anyio
+import pytest
+from anyio.streams.memory import MemoryObjectSendStream
+
+from asyncbus import Bus, Envelope, Reject, Retry
+from asyncbus._routing import compile_pattern
+from asyncbus.transports import Transport
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+
+
+class ProtocolDelivery:
+    """Exactly the protocol: no ``error``, ``reject`` takes the reason only."""
+
+    def __init__(self, envelope: Envelope, settled: list[tuple[str, str, object]]) -> None:
+        self.envelope = envelope
+        self._settled = settled
+
+    async def ack(self) -> None:
+        self._settled.append(("ack", self.envelope.topic, self.envelope.payload))
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        self._settled.append(("nack", self.envelope.topic, self.envelope.payload))
+
+    async def reject(self, reason: str) -> None:
+        self._settled.append((f"reject {reason}", self.envelope.topic, self.envelope.payload))
+
+
+class ProtocolTransport(Transport):
+    """Every matching subscription gets every envelope; nothing is ever redelivered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled: list[tuple[str, str, object]] = []
+        self._routes: list[tuple[object, MemoryObjectSendStream[Envelope]]] = []
+
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        for matches, send in self._routes:
+            if matches(topic):  # type: ignore[operator]
+                for envelope in envelopes:
+                    send.send_nowait(envelope)
+
+    def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AbstractAsyncContextManager[AsyncIterator[ProtocolDelivery]]:
+        return self._subscription(pattern)
+
+    @asynccontextmanager
+    async def _subscription(self, pattern: str) -> AsyncIterator[AsyncIterator[ProtocolDelivery]]:
+        send, receive = anyio.create_memory_object_stream[Envelope](math.inf)
+        route = (compile_pattern(pattern), send)
+        self._routes.append(route)
+
+        async def deliveries() -> AsyncIterator[ProtocolDelivery]:
+            async for envelope in receive:
+                yield ProtocolDelivery(envelope, self.settled)
+
+        try:
+            yield deliveries()
+        finally:
+            self._routes.remove(route)
+            send.close()
+            receive.close()
+
+
+async def test_the_bus_acks_and_rejects_through_the_protocol_alone() -> None:
+    transport = ProtocolTransport()
+    bus = Bus(transport)
+    attempts: list[int] = []
+
+    @bus.subscribe("jobs.ok", group="ok")
+    async def fine(n: int) -> int:
+        return n
+
+    @bus.subscribe("jobs.refused", group="refused")
+    async def refuse(n: int) -> None:
+        raise Reject("not today")
+
+    @bus.subscribe("jobs.failing", group="failing", retry=Retry(max_attempts=2, backoff=0.001))
+    async def fail(env: Envelope) -> None:
+        attempts.append(env.attempt)
+        raise ValueError("boom")
+
+    async with bus:
+        await bus.publish("jobs.ok", 1)
+        await bus.publish("jobs.refused", 2)
+        await bus.publish("jobs.failing", 3)
+        await bus.drain()
+        entries = bus.dead_letters.list()
+        dead = sorted((entry.stage, entry.reason, entry.attempts) for entry in entries)
+    assert attempts == [1, 2]
+    assert sorted(transport.settled) == [
+        ("ack", "jobs.ok", 1),
+        ("reject handler_failed", "jobs.failing", 3),
+        ("reject rejected", "jobs.refused", 2),
+    ]
+    assert dead == [
+        ("jobs.failing@failing", "handler_failed", 2),
+        ("jobs.refused@refused", "rejected", 1),
+    ]
+    for stage in bus.statistics().stages:
+        assert stage.published == stage.acked + stage.dead_lettered, stage
