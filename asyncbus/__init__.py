@@ -5,7 +5,8 @@ Import everything from here; the modules behind it are private.
 
 from __future__ import annotations
 
-from . import middleware as _middleware_package  # noqa: F401 - bind the subpackage first
+from typing import TYPE_CHECKING, Any
+
 from ._bus import DEADLETTER_TOPIC as DEADLETTER_TOPIC
 from ._bus import Bus as Bus
 from ._dead_letters import DeadLetter as DeadLetter
@@ -35,8 +36,23 @@ from ._stats import StageStatistics as StageStatistics
 from ._subscription import Subscription as Subscription
 from ._types import Handler as Handler
 from ._types import Middleware as Middleware
-from ._types import middleware as middleware
 from .middleware.retry import Retry as Retry
+from .transports import Capabilities as Capabilities
+from .transports import Codec as Codec
+from .transports import Delivery as Delivery
+from .transports import MemoryTransport as MemoryTransport
+from .transports import Transport as Transport
+
+if TYPE_CHECKING:
+    from ._types import middleware as middleware
+else:
+    # The package of built-ins, callable as the ``@middleware`` decorator (see there).
+    from . import middleware as middleware
+
+if TYPE_CHECKING:
+    from .transports.nats import NatsTransport as NatsTransport
+    from .transports.rabbit import RabbitTransport as RabbitTransport
+    from .transports.redis import RedisTransport as RedisTransport
 
 __version__ = "0.1.0"
 
@@ -50,26 +66,46 @@ __all__ = [
     "Bus",
     "BusClosedError",
     "BusStatistics",
+    "Capabilities",
+    "Codec",
     "ConfigurationError",
     "ConnectError",
     "DeadLetter",
     "DeadLetterQueue",
     "DeadLetterReason",
     "DecodeError",
+    "Delivery",
     "EncodeError",
     "Envelope",
     "Handler",
     "HandlerError",
+    "MemoryTransport",
     "Middleware",
+    "NatsTransport",
     "PublishTimeout",
+    "RabbitTransport",
     "Receipt",
+    "RedisTransport",
     "Reject",
     "Retry",
     "SerializationError",
     "ShutdownReport",
     "StageStatistics",
     "Subscription",
+    "Transport",
     "TransportError",
     "middleware",
     "run",
 ]
+
+#: Broker transports, imported on first use (their modules import no client library
+#: until they connect, but need not load with the bus at all).
+_LAZY_TRANSPORTS = frozenset({"NatsTransport", "RabbitTransport", "RedisTransport"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_TRANSPORTS:
+        from . import transports
+
+        return getattr(transports, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -274,7 +274,7 @@ class Bus:
         """
         if self._state == "closed" or self._state == "new":
             if self._report is None:
-                self._report = self._make_report(drained=True, abandoned=())
+                self._report = self._make_report(drained=True, abandoned=[])
             return self._report
         if self._state == "closing":
             assert self._stopped is not None
@@ -312,12 +312,10 @@ class Bus:
         for waiter in self.idle_waiters:
             waiter.set()
         self.idle_waiters.clear()
-        self._report = self._make_report(
-            drained=drained and not abandoned, abandoned=tuple(abandoned)
-        )
+        self._report = self._make_report(drained=drained and not abandoned, abandoned=abandoned)
         return self._report
 
-    def _make_report(self, *, drained: bool, abandoned: tuple[str, ...]) -> ShutdownReport:
+    def _make_report(self, *, drained: bool, abandoned: list[str]) -> ShutdownReport:
         stages = self._stages.values()
         return ShutdownReport(
             drained=drained,
@@ -618,8 +616,12 @@ class Bus:
         slip: Sequence[str] = (),
         key: str | None = None,
         id: str | None = None,
+        timeout: float | None = None,
     ) -> Receipt:
         """Publish without waiting; nothing is admitted anywhere if a ``BLOCK`` stage is full.
+
+        Takes the arguments of :meth:`publish`; ``timeout`` is accepted and has nothing
+        to bound, since this never waits.
 
         :raises anyio.WouldBlock: when a matching ``BLOCK`` stage has no room.
         :raises BusClosedError: before start or after ``aclose`` began.
@@ -779,7 +781,7 @@ class Bus:
         self.dead_letter(
             envelope,
             DeadLetterReason.NO_SUBSCRIBERS,
-            f"no subscription matches topic {envelope.topic!r}",
+            None,  # no exception: the reason says it all
             None,
             0,
         )
@@ -825,10 +827,9 @@ class Bus:
                 self._background += 1
                 self._task_group.start_soon(self._fail_remote_request, entry)
             if pending is not None and not pending.event.is_set():
+                where = f"{reason.value} in stage {stage}" if stage else reason.value
                 failure = HandlerError(
-                    f"{reason.value} in stage {stage}: {error}"
-                    if stage
-                    else f"{reason.value}: {error}",
+                    f"{where}: {error}" if error else f"{where} (topic {envelope.topic!r})",
                     envelope=envelope,
                     stage=stage,
                     attempts=attempts,
@@ -932,7 +933,7 @@ class Bus:
             hop = make_envelope(
                 new_id(),
                 envelope.slip[0],
-                envelope.payload if result is None else result,
+                result,  # the return value is the next payload, None included
                 envelope.headers,
                 envelope.timestamp,
                 envelope.ttl,
@@ -944,11 +945,17 @@ class Bus:
                 envelope.sender,
             )
             try:
-                await self._route(hop, None)
+                receipt = await self._route(hop, None)
             except Exception as error:
                 self.dead_letter(
                     hop, DeadLetterReason.NO_SUBSCRIBERS, describe_error(error), None, 0, error
                 )
+                return
+            if receipt.rejected and hop.reply_to is not None:
+                pending = self._requests.get(hop.reply_to)
+                if pending is not None and not pending.event.is_set():
+                    pending.error = _rejected_at_the_door(hop, receipt.rejected)
+                    pending.event.set()
             return
         if envelope.reply_to is not None:
             pending = self._requests.get(envelope.reply_to)
@@ -1067,13 +1074,7 @@ class Bus:
                 receipt = await self._route(envelope, None)
                 if pending.error is None and not pending.event.is_set():
                     if receipt.rejected:
-                        raise HandlerError(
-                            f"request to {topic!r} rejected at the door of "
-                            f"{', '.join(receipt.rejected)}",
-                            envelope=envelope,
-                            stage=receipt.rejected[0],
-                            attempts=0,
-                        )
+                        raise _rejected_at_the_door(envelope, receipt.rejected)
                     await pending.event.wait()
         finally:
             del self._requests[reply_to]
@@ -1109,3 +1110,13 @@ class Bus:
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"
+
+
+def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> HandlerError:
+    """The failure a request meets when a stage of its route refuses it (REJECT, full)."""
+    return HandlerError(
+        f"request to {envelope.topic!r} rejected at the door of {', '.join(rejected)}",
+        envelope=envelope,
+        stage=rejected[0],
+        attempts=0,
+    )

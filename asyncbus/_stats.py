@@ -77,14 +77,15 @@ class StageStatistics:
     rejected: int
     dropped: int
     expired: int
-    abandoned: int
     depth: int
     in_flight: int
     concurrency: int
-    capacity: int
     latency_p50: float
     latency_p99: float
     wait_p99: float
+    #: Beyond DESIGN's list (kept after it, so its order holds).
+    abandoned: int
+    capacity: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,4 +130,4 @@ class ShutdownReport:
     published: int
     completed: int
     dead_lettered: int
-    abandoned: tuple[str, ...]
+    abandoned: list[str]

@@ -59,11 +59,17 @@ class Subscription:
 
 
 def default_group(handler: Callable[..., Any]) -> str:
-    """``module:qualname`` of ``handler``, made unique for lambdas and nested functions."""
+    """``module:qualname`` of ``handler``, made unique where that names no one handler.
+
+    Lambdas and nested functions (``<`` in the qualname) and callables without a
+    qualname of their own (``functools.partial``, instances with ``__call__``) get a
+    group unique to the subscription: two of them are two handlers, so pub/sub.
+    """
     module = getattr(handler, "__module__", None) or "?"
-    qualname = getattr(handler, "__qualname__", None) or type(handler).__qualname__
+    own = getattr(handler, "__qualname__", None)
+    qualname = own or type(handler).__qualname__
     group = f"{module}:{qualname}"
-    if "<" in qualname:
+    if own is None or "<" in qualname:
         group += f"#{next(_unique)}"
     return group
 

@@ -62,7 +62,7 @@ async def bus_work_queue(messages: Sequence[Payload]) -> Sample:
 
 
 async def bus_slip(messages: Sequence[Payload]) -> Sample:
-    """A routing slip over three stages; each handler returns None, so the payload goes on."""
+    """A routing slip over three stages; each handler counts and returns None, the next payload."""
     tally = Tally()
     bus = Bus()
     handle = counting(tally)

@@ -41,7 +41,7 @@ WORKLOADS: tuple[Workload, ...] = (
 )
 
 #: Label of the fairness floor: two tasks, one yield each per message, no other work.
-FAIRNESS_FLOOR = "fairness floor (2 yields/msg)"
+FAIRNESS_FLOOR = "fairness floor: 2 yields"
 
 IMPL_KEYS = ("asyncbus", RAW, "queue", "sync", "floor", "faststream", "faststream-rabbit", "bubus")
 LOOPS = ("asyncio", "uvloop", "trio")

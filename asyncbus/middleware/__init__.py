@@ -11,6 +11,13 @@ replaces the default of its kind, at the place it is listed.
 
 from __future__ import annotations
 
+import sys
+import types
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .._envelope import Envelope
+from .._types import Handler, Middleware
 from .._types import middleware as middleware
 from .dead_letter import dead_letter as dead_letter
 from .deduplicate import deduplicate as deduplicate
@@ -30,3 +37,18 @@ __all__ = [
     "routing_slip",
     "timeout",
 ]
+
+
+class _CallablePackage(types.ModuleType):
+    """``asyncbus.middleware`` is both this package and DESIGN's ``@middleware`` sugar.
+
+    ``from asyncbus import middleware`` must decorate, and ``import asyncbus.middleware``
+    must give the built-ins; the attribute of ``asyncbus`` can hold only one object, so
+    the package itself is callable and decorates like :func:`middleware`.
+    """
+
+    def __call__(self, function: Callable[[Envelope, Handler], Awaitable[Any]]) -> Middleware:
+        return middleware(function)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -155,6 +155,7 @@ async def test_request_without_subscriber_raises_handler_error_at_once() -> None
             (letter,) = bus.dead_letters.list()
             assert letter.reason == DeadLetterReason.NO_SUBSCRIBERS
             assert letter.envelope.topic == "nobody.home"
+            assert letter.error is None  # no exception happened: the reason says it all
 
 
 async def test_request_without_reply_in_time_raises_timeout_and_leaves_nothing_waiting() -> None:
@@ -207,3 +208,51 @@ async def test_first_reply_wins_on_fan_out() -> None:
             await bus.drain()
             assert stage_stats(bus, "q@fast").acked == 1
             assert stage_stats(bus, "q@slow").acked == 1
+
+
+async def test_a_later_stage_rejecting_at_the_door_fails_the_request_at_once() -> None:
+    """DESIGN: a rejection at the door anywhere on the route raises HandlerError at once."""
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("first", group="g")
+    async def first(n: int) -> int:
+        return n + 1
+
+    @bus.subscribe("full", group="g", capacity=1, backpressure="reject")
+    async def full(n: int) -> int:
+        await release.wait()
+        return n
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("full", 0)  # taken by the consumer, which waits
+            await anyio.wait_all_tasks_blocked()
+            await bus.publish("full", 0)  # queued: the stage is full now
+            with anyio.fail_after(1), pytest.raises(HandlerError) as caught:
+                await bus.request("first", 1, slip=["full"], timeout=30)
+            release.set()
+            await bus.drain()
+    assert (caught.value.stage, caught.value.attempts) == ("full@g", 0)
+    assert "rejected at the door of full@g" in str(caught.value)
+    assert stage_stats(bus, "full@g").rejected == 1
+
+
+async def test_a_stage_returning_none_sends_none_on() -> None:
+    """DESIGN: the return value is the next payload, None included."""
+    seen: list[Any] = []
+    bus = Bus()
+
+    @bus.subscribe("a", group="g")
+    async def a(payload: Any) -> None:
+        seen.append(("a", payload))
+
+    @bus.subscribe("b", group="g")
+    async def b(payload: Any) -> str:
+        seen.append(("b", payload))
+        return "done"
+
+    with anyio.fail_after(5):
+        async with bus:
+            assert await bus.request("a", {"original": 1}, slip=["b"]) == "done"
+    assert seen == [("a", {"original": 1}), ("b", None)]

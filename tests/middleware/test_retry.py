@@ -305,7 +305,7 @@ async def test_aclose_abandons_an_envelope_waiting_for_a_long_retry() -> None:
 
     assert calls == [1]
     assert report.drained is False
-    assert list(report.abandoned) == [receipt.id]
+    assert report.abandoned == [receipt.id]
     assert report.published == 1
     assert report.completed == 0
     assert report.dead_lettered == 0

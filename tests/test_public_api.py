@@ -1,0 +1,136 @@
+"""The public surface exactly as DESIGN states it: names importable from ``asyncbus``,
+field orders, the ``middleware`` name, argument lists, default groups."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import subprocess
+import sys
+from typing import Any
+
+import anyio
+import pytest
+
+import asyncbus
+from asyncbus import Bus, Envelope, ShutdownReport, StageStatistics
+
+TRANSPORT_NAMES = (
+    "Transport",
+    "Delivery",
+    "Capabilities",
+    "MemoryTransport",
+    "RedisTransport",
+    "NatsTransport",
+    "RabbitTransport",
+    "Codec",
+)
+
+
+@pytest.mark.parametrize("name", TRANSPORT_NAMES)
+def test_transport_names_import_from_asyncbus(name: str) -> None:
+    transports = importlib.import_module("asyncbus.transports")
+    assert getattr(asyncbus, name) is getattr(transports, name)
+    assert name in asyncbus.__all__
+
+
+def test_importing_asyncbus_loads_no_broker_client() -> None:
+    code = (
+        "import sys, asyncbus; from asyncbus import RedisTransport, NatsTransport, "
+        "RabbitTransport; print(sorted(m for m in ('redis', 'nats', 'aiormq', 'aio_pika') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "[]"), out.stderr
+
+
+def test_middleware_is_both_the_decorator_and_the_package_of_built_ins() -> None:
+    package = importlib.import_module("asyncbus.middleware")
+    assert asyncbus.middleware is package
+    assert callable(package.deduplicate) and callable(package.retry.Retry)
+
+    @asyncbus.middleware
+    async def tag(env: Envelope, call_next: Any) -> Any:
+        return await call_next(env)
+
+    async def handler(env: Envelope) -> str:
+        return "handled"
+
+    wrapped = tag(handler)
+    assert anyio.run(wrapped, Envelope(topic="t")) == "handled"
+
+
+def test_stage_statistics_fields_in_design_order() -> None:
+    design = [
+        "name",
+        "topic",
+        "group",
+        "published",
+        "acked",
+        "failed",
+        "retried",
+        "dead_lettered",
+        "rejected",
+        "dropped",
+        "expired",
+        "depth",
+        "in_flight",
+        "concurrency",
+        "latency_p50",
+        "latency_p99",
+        "wait_p99",
+    ]
+    names = [field.name for field in dataclasses.fields(StageStatistics)]
+    assert names[: len(design)] == design
+
+
+def test_shutdown_report_abandoned_is_a_list_of_ids() -> None:
+    names = [field.name for field in dataclasses.fields(ShutdownReport)]
+    assert names == ["drained", "published", "completed", "dead_lettered", "abandoned"]
+
+    async def main() -> ShutdownReport:
+        bus = Bus()
+        async with bus:
+            pass
+        return await bus.aclose()
+
+    assert anyio.run(main).abandoned == []
+
+
+def test_publish_nowait_takes_the_arguments_of_publish() -> None:
+    async def main() -> tuple[str, ...]:
+        bus = Bus()
+        bus.subscribe("t", lambda payload: None, group="g", offload="inline")
+        async with bus:
+            receipt = bus.publish_nowait("t", 1, headers={"k": "v"}, ttl=5, timeout=1.0)
+        return receipt.accepted
+
+    assert anyio.run(main) == ("t@g",)
+
+
+def _record(into: list[str], label: str, payload: Any) -> None:
+    into.append(label)
+
+
+def test_partials_of_one_function_are_different_handlers_so_pub_sub() -> None:
+    """``functools.partial`` has no qualname of its own: each gets its own group."""
+    seen: list[str] = []
+
+    class Recorder:
+        def __call__(self, payload: Any) -> None:
+            seen.append("instance")
+
+    async def main() -> None:
+        bus = Bus()
+        first = bus.subscribe("t", functools.partial(_record, seen, "a"), offload="inline")
+        second = bus.subscribe("t", functools.partial(_record, seen, "b"), offload="inline")
+        third = bus.subscribe("t", Recorder(), offload="inline")
+        assert len({first.group, second.group, third.group}) == 3
+        async with bus:
+            receipt = await bus.publish("t", 1)
+            assert len(receipt.accepted) == 3
+            await bus.drain()
+
+    anyio.run(main)
+    assert sorted(seen) == ["a", "b", "instance"]
