@@ -46,7 +46,7 @@ async def main() -> None:
 
         print(f"{len(bus.dead_letters)} dead letters, {len(alerts)} alerts raised:")
         for dead in bus.dead_letters.list():
-            error = (dead.error or "").splitlines()[0]  # type and message; a location follows
+            error = dead.error or "-"  # "Type: message", None when no exception happened
             print(f"  {dead.envelope.id}  {dead.reason:<15} stage={dead.stage}  "
                   f"attempts={dead.attempts}  error={error}")
 

@@ -259,8 +259,11 @@ async def bb_fan_out(messages: Sequence[Payload]) -> Sample:
     tally = Tally()
     bus = _event_bus()
     event_type = _event("BenchFan")
-    for _ in range(FAN_OUT):
-        bus.on(event_type, _bb_counter(tally))
+    for index in range(FAN_OUT):
+        handler = _bb_counter(tally)
+        # bubus warns about two handlers of one name on one event type: name them apart.
+        handler.__name__ = handler.__qualname__ = f"handle_{index}"
+        bus.on(event_type, handler)
     seconds = await _bb_dispatch(bus, event_type, messages, _WINDOW)
     return Sample(seconds, len(messages), tally.n)
 

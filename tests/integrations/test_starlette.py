@@ -231,7 +231,7 @@ async def test_fastapi_app_over_asgi_publishes_handles_and_admin_stats_show_the_
             assert entry["envelope"]["payload"] == {"id": 3, "fail": True, "hold": False}
         assert not bus.running
     assert await bus.aclose() == ShutdownReport(
-        drained=True, published=10, completed=9, dead_lettered=1, abandoned=()
+        drained=True, published=10, completed=9, dead_lettered=1, abandoned=[]
     )
 
 
@@ -250,7 +250,7 @@ async def test_app_shutdown_drains_the_bus_before_the_lifespan_ends() -> None:
         stage = dataclasses.asdict(service.bus.statistics().stage(FULFIL))
         assert ledger(stage) == (3, 3, 0, 0, 0, 0)
     assert await service.bus.aclose() == ShutdownReport(
-        drained=True, published=6, completed=6, dead_lettered=0, abandoned=()
+        drained=True, published=6, completed=6, dead_lettered=0, abandoned=[]
     )
 
 
@@ -301,7 +301,7 @@ async def test_fastapi_app_over_uvicorn_publishes_handles_replays_and_drains_at_
         assert (at_shutdown.acked, at_shutdown.depth + at_shutdown.in_flight) == (4, 3)
         assert sorted(service.fulfilled) == [0, 1, 2, 3, 10, 11, 12]
     assert await bus.aclose() == ShutdownReport(
-        drained=True, published=15, completed=14, dead_lettered=1, abandoned=()
+        drained=True, published=15, completed=14, dead_lettered=1, abandoned=[]
     )
 
 

@@ -86,7 +86,8 @@ async def test_three_stage_slip_with_sync_middle_stage_delivers_composed_result(
     assert last.causation_id == third.id
 
 
-async def test_handler_returning_none_forwards_the_unchanged_payload() -> None:
+async def test_handler_returning_none_sends_none_to_the_next_hop() -> None:
+    """DESIGN: the return value is the next payload, None included."""
     received: list[Any] = []
 
     async def observer(payload: Any) -> None:
@@ -103,7 +104,7 @@ async def test_handler_returning_none_forwards_the_unchanged_payload() -> None:
             await bus.publish("observe", {"k": 1}, slip=["sink"])
             await bus.drain()
 
-    assert received == [("observer", {"k": 1}), ("sink", {"k": 1})]
+    assert received == [("observer", {"k": 1}), ("sink", None)]
 
 
 async def test_hop_to_topic_without_subscribers_dead_letters_no_subscribers() -> None:
