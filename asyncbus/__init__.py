@@ -109,3 +109,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(transports, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_TRANSPORTS})

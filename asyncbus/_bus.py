@@ -309,6 +309,9 @@ class Bus:
             abandoned += stage.close()
         self._background = 0
         self._state = "closed"
+        # A call after this may run under another backend: yield through anyio again,
+        # so it meets BusClosedError, not the old backend's yield.
+        self.yield_now = checkpoint
         for waiter in self.idle_waiters:
             waiter.set()
         self.idle_waiters.clear()
@@ -566,8 +569,9 @@ class Bus:
             (``.receipt`` tells which stages accepted).
 
         Every call yields to the event loop once before it admits anything, like
-        anyio's ``send``: a publishing loop never starves other tasks, and a cancelled
-        publish admits nothing.
+        anyio's ``send``: a publishing loop never starves other tasks, and a publish
+        cancelled at that yield admits nothing. (One cancelled later, while it waits
+        for room in a ``BLOCK`` stage, keeps what earlier stages already admitted.)
         """
         await self.yield_now()
         if self._state != "running":  # checked after the yield: aclose may have begun
@@ -1058,8 +1062,8 @@ class Bus:
             or it is dead-lettered anywhere on the route (the first failure wins).
         :raises TimeoutError: when no reply came within ``timeout``; the work goes on.
         """
+        await self.yield_now()  # first, like publish: aclose may begin meanwhile
         self._check_open()
-        await checkpoint()
         envelope_id = new_id()
         reply_to = envelope_id if self._broker is None else f"{self._inbox()}.{envelope_id}"
         if self._broker is not None:

@@ -20,7 +20,6 @@ FREE_THREADED: bool = (
 )
 
 
-
 @types.coroutine
 def _asyncio_yield() -> Generator[None, None, None]:
     # What asyncio.sleep(0) does underneath: the task is stepped again on the next

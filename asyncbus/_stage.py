@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
@@ -439,27 +439,32 @@ class Stage:
 async def reject_delivery(
     delivery: Delivery, reason: str, error: str | None, stage: str, attempts: int
 ) -> None:
-    """``delivery.reject(reason)``, with the dead letter's details when it takes them.
+    """``delivery.reject(reason)``, with each of the dead letter's details it takes.
 
     DESIGN's ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
-    also take ``error``, ``stage`` and ``attempts`` so the broker's copy of the dead
-    letter matches the bus's. A transport written to the protocol alone still works.
+    also take ``error``, ``stage`` and ``attempts`` (:class:`DetailedDelivery`) so the
+    broker's copy of the dead letter matches the bus's. A transport that takes only
+    some of them gets those; one written to the protocol alone still works.
     """
-    if _reject_takes_details(type(delivery)):
-        await delivery.reject(reason, error=error, stage=stage, attempts=attempts)
-    else:
-        await delivery.reject(reason)
+    details = {"error": error, "stage": stage, "attempts": attempts}
+    accepted = _reject_keywords(type(delivery))
+    reject: Callable[..., Awaitable[None]] = delivery.reject
+    await reject(reason, **{name: details[name] for name in accepted})
+
+
+_REJECT_DETAILS = frozenset({"error", "stage", "attempts"})
 
 
 @functools.cache
-def _reject_takes_details(delivery_type: type[Delivery]) -> bool:
+def _reject_keywords(delivery_type: type[Delivery]) -> frozenset[str]:
     try:
         parameters = inspect.signature(delivery_type.reject).parameters.values()
     except (AttributeError, TypeError, ValueError):
-        return False
+        return frozenset()
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return True
-    return {"error", "stage", "attempts"} <= {parameter.name for parameter in parameters}
+        return _REJECT_DETAILS
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return _REJECT_DETAILS & {p.name for p in parameters if p.kind in named}
 
 
 def _finite(value: float) -> float:

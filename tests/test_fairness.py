@@ -6,7 +6,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from asyncbus import Bus
+from asyncbus import Bus, BusClosedError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
@@ -125,3 +125,58 @@ def _runs(events: list[str], name: str) -> list[int]:
     """Lengths of the runs of ``name`` in ``events`` (other entries separate runs)."""
     marks = "".join("x" if event == name else " " for event in events)
     return [len(run) for run in marks.split()]
+
+
+@pytest.mark.parametrize("call", ["publish", "request"])
+async def test_a_call_at_its_yield_when_aclose_begins_is_refused_and_admits_nothing(
+    call: str, anyio_backend_name: str
+) -> None:
+    """The state is checked after the yield: aclose may have begun meanwhile."""
+    bus = Bus()
+
+    @bus.subscribe("fair.closing", group="g")
+    async def handle(n: int) -> int:
+        return n
+
+    outcome: list[str] = []
+
+    async def caller() -> None:
+        try:
+            if call == "publish":
+                await bus.publish("fair.closing", 1)
+            else:
+                await bus.request("fair.closing", 1, timeout=5)
+        except BusClosedError:
+            outcome.append("refused")
+        else:
+            outcome.append("done")
+
+    async with bus, anyio.create_task_group() as task_group:
+        task_group.start_soon(caller)
+        await anyio.lowlevel.checkpoint()  # the caller runs up to its yield (asyncio: FIFO)
+        report = await bus.aclose()
+    if anyio_backend_name != "trio":  # trio may run the caller first or second
+        assert outcome == ["refused"]
+    # Either way nothing is lost or half-done: refused and nothing admitted, or done.
+    expected = 0 if outcome == ["refused"] else 1
+    assert (report.published, report.completed, report.abandoned) == (expected, expected, [])
+
+
+def test_a_closed_bus_refuses_a_publish_under_another_backend() -> None:
+    """After a run on asyncio, a publish under trio meets BusClosedError, not asyncio's yield."""
+    bus = Bus()
+
+    @bus.subscribe("fair.later", group="g")
+    async def handle(n: int) -> None:
+        pass
+
+    async def run_once() -> None:
+        async with bus:
+            await bus.publish("fair.later", 1)
+
+    async def publish_again() -> None:
+        with pytest.raises(BusClosedError):
+            await bus.publish("fair.later", 2)
+
+    anyio.run(run_once, backend="asyncio")
+    anyio.run(publish_again, backend="trio")

@@ -16,12 +16,11 @@ __all__ = ["routing_slip"]
 def routing_slip() -> Middleware:
     """Forward a handled envelope's result along its slip, or reply to its requester.
 
-    After the handler succeeded, the return value (the unchanged payload when it
-    returns ``None``) is published once to the next topic of ``envelope.slip`` as a
-    new envelope (new id, same correlation id, ``causation_id`` = this id, same
-    timestamp and ttl). At the end of the slip the raw return value answers a
-    pending :meth:`Bus.request`. Nothing is forwarded for an envelope that was
-    dead-lettered, deferred to a retry or skipped.
+    After the handler succeeded, its return value (``None`` included) is published
+    once to the next topic of ``envelope.slip`` as a new envelope (new id, same
+    correlation id, ``causation_id`` = this id, same timestamp and ttl). At the end of
+    the slip the return value answers a pending :meth:`Bus.request`. Nothing is
+    forwarded for an envelope that was dead-lettered, deferred to a retry or skipped.
     """
 
     def wrap(call_next: Handler) -> Handler:

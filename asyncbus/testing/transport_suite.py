@@ -49,7 +49,7 @@ import string
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import anyio
 import pytest
@@ -57,7 +57,7 @@ import pytest
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._envelope import Envelope
 from .._exceptions import TransportError
-from ..transports.base import Delivery, Transport
+from ..transports.base import Delivery, DetailedDelivery, Transport
 
 __all__ = ["QUIET", "TransportSuite"]
 
@@ -110,11 +110,16 @@ def _ids(items: Iterable[Envelope | Delivery]) -> list[str]:
     return [item.id if isinstance(item, Envelope) else item.envelope.id for item in items]
 
 
-async def _next(deliveries: AsyncIterator[Delivery], timeout: float, what: str) -> Delivery:
-    """The next delivery, or fail naming ``what`` did not arrive within ``timeout``."""
+async def _next(
+    deliveries: AsyncIterator[Delivery], timeout: float, what: str
+) -> DetailedDelivery:
+    """The next delivery, or fail naming ``what`` did not arrive within ``timeout``.
+
+    The suite checks asyncbus's own transports, whose deliveries are detailed ones.
+    """
     try:
         with anyio.fail_after(timeout):
-            return await anext(deliveries)
+            return cast("DetailedDelivery", await anext(deliveries))
     except TimeoutError:
         raise AssertionError(f"no delivery within {timeout} s: {what}") from None
 

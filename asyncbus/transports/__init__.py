@@ -17,6 +17,7 @@ from ._codec import MsgspecCodec as MsgspecCodec
 from ._codec import default_codec as default_codec
 from .base import Capabilities as Capabilities
 from .base import Delivery as Delivery
+from .base import DetailedDelivery as DetailedDelivery
 from .base import Transport as Transport
 from .memory import MemoryTransport as MemoryTransport
 
@@ -29,6 +30,7 @@ __all__ = [
     "Capabilities",
     "Codec",
     "Delivery",
+    "DetailedDelivery",
     "JsonCodec",
     "MemoryTransport",
     "MsgspecCodec",

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
     "Capabilities",
     "Delivery",
+    "DetailedDelivery",
     "Transport",
     "checked_max_message_size",
     "refuse_oversized",
@@ -87,25 +88,36 @@ class Capabilities:
 
 @runtime_checkable
 class Delivery(Protocol):
-    """One envelope handed to a consumer, to be settled exactly once.
+    """One envelope handed to a consumer, to be settled exactly once (DESIGN's protocol).
 
-    A delivery whose ack only queues it for a writer (nothing to await) may also offer
-    ``ack_nowait() -> None``; the bus then acks through it, without a shielded await
-    per envelope.
-
-    :ivar envelope: the envelope; when ``error`` is set its payload is the raw body.
-    :ivar error: why the body could not be decoded, else ``None``.
+    A transport's deliveries may offer more, which the bus uses when present:
+    ``error`` and the keywords of :class:`DetailedDelivery`, and ``ack_nowait() ->
+    None`` for a delivery whose ack only queues it for a writer (the bus then acks
+    without a shielded await per envelope).
     """
 
     envelope: Envelope
-    #: Optional: the bus reads it with ``getattr(delivery, "error", None)``.
-    error: str | None
 
     async def ack(self) -> None:
         """Done: the broker forgets it."""
 
     async def nack(self, *, delay: float | None = None) -> None:
         """Not done: deliver it again (to any consumer of the group) after ``delay`` s."""
+
+    async def reject(self, reason: str) -> None:
+        """Give up: move it to the transport's dead-letter store, then forget it."""
+
+
+@runtime_checkable
+class DetailedDelivery(Delivery, Protocol):
+    """What asyncbus's own transports deliver: a :class:`Delivery` that also says why its
+    body could not be decoded and stores a dead letter with the bus's details.
+
+    :ivar envelope: the envelope; when ``error`` is set its payload is the raw body.
+    :ivar error: why the body could not be decoded, else ``None``.
+    """
+
+    error: str | None
 
     async def reject(
         self,
@@ -115,13 +127,8 @@ class Delivery(Protocol):
         stage: str | None = None,
         attempts: int | None = None,
     ) -> None:
-        """Give up: move it to the transport's dead-letter store, then forget it.
-
-        The keywords are optional: the bus passes them to a delivery whose ``reject``
-        accepts them (``error`` and ``stage`` of the dead letter, and ``attempts``, the
-        attempt that failed last when retries ran), and calls ``reject(reason)`` alone
-        otherwise, as DESIGN's protocol has it.
-        """
+        """Give up: store the dead letter (``error``, ``stage``, and ``attempts``, the
+        attempt that failed last when the bus retried), then forget the delivery."""
 
 
 class Transport(AsyncResource, abc.ABC):

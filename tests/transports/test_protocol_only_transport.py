@@ -2,7 +2,8 @@
 
 DESIGN's protocol has ``envelope``, ``ack()``, ``nack(delay=)`` and ``reject(reason)``;
 asyncbus's own deliveries add ``error`` and keywords on ``reject``, which the bus must
-not require.
+not require. (Like any transport, it reports ``backlog()`` so that ``drain()`` knows
+about envelopes still on their way to a stage.)
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ class ProtocolTransport(Transport):
         super().__init__()
         self.settled: list[tuple[str, str, object]] = []
         self._routes: list[tuple[object, MemoryObjectSendStream[Envelope]]] = []
+        #: Published and not yet handed to a consumer (in a buffer or being handed
+        #: over), what ``drain()`` asks ``backlog`` about.
+        self._unhanded = 0
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         for matches, send in self._routes:
             if matches(topic):  # type: ignore[operator]
                 for envelope in envelopes:
+                    self._unhanded += 1
                     send.send_nowait(envelope)
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        return self._unhanded
 
     def subscribe(
         self, pattern: str, *, group: str, prefetch: int
@@ -66,6 +74,7 @@ class ProtocolTransport(Transport):
 
         async def deliveries() -> AsyncIterator[ProtocolDelivery]:
             async for envelope in receive:
+                self._unhanded -= 1
                 yield ProtocolDelivery(envelope, self.settled)
 
         try:
@@ -113,3 +122,25 @@ async def test_the_bus_acks_and_rejects_through_the_protocol_alone() -> None:
     ]
     for stage in bus.statistics().stages:
         assert stage.published == stage.acked + stage.dead_lettered, stage
+
+
+class SomeDetailsDelivery(ProtocolDelivery):
+    """``reject`` takes ``error`` and ``stage`` but not ``attempts``."""
+
+    async def reject(  # type: ignore[override]
+        self, reason: str, *, error: str | None = None, stage: str | None = None
+    ) -> None:
+        self._settled.append((f"reject {reason} {stage} {error}", self.envelope.topic, None))
+
+
+async def test_reject_gets_each_detail_it_takes() -> None:
+    from asyncbus._stage import reject_delivery
+
+    settled: list[tuple[str, str, object]] = []
+    envelope = Envelope(topic="jobs")
+    await reject_delivery(SomeDetailsDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
+    await reject_delivery(ProtocolDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
+    assert settled == [
+        ("reject rejected j@g E: x", "jobs", None),
+        ("reject rejected", "jobs", None),
+    ]
