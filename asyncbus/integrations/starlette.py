@@ -48,13 +48,20 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import HTTPConnection, Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+
+try:
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.requests import HTTPConnection, Request
+    from starlette.responses import HTMLResponse, JSONResponse, Response
+    from starlette.routing import Route
+    from starlette.types import ASGIApp, Receive, Scope, Send
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "asyncbus.integrations.starlette needs the 'starlette' extra: "
+        "pip install 'asyncbus[starlette]'"
+    ) from error
 
 from .._bus import Bus
 from .._dead_letters import DeadLetter, DeadLetterReason

@@ -339,6 +339,22 @@ def test_importing_asyncbus_does_not_import_starlette() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_without_starlette_the_integration_names_its_extra() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['starlette'] = None  # as if it were not installed\n"
+        "try:\n"
+        "    import asyncbus.integrations.starlette\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == (
+        "asyncbus.integrations.starlette needs the 'starlette' extra: "
+        "pip install 'asyncbus[starlette]'"
+    ), out.stderr
+
+
 def test_admin_app_refuses_an_empty_token() -> None:
     with pytest.raises(ConfigurationError, match="token"):
         admin_app(Bus(), token="")
