@@ -46,13 +46,8 @@ async def test_another_task_runs_between_any_two_publishes(anyio_backend_name: s
     async def handle(n: int) -> None:
         pass
 
-    async def ticker() -> None:
-        while not stop.is_set():
-            events.append("tick")
-            await anyio.lowlevel.checkpoint()
-
     async with bus, anyio.create_task_group() as task_group:
-        task_group.start_soon(ticker)
+        task_group.start_soon(_ticker, events, stop)
         await anyio.lowlevel.checkpoint()  # the ticker has started
         for n in range(50):
             await bus.publish("fair.publish", n)
@@ -79,16 +74,11 @@ async def test_a_consumer_yields_once_per_envelope(anyio_backend_name: str) -> N
     async def handle(n: int) -> None:
         events.append("handled")
 
-    async def ticker() -> None:
-        while not stop.is_set():
-            events.append("tick")
-            await anyio.lowlevel.checkpoint()
-
     async with bus:
         for n in range(40):
             bus.publish_nowait("fair.backlog", n)  # a backlog, queued without yielding
         async with anyio.create_task_group() as task_group:
-            task_group.start_soon(ticker)
+            task_group.start_soon(_ticker, events, stop)
             await bus.drain()
             stop.set()
     runs = _runs(events, "handled")
@@ -119,6 +109,13 @@ async def test_a_publish_that_waits_for_room_waits() -> None:
         await bus.drain()
     [stage] = bus.statistics().stages
     assert (stage.published, stage.acked) == (2, 2)
+
+
+async def _ticker(events: list[str], stop: anyio.Event) -> None:
+    """Another task: one "tick" per turn of the event loop until ``stop``."""
+    while not stop.is_set():
+        events.append("tick")
+        await anyio.lowlevel.checkpoint()
 
 
 def _runs(events: list[str], name: str) -> list[int]:
