@@ -144,3 +144,12 @@ async def test_reject_gets_each_detail_it_takes() -> None:
         ("reject rejected j@g E: x", "jobs", None),
         ("reject rejected", "jobs", None),
     ]
+
+
+async def test_a_protocol_only_delivery_is_a_delivery() -> None:
+    from asyncbus import Delivery
+    from asyncbus.transports import DetailedDelivery
+
+    delivery = ProtocolDelivery(Envelope(topic="jobs"), [])
+    assert isinstance(delivery, Delivery)
+    assert not isinstance(delivery, DetailedDelivery)  # no ``error``
