@@ -8,7 +8,7 @@ import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-__all__ = ["FREE_THREADED", "fast_checkpoint", "run"]
+__all__ = ["FREE_THREADED", "current_backend", "fast_checkpoint", "run"]
 
 T = TypeVar("T")
 
@@ -27,26 +27,37 @@ def _asyncio_yield() -> Generator[None, None, None]:
     yield
 
 
+def current_backend() -> str:
+    """Name the event loop running the calling task: ``"trio"`` or ``"asyncio"``.
+
+    anyio's own rule when sniffio is not installed: trio is running when trio says so
+    (``trio.lowlevel.current_task()`` raises outside a trio task), otherwise asyncio.
+    trio cannot be running unless it was imported, so a bare install never imports it.
+    """
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+        else:
+            return "trio"
+    return "asyncio"
+
+
 def fast_checkpoint() -> Callable[[], Awaitable[None]]:
     """The running backend's own checkpoint, looked up once.
 
     ``anyio.lowlevel.checkpoint`` finds the backend on every call; the bus yields on
     every publish and every envelope, so it resolves it once at start: on asyncio a
-    bare yield (exactly ``asyncio.sleep(0)``), on trio ``trio.lowlevel.checkpoint``,
-    elsewhere anyio's own.
+    bare yield (exactly ``asyncio.sleep(0)``), on trio ``trio.lowlevel.checkpoint``.
     """
-    import anyio.lowlevel
-    import sniffio
-
-    library = sniffio.current_async_library()
-    if library == "asyncio":
-        return _asyncio_yield
-    if library == "trio":
+    if current_backend() == "trio":
         import trio
 
         checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
         return checkpoint
-    return anyio.lowlevel.checkpoint  # pragma: no cover - another backend
+    return _asyncio_yield
 
 
 def run(main: Callable[..., Awaitable[T]], *args: Any) -> T:

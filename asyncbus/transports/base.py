@@ -19,6 +19,7 @@ from anyio.abc import AsyncResource
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
+from .._runtime import current_backend
 from ._codec import Codec, default_codec
 
 __all__ = [
@@ -59,9 +60,7 @@ def refuse_oversized(envelope: Envelope, size: int, limit: int) -> None:
 
 def require_asyncio(transport: str, client: str) -> None:
     """Raise :class:`TransportError` unless running on asyncio (asyncio-only clients)."""
-    import sniffio
-
-    library = sniffio.current_async_library()
+    library = current_backend()
     if library != "asyncio":
         raise TransportError(f"{transport} runs on asyncio only ({client}), not {library}")
 

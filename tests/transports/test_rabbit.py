@@ -365,17 +365,13 @@ async def test_using_the_transport_before_entering_it_raises(made: Made) -> None
         await transport.dead_letters()
 
 
-async def test_trio_is_refused_with_a_clear_error() -> None:
-    # The test runs on asyncio; the check itself is what ``connect`` does first.
-    transport = RabbitTransport()
-    import sniffio
+def test_trio_is_refused_with_a_clear_error() -> None:
+    # ``connect`` checks the running backend first, before any network traffic.
+    import trio
 
-    token = sniffio.current_async_library_cvar.set("trio")
-    try:
-        with pytest.raises(TransportError, match="asyncio only"):
-            await transport.connect()
-    finally:
-        sniffio.current_async_library_cvar.reset(token)
+    transport = RabbitTransport()
+    with pytest.raises(TransportError, match="asyncio only .* not trio"):
+        trio.run(transport.connect)
 
 
 # -- routing and settling -------------------------------------------------------------
