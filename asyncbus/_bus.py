@@ -32,6 +32,7 @@ from ._envelope import (
     new_id,
 )
 from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
+from ._logging import FailureLog, dead_letter_logger
 from ._offload import hold_switch_interval, release_switch_interval
 from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
@@ -44,7 +45,7 @@ from .transports.base import Transport
 
 __all__ = ["DEADLETTER_TOPIC", "Bus"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.bus")
 
 #: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
 DEADLETTER_TOPIC = "$deadletter"
@@ -137,6 +138,8 @@ class Bus:
         self._threadsafe_lock = threading.Lock()
         self._threadsafe_pending = 0
         self._requests: dict[str, _PendingReply] = {}
+        #: Writes the log records of envelopes that were not acked (rate-limited).
+        self.failure_log = FailureLog()
         self._task_group: TaskGroup | None = None
         self._portal: BlockingPortal | None = None
         self._limiter: anyio.CapacityLimiter | None = None
@@ -307,6 +310,7 @@ class Bus:
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close()
+        self.failure_log.flush()
         self._background = 0
         self._state = "closed"
         # A call after this may run under another backend: yield through anyio again,
@@ -334,9 +338,10 @@ class Bus:
         Thread-safe publishes made before the call (or by handlers it waits for) are
         waited for too.
 
-        :raises TimeoutError: when that has not happened within ``timeout`` seconds.
+        :raises TimeoutError: when that has not happened within ``timeout`` seconds,
+            saying what is still queued, in flight or on its way.
         """
-        with anyio.fail_after(timeout):
+        with anyio.move_on_after(timeout):
             while True:
                 while not self._idle():
                     if self._state == "closed":
@@ -348,6 +353,7 @@ class Bus:
                     return
                 # Envelopes still in the broker for our stages: look again shortly.
                 await anyio.sleep(0.02)
+        raise TimeoutError(_not_drained(self, timeout))
 
     async def _broker_backlog(self, broker: Transport) -> int:
         total = 0
@@ -810,12 +816,15 @@ class Bus:
         :return: the entry, ``None`` for a ``$deadletter`` envelope (never re-queued).
         """
         if envelope.topic == DEADLETTER_TOPIC:
-            logger.warning("a $deadletter envelope failed in %s (%s); discarded", stage, reason)
+            dead_letter_logger.warning(
+                "a $deadletter envelope failed in %s (%s); discarded", stage, reason
+            )
             return None
         trace = None
         if cause is not None and reason is DeadLetterReason.HANDLER_FAILED:
             trace = short_traceback(cause)
         entry = DeadLetter(envelope, reason, error, stage, attempts, time.time(), trace)
+        self.failure_log.dead_lettered(entry, cause)
         self.dead_letters.add(entry)
         if self._broker is not None and not stored and self._task_group is not None:
             self._background += 1
@@ -848,7 +857,9 @@ class Bus:
             with anyio.CancelScope(shield=True):
                 await broker.add_dead_letter(entry)
         except Exception:
-            logger.warning("could not store dead letter %s", entry.envelope.id, exc_info=True)
+            dead_letter_logger.warning(
+                "could not store dead letter %s", entry.envelope.id, exc_info=True
+            )
         finally:
             self._background -= 1
             if self.idle_waiters:
@@ -865,7 +876,7 @@ class Bus:
             with anyio.CancelScope(shield=True):
                 await broker.remove_dead_letters(ids)
         except Exception:
-            logger.warning("could not remove dead letters %s", ids, exc_info=True)
+            dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)
         finally:
             self._background -= 1
             if self.idle_waiters:
@@ -1124,3 +1135,26 @@ def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> Hand
         stage=rejected[0],
         attempts=0,
     )
+
+
+def _not_drained(bus: Bus, timeout: float | None) -> str:
+    """What a ``drain(timeout)`` that ran out of time was still waiting for."""
+    busy = [stage for stage in bus._stages.values() if not stage.idle]
+    waiting: list[str] = []
+    if busy:
+        queued = sum(stage.queued for stage in busy)
+        in_flight = sum(stage.in_flight for stage in busy)
+        named = ", ".join(f"{s.name} {s.queued} + {s.in_flight}" for s in busy[:5])
+        if len(busy) > 5:
+            named += f" and {len(busy) - 5} more stage(s)"
+        waiting.append(
+            f"{queued} envelope(s) queued + {in_flight} in flight or waiting for a retry"
+            f" ({named})"
+        )
+    if bus._threadsafe_pending:
+        waiting.append(f"{bus._threadsafe_pending} thread-safe publish(es) not yet routed")
+    if bus._background:
+        waiting.append(f"{bus._background} dead-letter or announcement task(s)")
+    if not waiting:
+        waiting.append("envelopes still in the broker for this bus's stages")
+    return f"not drained within {timeout}s: still {'; '.join(waiting)}"

@@ -128,14 +128,16 @@ class DeadLetterQueue:
         keys = self._by_id.get(id)
         return self._entries[keys[0]] if keys else None
 
-    async def replay(self, *ids: str) -> builtins.list[Receipt]:
+    async def replay(self, *ids: str | DeadLetter) -> builtins.list[Receipt]:
         """Re-send the envelopes ``ids`` to the stage that dead-lettered them.
 
         Each is re-sent with ``attempt`` 1, a fresh ``timestamp`` and the header
-        ``asyncbus-replayed``, and its entry leaves the queue.
+        ``asyncbus-replayed``, and its entry leaves the queue. An id is an envelope's
+        id (``entry.envelope.id``); an entry itself stands for its envelope's id.
 
         :raises KeyError: naming the ids that are not in the queue; nothing is replayed then.
         """
+        ids = _ids(ids, "replay")
         self._expire()
         missing = [id for id in ids if id not in self._by_id]
         if missing:
@@ -152,8 +154,12 @@ class DeadLetterQueue:
                     self._pop_key(key)
         return receipts
 
-    def purge(self, *ids: str) -> int:
-        """Remove the entries of ``ids`` (all entries when none given); return how many."""
+    def purge(self, *ids: str | DeadLetter) -> int:
+        """Remove the entries of ``ids`` (all entries when none given); return how many.
+
+        Like :meth:`replay`, an entry itself stands for its envelope's id.
+        """
+        ids = _ids(ids, "purge")
         if not ids:
             removed = len(self._entries)
             gone = builtins.list(self._by_id)
@@ -188,3 +194,19 @@ class DeadLetterQueue:
             if entries[key].dead_at > deadline:
                 break
             self._pop_key(key)
+
+
+def _ids(given: tuple[str | DeadLetter, ...], method: str) -> tuple[str, ...]:
+    """Envelope ids from ids and entries; a :class:`TypeError` naming anything else."""
+    ids: builtins.list[str] = []
+    for item in given:
+        if isinstance(item, DeadLetter):
+            ids.append(item.envelope.id)
+        elif isinstance(item, str):
+            ids.append(item)
+        else:
+            raise TypeError(
+                f"{method}() takes envelope ids (dead.envelope.id) or DeadLetter entries, "
+                f"got {item!r}"
+            )
+    return tuple(ids)

@@ -118,12 +118,15 @@ class Dispatch:
         if self.outcome is None:
             self.outcome = Outcome.SKIPPED
 
-    def retry(self, delay: float) -> None:
+    def retry(self, delay: float, cause: BaseException | None = None) -> None:
         """Re-enter the current envelope into its own stage after ``delay`` seconds.
 
         The envelope stays in flight (for the ledger and ``drain``) while it waits.
+
+        :param cause: the failure that made the attempt fail (logged at DEBUG).
         """
         if self.outcome is not None or self.envelope is None:
             return
         self.outcome = Outcome.DEFERRED
+        self.bus.failure_log.retrying(self.stage.name, self.envelope, delay, cause)
         self.stage.schedule_retry(self.envelope, delay)

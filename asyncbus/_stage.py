@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["Admission", "Backpressure", "Stage"]
 
 _clock = time.perf_counter
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.stage")
 
 
 class Backpressure(StrEnum):
@@ -145,6 +145,7 @@ class Stage:
         self.deliveries.clear()
         self.pumping = False
         self.abandoned += len(left)
+        self.bus.failure_log.abandoned(self.name, left)
         self.queued = self.in_flight = 0
         for waiter in self.room_waiters:
             waiter.set()
@@ -172,6 +173,7 @@ class Stage:
             return Admission.BLOCKED
         if policy is Backpressure.REJECT:
             self.rejected += 1
+            self.bus.failure_log.rejected_at_door(self.name, self.capacity, envelope)
             return Admission.REJECTED
         if policy is Backpressure.DROP_NEWEST:
             return self._drop_at_door(envelope)

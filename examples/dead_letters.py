@@ -6,10 +6,17 @@ reason, the stage, the error and the number of attempts, and is announced on the
 stage that gave up on it (attempt count reset); ``purge`` drops what should not come
 back.
 
+The bus also logs each dead letter (a WARNING on the ``asyncbus.dead_letters``
+logger, with the handler's traceback when it raised); here those records go to
+stdout, one line each, beside what the script prints.
+
 Run it:
 
     python examples/dead_letters.py
 """
+
+import logging
+import sys
 
 import asyncbus
 from asyncbus import DEADLETTER_TOPIC, Bus, DeadLetter, DeadLetterReason, Reject, Retry
@@ -34,6 +41,13 @@ async def charge(payment: dict) -> None:
 async def alert(dead: DeadLetter) -> None:
     """Every new dead letter is also published on ``$deadletter``: page someone."""
     alerts.append(f"{dead.reason}: {dead.envelope.topic}")
+
+
+class OneLine(logging.Formatter):
+    """A record on one line: the traceback is in ``bus.dead_letters`` already."""
+
+    def formatException(self, exc_info: object) -> str:
+        return ""
 
 
 async def main() -> None:
@@ -71,4 +85,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(OneLine("log: %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("asyncbus").addHandler(handler)
     asyncbus.run(main)

@@ -334,6 +334,29 @@ async def test_replay_of_a_no_subscribers_letter_goes_to_its_topic() -> None:
             assert (stats.published, stats.acked, stats.dead_lettered) == (1, 1, 0)
 
 
+async def test_replay_and_purge_take_the_entries_themselves() -> None:
+    seen: list[Envelope] = []
+
+    async def late(env: Envelope) -> None:
+        seen.append(env)
+
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            first = await bus.publish("late.topic", 1)
+            second = await bus.publish("late.topic", 2)
+            bus.subscribe("late.topic", late, group="late")
+            dead_first, dead_second = bus.dead_letters.list()
+
+            await bus.dead_letters.replay(dead_first)
+            await bus.drain()
+            assert [env.id for env in seen] == [first.id]
+            assert bus.dead_letters.purge(dead_second) == 1
+            assert bus.dead_letters.get(second.id) is None
+            with pytest.raises(TypeError, match=r"replay\(\) takes envelope ids"):
+                await bus.dead_letters.replay(42)  # type: ignore[arg-type]
+            assert len(bus.dead_letters) == 0
+
+
 def _charge(amount: int) -> None:
     raise ValueError(f"cannot charge {amount}")
 

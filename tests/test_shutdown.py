@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import anyio
@@ -128,8 +129,16 @@ async def test_drain_raises_timeout_error_when_it_cannot_finish() -> None:
         async with bus:
             await bus.publish("jobs", 1)
             await bus.publish("jobs", 2)
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError) as timed_out:
                 await bus.drain(timeout=0.1)
+            # It says what it was waiting for.
+            said = re.fullmatch(
+                r"not drained within 0\.1s: still (\d) envelope\(s\) queued \+ (\d) in flight"
+                r" or waiting for a retry \(jobs@g \1 \+ \2\)",
+                str(timed_out.value),
+            )
+            assert said is not None, str(timed_out.value)
+            assert int(said[1]) + int(said[2]) == 2
             # the work is untouched by the failed drain
             assert handled == []
             stats = stage_stats(bus, "jobs@g")

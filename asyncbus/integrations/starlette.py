@@ -70,7 +70,7 @@ from ._json import json_safe
 
 __all__ = ["admin_app", "get_bus", "lifespan"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.integrations.starlette")
 
 _STATE_ATTRIBUTE = "asyncbus"
 _REASONS = tuple(reason.value for reason in DeadLetterReason)

@@ -77,11 +77,11 @@ class Retry:
                 return await call_next(envelope)
             except (Reject, DecodeError):
                 raise
-            except retry_on:
+            except retry_on as error:
                 dispatch = current_dispatch()
                 if dispatch is None or envelope.attempt >= max_attempts:
                     raise
-                dispatch.retry(delay(envelope.attempt))
+                dispatch.retry(delay(envelope.attempt), error)
                 return None
 
         return handle

@@ -47,7 +47,7 @@ __all__ = [
     "spurious_cancel",
 ]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.transport.rabbit")
 
 #: Header carrying the envelope's fields (all but the payload) as JSON.
 META_HEADER = "asyncbus-meta"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DeadLetterScan"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.transport.rabbit")
 
 #: Idle seconds after which a read asks whether it has everything.
 _IDLE = 0.05

@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEADER_META", "HEADER_REPLAY_GROUP", "NatsTransport", "consumer_name"]
 
-logger = logging.getLogger("asyncbus.transports.nats")
+logger = logging.getLogger("asyncbus.transport.nats")
 
 #: Header holding the envelope's fields (everything but the payload) as JSON.
 HEADER_META = "asyncbus-meta"

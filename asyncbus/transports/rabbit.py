@@ -144,7 +144,7 @@ if TYPE_CHECKING:
 
 __all__ = ["META_HEADER", "RabbitTransport", "binding_key", "delay_bucket_ms"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.transport.rabbit")
 
 T = TypeVar("T")
 

@@ -95,7 +95,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisTransport"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.transport.redis")
 
 _EXTRA_MISSING = "RedisTransport needs the 'redis' extra: pip install 'asyncbus[redis]'"
 #: Consumer that owns handed-back entries until a live consumer claims them.

@@ -370,7 +370,7 @@ def test_trio_is_refused_with_a_clear_error() -> None:
     import trio
 
     transport = RabbitTransport()
-    with pytest.raises(TransportError, match="asyncio only .* not trio"):
+    with pytest.raises(TransportError, match=r"asyncio only .* not trio"):
         trio.run(transport.connect)
 
 
