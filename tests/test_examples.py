@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -78,21 +78,11 @@ def test_every_example_is_run_by_a_test() -> None:
     assert {path.name for path in EXAMPLES.glob("*.py")} == set(SCRIPTS) | APPS | BROKER_SCRIPTS
 
 
-def require_port(name: str, port: int) -> None:
-    """Skip unless 127.0.0.1:port answers; fail instead when CI requires the services."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-    except OSError as error:
-        message = f"{name} not reachable on 127.0.0.1:{port} ({error})"
-        if os.environ.get("ASYNCBUS_REQUIRE_SERVICES") == "1":
-            pytest.fail(f"{message}; ASYNCBUS_REQUIRE_SERVICES=1 requires it", pytrace=False)
-        pytest.skip(message)
-
-
 @pytest.mark.timeout(120)
-def test_the_service_scaled_out_over_redis_splits_the_orders_between_two_processes() -> None:
-    require_port("Redis", 6379)
+def test_the_service_scaled_out_over_redis_splits_the_orders_between_two_processes(
+    require_service: Callable[[str, int], None],
+) -> None:
+    require_service("Redis", 6379)
     result = run_example("scaled_out_redis.py", timeout=110)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr == ""

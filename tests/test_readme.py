@@ -1,0 +1,279 @@
+"""Every ```python block of README.md runs as written, and does what the text says.
+
+Blocks are found by the section they sit in. A script block runs in a subprocess as
+``python block.py``; the broker block runs once per local broker (Redis, NATS,
+RabbitMQ) with its ``prefix`` made unique to the run, and everything it declared is
+deleted afterwards; the FastAPI block is imported and driven through httpx's ASGI
+transport with its lifespan; the testing block is a pytest file, run by pytest the way
+a user runs it, and run again against a failing handler and a mistyped topic to show
+that it then fails. A block in any other section must run as a script and exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import anyio
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    """``(section heading, code)`` of every ```python block, in README order."""
+    blocks: list[tuple[str, str]] = []
+    section = ""
+    lines = README.read_text(encoding="utf-8").splitlines(keepends=True)
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
+        elif line.rstrip() == "```python":
+            end = lines.index("```\n", index + 1)
+            blocks.append((section, "".join(lines[index + 1 : end])))
+            index = end
+        index += 1
+    return blocks
+
+
+BLOCKS = python_blocks()
+
+
+def block(section: str) -> str:
+    """The one python block of ``section``."""
+    [code] = [code for heading, code in BLOCKS if heading == section]
+    return code
+
+
+def run_script(path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(path), *args],
+        cwd=path.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# -- the blocks ----------------------------------------------------------------------
+
+
+def check_quick_start(code: str, tmp_path: Path) -> None:
+    script = tmp_path / "quick_start.py"
+    script.write_text(code)
+    result = run_script(script)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout.splitlines()
+    accepted = "accepted by ('orders.created@__main__:audit', 'orders.*@mailer')"
+    assert out.count(accepted) == 3, result.stdout
+    for order_id in (1, 2, 13):
+        assert f"audit {{'id': {order_id}}}" in out
+    for order_id in (1, 2):
+        assert f"mail orders.created {{'id': {order_id}}} attempt 1" in out
+    assert out[-3:] == [
+        "orders.created@__main__:audit published 3 acked 3 dead-lettered 0",
+        "orders.*@mailer published 3 acked 2 dead-lettered 1",
+        "dead letter: {'id': 13} RuntimeError: unlucky order attempts 3",
+    ]
+    # The failure is logged (Python prints an unconfigured library's warnings to stderr).
+    assert re.match(
+        r"dead-lettered handler_failed: envelope \w+ on topic 'orders\.created' in stage "
+        r"'orders\.\*@mailer' after 3 attempt\(s\): RuntimeError: unlucky order\n"
+        r"Traceback \(most recent call last\):\n",
+        result.stderr,
+    ), result.stderr
+    assert result.stderr.rstrip().endswith("RuntimeError: unlucky order")
+
+
+def check_testing_example(code: str, tmp_path: Path) -> None:
+    def pytest_run(source: str) -> subprocess.CompletedProcess[str]:
+        (tmp_path / "test_orders.py").write_text(source)
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_orders.py"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    passed = pytest_run(code)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    # anyio's plugin runs it on every backend installed: asyncio and trio here.
+    assert re.search(r"^2 passed in ", passed.stdout, re.MULTILINE), passed.stdout
+
+    published = '{"id": 1, "email": "ann@example.com"}'
+    assert code.count(published) == 1
+    # The same test fails when the handler fails ...
+    failing = pytest_run(code.replace(published, '{"id": 1}'))
+    assert failing.returncode == 1, failing.stdout
+    assert "2 failed in " in failing.stdout
+    assert "assert bus.dead_letters.list() == []" in failing.stdout
+    assert "ValueError: order 1 has no e-mail address" in failing.stdout
+
+    # ... and when nothing takes what it publishes (a mistyped topic).
+    mistyped = pytest_run(code.replace('publish("orders.created"', 'publish("order.created"'))
+    assert mistyped.returncode == 1, mistyped.stdout
+    assert "2 failed in " in mistyped.stdout
+    assert "assert () == ('orders.created@mailer',)" in mistyped.stdout
+
+
+def import_block(code: str, tmp_path: Path, name: str) -> ModuleType:
+    path = tmp_path / f"{name}.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def check_fastapi_app(code: str, tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    name = f"readme_app_{uuid.uuid4().hex[:8]}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ADMIN_TOKEN", "readme-token")
+        module = import_block(code, tmp_path, name)
+    try:
+        app, bus = module.app, module.bus
+        admin = {"Authorization": "Bearer readme-token"}
+
+        async def drive() -> None:
+            transport = httpx.ASGITransport(app=app)
+            with anyio.fail_after(20):
+                async with (
+                    app.router.lifespan_context(app),
+                    httpx.AsyncClient(transport=transport, base_url="http://app") as client,
+                ):
+                    response = await client.post("/orders", json={"id": 7})
+                    assert response.status_code == 202
+                    assert response.json()["stages"] == ["orders.created@mailer"]
+                    await bus.drain(timeout=5)
+                    assert (await client.get("/admin/stats")).status_code == 401
+                    stats = (await client.get("/admin/stats", headers=admin)).json()
+                    assert [(s["name"], s["published"], s["acked"]) for s in stats["stages"]] == [
+                        ("orders.created@mailer", 1, 1)
+                    ]
+                    dead = (await client.get("/admin/dead-letters", headers=admin)).json()
+                    assert dead["total"] == 0
+                    page = await client.get("/admin/?token=readme-token")
+                    assert page.status_code == 200
+                    assert "text/html" in page.headers["content-type"]
+            assert not bus.running
+
+        anyio.run(drive)
+    finally:
+        sys.modules.pop(name, None)
+
+
+BROKERS = {
+    "redis": ("Redis", 6379),
+    "nats": ("NATS", 4222),
+    "rabbit": ("RabbitMQ", 5672),
+}
+
+
+async def delete_broker_state(broker: str, prefix: str) -> None:
+    """Remove everything the broker block declared under ``prefix``."""
+    if broker == "redis":
+        from redis.asyncio import Redis
+
+        client = Redis.from_url("redis://127.0.0.1:6379/0")
+        try:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+    elif broker == "nats":
+        import nats
+        from nats.js.errors import NotFoundError
+
+        from asyncbus.transports import NatsTransport
+
+        transport = NatsTransport(prefix=prefix)
+        client = await nats.connect("nats://127.0.0.1:4222")
+        try:
+            for stream in (transport.stream, transport.dead_letter_stream):
+                with contextlib.suppress(NotFoundError):
+                    await client.jetstream().delete_stream(stream)
+        finally:
+            await client.close()
+    else:
+        from asyncbus.transports import RabbitTransport
+
+        await RabbitTransport("amqp://guest:guest@127.0.0.1/", prefix=prefix).delete_everything()
+
+
+def check_scaling_out(
+    code: str, tmp_path: Path, broker: str, require_service: Callable[[str, int], None]
+) -> None:
+    require_service(*BROKERS[broker])
+    prefix = f"readme-{uuid.uuid4().hex[:8]}"
+    assert code.count('prefix="shop"') == 3
+    script = tmp_path / "shop.py"
+    script.write_text(code.replace('prefix="shop"', f'prefix="{prefix}"'))
+    try:
+        result = run_script(script, broker, timeout=90)
+    finally:
+        anyio.run(delete_broker_state, broker, prefix, backend="asyncio")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"fulfilled order {n}" for n in range(3)]
+
+
+# -- the tests -----------------------------------------------------------------------
+
+#: Sections whose block gets more than "it runs": what it prints or does is checked.
+CHECKED = {
+    "Quick start": check_quick_start,
+    "Testing your handlers": check_testing_example,
+    "In a FastAPI or Starlette app": check_fastapi_app,
+}
+BROKER_SECTION = "Scaling out over a broker"
+
+
+def check_script(code: str, tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    result = run_script(script)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_checked_sections_are_in_the_readme() -> None:
+    # A renamed heading must not quietly turn a checked block into a plain run.
+    sections = [heading for heading, _ in BLOCKS]
+    for section in [*CHECKED, BROKER_SECTION]:
+        assert sections.count(section) == 1, section
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "section", [heading for heading, _ in BLOCKS if heading != BROKER_SECTION]
+)
+def test_a_readme_block_runs_as_written(section: str, tmp_path: Path) -> None:
+    CHECKED.get(section, check_script)(block(section), tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("broker", list(BROKERS))
+def test_the_readme_broker_block_runs_on_each_broker(
+    broker: str, tmp_path: Path, require_service: Callable[[str, int], None]
+) -> None:
+    check_scaling_out(block(BROKER_SECTION), tmp_path, broker, require_service)
