@@ -1,14 +1,17 @@
-"""``python -m asyncbus demo|bench``."""
+"""``python -m asyncbus demo|bench``, and ``--version``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from . import __version__
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command."""
     parser = argparse.ArgumentParser(prog="python -m asyncbus")
+    parser.add_argument("--version", action="version", version=f"asyncbus {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run an orders pipeline and print its statistics")
     demo.add_argument("--orders", type=int, default=2000, help="how many orders to publish")
@@ -39,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     from functools import partial
 
-    from ._demo import run_demo
+    from ._demo import DemoError, run_demo
     from ._runtime import run
 
-    run(partial(run_demo, arguments.orders, serve=arguments.serve, port=arguments.port))
+    try:
+        run(partial(run_demo, arguments.orders, serve=arguments.serve, port=arguments.port))
+    except DemoError as error:
+        print(f"python -m asyncbus {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import signal
+import socket
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import anyio
@@ -17,21 +20,50 @@ from ._stage import Backpressure
 from ._stats import BusStatistics
 from .middleware.retry import Retry
 
-__all__ = ["format_statistics", "run_demo"]
+__all__ = ["DemoError", "format_statistics", "run_demo"]
 
 
-async def _serve_dashboard(bus: Bus, port: int, task_group: TaskGroup, out: TextIO) -> anyio.Event:
-    """Serve ``admin_app(bus)`` on 127.0.0.1 with uvicorn; the event fires when it stops."""
+class DemoError(Exception):
+    """The demo cannot run as asked (a missing extra, a port in use): one line says why."""
+
+
+#: Orders a second that keep the served demo's dashboard live once the batch is done.
+TRICKLE_PER_SECOND = 5
+
+
+def _listen(port: int) -> socket.socket:
+    """The dashboard's listening socket on 127.0.0.1, bound before anything starts."""
     try:
-        import uvicorn
-
-        from .integrations.starlette import admin_app
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as error:
-        raise SystemExit(
-            f"--serve needs the dashboard's dependencies: pip install 'asyncbus[starlette]' "
-            f"uvicorn ({error})"
+        raise DemoError(
+            f"demo --serve needs {error.name or 'starlette'}: "
+            "pip install 'asyncbus[starlette]' uvicorn"
         ) from None
-    config = uvicorn.Config(admin_app(bus), host="127.0.0.1", port=port, log_level="warning")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        raise DemoError(
+            f"demo --serve cannot listen on 127.0.0.1:{port}: {error.strerror or error}"
+        ) from None
+    listener.setblocking(False)
+    return listener
+
+
+async def _serve_dashboard(
+    bus: Bus, listener: socket.socket, task_group: TaskGroup, out: TextIO
+) -> anyio.Event:
+    """Serve ``admin_app(bus)`` on ``listener`` with uvicorn; the event fires when it stops."""
+    import uvicorn
+
+    from .integrations.starlette import admin_app
+
+    config = uvicorn.Config(admin_app(bus), log_level="warning")
     server = uvicorn.Server(config)
     # Ctrl-C is ours: it stops the server, then the demo finishes and reports (uvicorn's
     # own handlers would raise KeyboardInterrupt again after its shutdown).
@@ -40,7 +72,7 @@ async def _serve_dashboard(bus: Bus, port: int, task_group: TaskGroup, out: Text
 
     async def serve() -> None:
         try:
-            await server.serve()
+            await server.serve(sockets=[listener])
         finally:
             stopped.set()
 
@@ -52,12 +84,10 @@ async def _serve_dashboard(bus: Bus, port: int, task_group: TaskGroup, out: Text
 
     task_group.start_soon(serve)
     task_group.start_soon(stop_on_signal)
-    while not server.started:
-        if stopped.is_set():
-            raise SystemExit(f"the dashboard could not start on 127.0.0.1:{port}")
+    while not server.started and not stopped.is_set():
         await anyio.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
-    out.write(f"dashboard: http://127.0.0.1:{bound}/  (Ctrl-C stops it)\n")
+    port = listener.getsockname()[1]
+    out.write(f"dashboard: http://127.0.0.1:{port}/  (Ctrl-C stops it)\n")
     out.flush()
     return stopped
 
@@ -146,31 +176,105 @@ def build_demo_bus(orders: int) -> tuple[Bus, dict[str, int]]:
     return bus, seen
 
 
+def _order(number: int) -> dict[str, Any]:
+    # One card in a hundred ends in 13 and is declined by the payment stage.
+    return {"id": number, "card": f"4111-{number % 100:02d}", "total": number % 97}
+
+
+def _progress(bus: Bus, published: int, of: str) -> str:
+    stats = bus.statistics()
+    return (
+        f"\rpublished {published}{of} orders | acked {stats.acked} | "
+        f"dead letters {len(bus.dead_letters)} | in flight {stats.in_flight}   "
+    )
+
+
 async def run_demo(
     orders: int = 2000, out: TextIO = sys.stdout, *, serve: bool = False, port: int = 8000
 ) -> BusStatistics:
     """Run the demo pipeline, printing progress and the statistics table; return the stats.
 
     :param serve: also serve the admin dashboard on ``127.0.0.1:port`` while the orders
-        flow (a few hundred a second, so a person can watch), and keep serving after
-        the table until interrupted (Ctrl-C).
+        flow (a few hundred a second, so a person can watch); after them, keep a gentle
+        stream of orders flowing so the page stays live, until interrupted (Ctrl-C);
+        then drain and print the table.
+    :raises DemoError: when ``serve`` cannot work (a missing extra, the port in use).
     """
+    listener = _listen(port) if serve else None
+    try:
+        with _collect_log() as records:
+            statistics = await _run_pipeline(orders, out, listener)
+    finally:
+        if listener is not None:
+            listener.close()
+    out.write(f"the bus logged {len(records)} record(s) (logger 'asyncbus', WARNING and up):\n")
+    for record in records:
+        out.write(f"  {record.levelname} {record.name}: {record.getMessage()}\n")
+    return statistics
+
+
+class _Kept(logging.Handler):
+    """A handler that keeps what it is given."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _collect_log() -> Iterator[list[logging.LogRecord]]:
+    """Keep the bus's log records for the end of the demo (not amid its progress line)."""
+    handler = _Kept(logging.WARNING)
+    records = handler.records
+    logger = logging.getLogger("asyncbus")
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+async def _run_pipeline(
+    orders: int, out: TextIO, listener: socket.socket | None
+) -> BusStatistics:
     bus, seen = build_demo_bus(orders)
     async with bus, anyio.create_task_group() as task_group:
-        dashboard = await _serve_dashboard(bus, port, task_group, out) if serve else None
+        dashboard = None
+        if listener is not None:
+            dashboard = await _serve_dashboard(bus, listener, task_group, out)
         for number in range(1, orders + 1):
-            order = {"id": number, "card": f"4111-{number % 100:02d}", "total": number % 97}
+            order = _order(number)
             await bus.publish("orders.created", order)
             await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
             if dashboard is not None:
                 await anyio.sleep(0.003)
             if number % 200 == 0 or number == orders:
-                stats = bus.statistics()
-                out.write(
-                    f"\rpublished {number}/{orders} orders | acked {stats.acked} | "
-                    f"dead letters {len(bus.dead_letters)} | in flight {stats.in_flight}   "
-                )
+                out.write(_progress(bus, number, f"/{orders}"))
                 out.flush()
+        if dashboard is not None:
+            out.write(
+                f"\nthe dashboard stays live with {TRICKLE_PER_SECOND} more orders a second; "
+                "press Ctrl-C to stop\n"
+            )
+            out.flush()
+            number = orders
+            while not dashboard.is_set():
+                number += 1
+                order = _order(number)
+                await bus.publish("orders.created", order)
+                await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
+                if number % TRICKLE_PER_SECOND == 0:
+                    out.write(_progress(bus, number, ""))
+                    out.flush()
+                with anyio.move_on_after(1 / TRICKLE_PER_SECOND):
+                    await dashboard.wait()
+            seen["orders"] = number
+            task_group.cancel_scope.cancel()  # the signal watcher, if still waiting
         await bus.drain(timeout=60)
         out.write("\n\n")
         statistics = bus.statistics()
@@ -189,11 +293,6 @@ async def run_demo(
                 f"first dead letter: {first[0].error.splitlines()[0] if first[0].error else ''}"
                 f" (stage {first[0].stage}, attempts {first[0].attempts})\n"
             )
-        if dashboard is not None:
-            out.write("the dashboard keeps serving; press Ctrl-C to stop\n")
-            out.flush()
-            await dashboard.wait()
-            task_group.cancel_scope.cancel()  # the signal watcher, if still waiting
     report = await bus.aclose()
     out.write(
         f"shutdown: drained={report.drained} published={report.published} "

@@ -18,6 +18,7 @@ any real use, and every run still checks that the handler ran once per message.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 from collections.abc import Callable
 from time import perf_counter
@@ -86,7 +87,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        help="event loop (default: uvloop when installed, else asyncio)",
+    )
     options = parser.parse_args()
     messages = [{"id": index} for index in range(options.messages)]
     timings: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "fairness floor"]}

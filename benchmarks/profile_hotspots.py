@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import os
 import re
 import shutil
@@ -87,7 +88,11 @@ def fold(lines: list[str]) -> tuple[int, dict[str, collections.Counter[str]]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="1")
-    parser.add_argument("--loop", default="uvloop")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop", "trio"),
+        default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+    )
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=15)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "--format", "raw", "--output", path,
             "--", sys.executable, run, "--workloads", options.workload, "--impls", "asyncbus",
             "--loops", options.loop, "--messages", str(options.messages), "--rounds", "3",
-            "--no-memory", "--no-check",
+            "--no-memory",
         ]  # fmt: skip
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     with open(path, encoding="utf-8") as file:

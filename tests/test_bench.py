@@ -7,15 +7,16 @@ tests only make sure that a change to the bus does not quietly break it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from asyncbus.__main__ import main as asyncbus_main
-from asyncbus._bench import main
+from asyncbus._bench import _runner, main
 from asyncbus._bench._memory import measure_memory
 from asyncbus._bench._model import Impl, Measurement, Sample
-from asyncbus._bench._report import check_targets
+from asyncbus._bench._report import check_targets, render_table
 from asyncbus._bench._runner import WORKLOADS, Plan, measure
 
 LOOPS = ["asyncio", "trio"]
@@ -43,7 +44,8 @@ def test_main_writes_the_table_as_json(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     argv = ["--workloads", "1,5", "--impls", "asyncbus,raw", "--messages", "100"]
     argv += ["--requests", "50", "--loops", "asyncio", "--no-memory", "--json", str(path)]
-    assert main([*argv, "--no-check"]) == 0
+    # --check judges the targets; with memory skipped and no peer, none can fail.
+    assert main([*argv, "--check"]) == 0
     document = json.loads(path.read_text())
     results = {(r["workload"], r["impl"]): r for r in document["results"]}
     assert set(results) == {("1", "asyncbus"), ("1", "raw"), ("5", "asyncbus"), ("5", "raw")}
@@ -95,3 +97,57 @@ def test_the_rabbit_benchmark_is_a_bench_subcommand(capsys: pytest.CaptureFixtur
         asyncbus_main(["bench", "rabbit", "--help"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.startswith("usage: python -m asyncbus bench rabbit [-h]")
+
+
+SMALL = ["--messages", "100", "--requests", "50", "--rounds", "3", "--no-memory"]
+
+
+def test_by_default_it_reports_ratios_and_exits_0_whatever_the_peers_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [*SMALL, "--workloads", "1,5", "--loops", "asyncio,trio"]
+    assert main([*argv, "--impls", "asyncbus,raw,floor,queue,bubus"]) == 0
+    out = capsys.readouterr().out
+    assert "targets" not in out and "PASS" not in out and "FAIL" not in out
+    assert "issue" not in out
+    assert "\nasyncbus / peer on workload 1 (asyncio; median of per-round ratios):\n" in out
+    assert re.search(r"^  bubus EventBus +[\d,.]+x   \(the fairness floor: [\d,]+x\)$", out, re.M)
+    # The table fits 100 columns; what cannot run on trio is said once, below it.
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "workload 1: one stage, one async handler (trio)" in out
+    assert out.count("needs an asyncio event loop") == 2  # asyncio.Queue and bubus
+    assert "  bubus EventBus — needs an asyncio event loop (workloads 1,5 on trio)" in out
+
+
+def test_a_failing_asyncbus_run_is_an_error_and_exit_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def broken(messages: object) -> Sample:
+        raise ModuleNotFoundError("No module named 'sniffio'")
+
+    monkeypatch.setattr(_runner, "bus_runners", lambda: dict.fromkeys("123456", broken))
+    assert main([*SMALL, "--workloads", "1", "--loops", "asyncio", "--impls", "asyncbus,raw"]) == 1
+    captured = capsys.readouterr()
+    row = "  asyncbus                    error: ModuleNotFoundError: No module named 'sniffio'"
+    assert row in captured.out.splitlines()
+    assert (
+        "asyncbus failed on workload 1 (asyncio): ModuleNotFoundError: No module named 'sniffio'"
+        in captured.err
+    )
+
+
+def test_a_peer_missing_its_extra_is_one_line_below_the_table() -> None:
+    reason = "not installed: faststream (pip install 'asyncbus[bench]')"
+    rows = [
+        Measurement(workload, loop, Impl("faststream", "FastStream TestNatsBroker", None, reason))
+        for workload in WORKLOADS
+        for loop in ("asyncio", "uvloop")
+    ]
+    for row in rows:
+        row.status, row.reason = "n/a", reason
+    table = render_table(rows)
+    assert table.count("not installed: faststream") == 1
+    assert table.splitlines()[-2:] == [
+        "not run:",
+        "  FastStream TestNatsBroker — not installed: faststream (pip install 'asyncbus[bench]')",
+    ]

@@ -1,5 +1,5 @@
 """Baselines: raw anyio memory object streams, ``asyncio.Queue``, a plain call loop,
-and the fairness floor (the yields DESIGN asks for, with no other work).
+and the fairness floor (the yields the fairness rule asks for, with no other work).
 
 Each is shaped like its workload and calls the same handler as asyncbus does, so
 the ratio measures what the bus adds: routing, envelopes, the middleware chain and
@@ -372,7 +372,7 @@ def sync_runners() -> dict[str, Run]:
 
 
 async def fairness_floor_one(messages: Sequence[Payload]) -> Sample:
-    """The yields DESIGN's fairness rule asks for, and nothing else.
+    """The yields the bus's fairness rule asks for, and nothing else.
 
     A publisher task and a consumer task hand messages over through a deque; each
     yields to the event loop once per message (the publisher before it appends, the
@@ -412,6 +412,6 @@ async def fairness_floor_one(messages: Sequence[Payload]) -> Sample:
 
 
 def fairness_floor_runners() -> dict[str, Run | str]:
-    """The fairness floor per workload key (workload 1 only: the FastStream target's)."""
-    why = "measured on workload 1 only (the floor under the FastStream target)"
+    """The fairness floor per workload key (workload 1 only, beside the peers)."""
+    why = "measured on workload 1 only"
     return {"1": fairness_floor_one, "2": why, "3": why, "4": why, "5": why, "6": why}

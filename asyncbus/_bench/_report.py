@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "machine",
     "print_out",
     "read_text",
+    "render_comparisons",
     "render_contention",
     "render_machine",
     "render_markdown",
@@ -28,6 +30,7 @@ __all__ = [
     "render_table",
     "render_targets",
     "to_json",
+    "wrap",
     "write_text",
 ]
 
@@ -73,10 +76,16 @@ def machine() -> dict[str, Any]:
 
 def render_machine(info: dict[str, Any]) -> str:
     packages = ", ".join(f"{name} {version}" for name, version in info["packages"].items())
-    return (
-        f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['memory']} RAM; "
-        f"{info['python']} on {info['platform']}\n"
-        f"packages: {packages}\ndate: {info['date']}"
+    return "\n".join(
+        [
+            wrap(
+                f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['memory']} RAM; "
+                f"{info['python']} on {info['platform']}",
+                "  ",
+            ),
+            wrap(f"packages: {packages}", "  "),
+            f"date: {info['date']}",
+        ]
     )
 
 
@@ -93,34 +102,113 @@ def _number(value: float, digits: int = 2) -> str:
     return "-" if math.isnan(value) else f"{value:,.{digits}f}"
 
 
-def render_table(measurements: Sequence[Measurement]) -> str:
-    """One table: msg/s, µs per message, ratio to the raw anyio stream (and latencies)."""
-    header = (
-        f"{'workload':<36} {'loop':<7} {'implementation':<27} {'n':>6} {'msg/s':>11} "
-        f"{'µs/msg':>9} {'x raw':>6} {'p50 µs':>8} {'p99 µs':>8} {'p99xraw':>7}"
+#: Widest line of the table: it fits a 100-column terminal.
+WIDTH = 100
+
+
+def _clip(text: str, width: int = WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def wrap(text: str, indent: str = "") -> str:
+    """``text`` folded to the table's width, continuation lines indented by ``indent``."""
+    return textwrap.fill(
+        text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
     )
-    lines = [header, "-" * len(header)]
-    previous = ("", "")
+
+
+def render_table(measurements: Sequence[Measurement]) -> str:
+    """The results: a block per workload and loop, a row per implementation.
+
+    msg/s, µs per message and the ratio to the raw anyio stream (and latencies for
+    request/reply). An implementation that could not run for the same reason on more
+    than one workload or loop (a missing extra, an asyncio-only peer on trio) is
+    named once below the table instead of on every block.
+    """
+    header = (
+        f"  {'implementation':<27} {'n':>7} {'msg/s':>11} {'µs/msg':>9} {'x raw':>6}"
+        f" {'p50 µs':>8} {'p99 µs':>8} {'p99xraw':>7}"
+    )
+    repeated: dict[tuple[str, str], list[Measurement]] = {}
     for m in measurements:
-        where = (m.workload.key, m.loop)
-        workload = f"{m.workload.key} {m.workload.title}" if where != previous else ""
-        loop = m.loop if where != previous else ""
-        if where != previous and previous != ("", ""):
-            lines.append("")
-        previous = where
-        left = f"{workload:<36} {loop:<7} {m.impl.label:<27}"
+        if m.status == "n/a":
+            repeated.setdefault((m.impl.label, m.reason), []).append(m)
+    collapsed = {key for key, rows in repeated.items() if len(rows) > 1}
+    lines = [header, "  " + "-" * (len(header) - 2)]
+    where: tuple[str, str] | None = None
+    for m in measurements:
+        if m.status == "n/a" and (m.impl.label, m.reason) in collapsed:
+            continue
+        if (m.workload.key, m.loop) != where:
+            where = (m.workload.key, m.loop)
+            if len(lines) > 2:
+                lines.append("")
+            lines.append(f"workload {m.workload.key}: {m.workload.title} ({m.loop})")
+        left = f"  {m.impl.label:<27}"
         if m.status != "ok":
-            lines.append(f"{left} {m.status} ({m.reason})")
+            lines.append(wrap(f"{left} {m.status}: {m.reason}", " " * 4))
             continue
         latency = ""
         if m.workload.latency:
             p50, p99 = m.latency_quantile(0.5), m.latency_quantile(0.99)
             latency = f" {_number(p50, 1):>8} {_number(p99, 1):>8} {_ratio(m.p99_ratio):>7}"
         lines.append(
-            f"{left} {m.messages:>6} {_number(m.rate, 0):>11} {_number(m.us_per_message):>9}"
+            f"{left} {m.messages:>7,} {_number(m.rate, 0):>11} {_number(m.us_per_message):>9}"
             f" {_ratio(m.ratio):>6}{latency}"
         )
+    if collapsed:
+        lines += ["", "not run:"]
+        everywhere = {(m.workload.key, m.loop) for m in measurements}
+        for label, reason in sorted(collapsed):
+            rows = repeated[label, reason]
+            line = f"  {label} — {reason}"
+            if {(m.workload.key, m.loop) for m in rows} != everywhere:
+                loops = sorted({m.loop for m in rows})
+                workloads = sorted({m.workload.key for m in rows})
+                line += f" (workloads {','.join(workloads)} on {', '.join(loops)})"
+            lines.append(wrap(line, " " * 4))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def render_comparisons(measurements: Sequence[Measurement], loop: str) -> str:
+    """asyncbus against each peer that ran workload 1 on ``loop``: ratios, no verdicts."""
+    try:
+        ours = _usable(_find(measurements, "1", loop, "asyncbus"))
+    except LookupError:
+        return f"peers: asyncbus did not run workload 1 on {loop}"
+    lines = [f"asyncbus / peer on workload 1 ({loop}; median of per-round ratios):"]
+    floor = _maybe(measurements, "1", loop, "floor")
+    for m in measurements:
+        if m.workload.key != "1" or m.loop != loop or m.impl.key not in _PEERS:
+            continue
+        if m.status != "ok" or not m.samples:
+            lines.append(wrap(f"  {m.impl.label:<27} {m.status}: {m.reason}", " " * 4))
+            continue
+        line = f"  {m.impl.label:<27} {_per_round(ours, m):>8,.1f}x"
+        if floor is not None:
+            line += f"   (the fairness floor: {_per_round(floor, m):,.0f}x)"
+        lines.append(line)
+    if len(lines) == 1:
+        lines.append("  no peer ran (pip install 'asyncbus[bench]')")
     return "\n".join(lines)
+
+
+#: Keys of the peer libraries (the rest are asyncbus and its baselines).
+_PEERS = ("faststream", "faststream-rabbit", "bubus")
+
+
+def _per_round(ours: Measurement, theirs: Measurement) -> float:
+    pairs = zip(ours.samples, theirs.samples, strict=False)
+    return median([a.rate / b.rate for a, b in pairs])
+
+
+def _maybe(
+    measurements: Sequence[Measurement], workload: str, loop: str, impl: str
+) -> Measurement | None:
+    try:
+        return _usable(_find(measurements, workload, loop, impl))
+    except LookupError:
+        return None
 
 
 def render_contention(measurements: Sequence[Measurement], floor: float) -> str:
@@ -129,7 +217,7 @@ def render_contention(measurements: Sequence[Measurement], floor: float) -> str:
     reruns = sum(m.reruns for m in measurements)
     starved = sum(1 for s in samples if s.cpu < floor)
     lowest = min((s.cpu for s in samples), default=1.0)
-    return (
+    return wrap(
         f"CPU: {reruns} of {len(samples) + reruns} timed runs got less than {floor:.0%} of a CPU"
         f" and were run again; {starved} kept runs stayed below (lowest {lowest:.0%})"
     )
@@ -141,7 +229,8 @@ def render_memory(report: MemoryReport | None, error: str = "") -> str:
     mib = 1 << 20
     sustained = report.rss_sustained
     return "\n".join(
-        [
+        wrap(line, "    ")
+        for line in [
             f"memory ({report.loop}; RSS from {report.rss_source}):",
             f"  BLOCK stage, capacity {report.capacity:,}, filled while its handler is held:"
             f" RSS {report.rss_empty / mib:.1f} → {report.rss_full / mib:.1f} MiB,"
@@ -165,7 +254,10 @@ def render_memory(report: MemoryReport | None, error: str = "") -> str:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One target of issue 5 and its verdict (``passed`` is None when it could not run)."""
+    """One performance target of the maintainers' and its verdict (``--check``).
+
+    ``passed`` is None when it could not be judged (something did not run).
+    """
 
     name: str
     goal: str
@@ -196,7 +288,7 @@ def _usable(m: Measurement) -> Measurement:
 def check_targets(
     measurements: Sequence[Measurement], memory: MemoryReport | None, loop: str
 ) -> list[Target]:
-    """Every target of the issue, judged on the medians of ``loop`` (uvloop when run)."""
+    """Every performance target, judged on the medians of ``loop`` (uvloop when run)."""
     targets: list[Target] = []
 
     def ratio_target(name: str, workload: str, floor: float) -> None:
@@ -229,18 +321,13 @@ def check_targets(
             targets.append(Target(name, f">= {floor:g}x", "-", None, "peer did not run"))
             return
         theirs = max(ran, key=lambda m: m.rate)
-        pairs = zip(ours.samples, theirs.samples, strict=False)
-        value = median([a.rate / b.rate for a, b in pairs])
+        value = _per_round(ours, theirs)
         goal = f">= {floor:g}x {theirs.impl.label}"
         note = ""
-        try:  # what no bus under DESIGN's fairness rule can beat, on the same scale
-            if not show_floor:
-                raise LookupError("not asked for")
-            bound = _usable(_find(measurements, "1", loop, "floor"))
-            pairs = zip(bound.samples, theirs.samples, strict=False)
-            note = f"fairness floor {median([a.rate / b.rate for a, b in pairs]):,.0f}x"
-        except LookupError:
-            pass
+        # What no bus that keeps the fairness rule can beat, on the same scale.
+        bound = _maybe(measurements, "1", loop, "floor") if show_floor else None
+        if bound is not None:
+            note = f"fairness floor {_per_round(bound, theirs):,.0f}x"
         targets.append(Target(name, goal, f"{value:,.0f}x", value >= floor, note))
 
     ratio_target("1 one stage vs raw stream", "1", 0.75)
@@ -287,13 +374,16 @@ def check_targets(
 
 
 def render_targets(targets: Sequence[Target], loop: str) -> str:
+    """The ``--check`` verdicts, one line each (a long note on a line of its own)."""
     lines = [f"targets (medians on {loop}):"]
     for target in targets:
         verdict = "SKIP" if target.passed is None else target.verdict
-        line = f"  {verdict:<5} {target.name:<37} {target.goal:<36} {target.value}"
-        if target.note:
-            line += f"  ({target.note})"
-        lines.append(line)
+        line = f"  {verdict:<5} {target.name:<35} {target.goal:<34} {target.value}"
+        note = f"  ({target.note})" if target.note else ""
+        if len(line + note) > WIDTH:
+            lines += [line, wrap(f"{'':8}{note.strip()}", " " * 8)]
+        else:
+            lines.append(line + note)
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -378,12 +468,15 @@ def render_markdown(existing: str, *, command: str, body: str, targets: Sequence
         body,
         "```",
         "",
-        "| target | goal | measured | verdict |",
-        "| --- | --- | --- | --- |",
-        *(f"| {t.name} | {t.goal} | {_measured(t)} | {t.verdict} |" for t in targets),
-        "",
-        END,
     ]
+    if targets:
+        lines += [
+            "| target | goal | measured | verdict |",
+            "| --- | --- | --- | --- |",
+            *(f"| {t.name} | {t.goal} | {_measured(t)} | {t.verdict} |" for t in targets),
+            "",
+        ]
+    lines.append(END)
     block = "\n".join(lines)
     if BEGIN in existing and END in existing:
         head, _, rest = existing.partition(BEGIN)
