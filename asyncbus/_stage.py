@@ -381,7 +381,7 @@ class Stage:
                 self.subscribed.set()  # the group exists in the broker from here on
             async for delivery in deliveries:
                 envelope = delivery.envelope
-                undecodable = getattr(delivery, "error", None)  # optional in DESIGN's protocol
+                undecodable = getattr(delivery, "error", None)  # beyond the Delivery protocol
                 if undecodable is not None:
                     # An undecodable body: admitted and dead-lettered at once, never handled.
                     self.published += 1
@@ -443,7 +443,7 @@ async def reject_delivery(
 ) -> None:
     """``delivery.reject(reason)``, with each of the dead letter's details it takes.
 
-    DESIGN's ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
+    The public ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
     also take ``error``, ``stage`` and ``attempts`` (:class:`DetailedDelivery`) so the
     broker's copy of the dead letter matches the bus's. A transport that takes only
     some of them gets those; one written to the protocol alone still works.

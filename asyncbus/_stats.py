@@ -83,7 +83,7 @@ class StageStatistics:
     latency_p50: float
     latency_p99: float
     wait_p99: float
-    #: Beyond DESIGN's list (kept after it, so its order holds).
+    #: Added after the documented fields (kept last, so their order holds).
     abandoned: int
     capacity: int
 

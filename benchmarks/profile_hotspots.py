@@ -1,6 +1,6 @@
 """Profile asyncbus on one workload with py-spy and list the hot spots in asyncbus code.
 
-    pip install py-spy
+    pip install -e '.[bench]'    # py-spy comes with the bench extra
     python benchmarks/profile_hotspots.py [--workload 1] [--loop uvloop] [--messages 200000]
 
 py-spy samples the benchmark process (only asyncbus runs, no baselines) without

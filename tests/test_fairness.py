@@ -1,4 +1,4 @@
-"""Fairness (DESIGN): a publish yields once per call, a consumer once per envelope."""
+"""Fairness: a publish yields once per call, a consumer once per envelope."""
 
 from __future__ import annotations
 

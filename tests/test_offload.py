@@ -354,7 +354,7 @@ async def test_statistics_report_whether_the_build_is_free_threaded() -> None:
 
 
 async def test_a_timed_out_thread_keeps_its_worker_slot_until_it_returns() -> None:
-    # DESIGN §2b: a timeout abandons the attempt; the thread runs to its end holding
+    # A timeout abandons the attempt; the thread runs to its end holding
     # its slot (anyio's own limiter= frees the slot at once on asyncio: regression guard).
     gauge = ConcurrencyGauge()
     idle = threading.Condition()

@@ -1,4 +1,4 @@
-"""The public surface exactly as DESIGN states it: names importable from ``asyncbus``,
+"""The public surface exactly as documented: names importable from ``asyncbus``,
 field orders, the ``middleware`` name, argument lists, default groups."""
 
 from __future__ import annotations

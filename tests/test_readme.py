@@ -6,7 +6,8 @@ RabbitMQ) with its ``prefix`` made unique to the run, and everything it declared
 deleted afterwards; the FastAPI block is imported and driven through httpx's ASGI
 transport with its lifespan; the testing block is a pytest file, run by pytest the way
 a user runs it, and run again against a failing handler and a mistyped topic to show
-that it then fails. A block in any other section must run as a script and exit 0.
+that it then fails. A block in any other section must run as a script and exit 0; so must every
+```python block of docs/guide.md (signatures there are ```text).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
 
 
-def python_blocks() -> list[tuple[str, str]]:
-    """``(section heading, code)`` of every ```python block, in README order."""
+def python_blocks(path: Path = README) -> list[tuple[str, str]]:
+    """``(section heading, code)`` of every ```python block of ``path``, in order."""
     blocks: list[tuple[str, str]] = []
     section = ""
-    lines = README.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     index = 0
     while index < len(lines):
         line = lines[index]
@@ -277,3 +279,10 @@ def test_the_readme_broker_block_runs_on_each_broker(
     broker: str, tmp_path: Path, require_service: Callable[[str, int], None]
 ) -> None:
     check_scaling_out(block(BROKER_SECTION), tmp_path, broker, require_service)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("section", [heading for heading, _ in python_blocks(GUIDE)])
+def test_a_guide_block_runs_as_written(section: str, tmp_path: Path) -> None:
+    [code] = [code for heading, code in python_blocks(GUIDE) if heading == section]
+    check_script(code, tmp_path)

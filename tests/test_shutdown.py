@@ -41,7 +41,7 @@ async def test_aclose_accounts_for_every_envelope_when_it_drains() -> None:
 
     assert report.drained is True
     assert (report.published, report.completed, report.dead_lettered) == (20, 16, 4)
-    assert report.abandoned == []  # a list, as DESIGN says
+    assert report.abandoned == []  # a list of ids
     assert report.completed + report.dead_lettered + len(report.abandoned) == report.published
     assert sorted(handled) == [n for n in range(20) if n % 5 != 4]
 

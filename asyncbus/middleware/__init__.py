@@ -40,7 +40,7 @@ __all__ = [
 
 
 class _CallablePackage(types.ModuleType):
-    """``asyncbus.middleware`` is both this package and DESIGN's ``@middleware`` sugar.
+    """``asyncbus.middleware`` is both this package and the ``@middleware`` sugar.
 
     ``from asyncbus import middleware`` must decorate, and ``import asyncbus.middleware``
     must give the built-ins; the attribute of ``asyncbus`` can hold only one object, so

@@ -1,4 +1,4 @@
-"""The conformance suite every transport must pass (watermill's ``pubsub/tests``).
+"""The conformance suite every transport must pass.
 
 Subclass :class:`TransportSuite` in a test module and provide a ``transport``
 fixture that yields an entered transport whose broker names carry a prefix unique

@@ -87,7 +87,7 @@ class Capabilities:
 
 @runtime_checkable
 class Delivery(Protocol):
-    """One envelope handed to a consumer, to be settled exactly once (DESIGN's protocol).
+    """One envelope handed to a consumer, to be settled exactly once (the public protocol).
 
     A transport's deliveries may offer more, which the bus uses when present:
     ``error`` and the keywords of :class:`DetailedDelivery`, and ``ack_nowait() ->

@@ -211,7 +211,7 @@ async def test_first_reply_wins_on_fan_out() -> None:
 
 
 async def test_a_later_stage_rejecting_at_the_door_fails_the_request_at_once() -> None:
-    """DESIGN: a rejection at the door anywhere on the route raises HandlerError at once."""
+    """A rejection at the door anywhere on the route raises HandlerError at once."""
     release = anyio.Event()
     bus = Bus()
 
@@ -239,7 +239,7 @@ async def test_a_later_stage_rejecting_at_the_door_fails_the_request_at_once() -
 
 
 async def test_a_stage_returning_none_sends_none_on() -> None:
-    """DESIGN: the return value is the next payload, None included."""
+    """The return value is the next payload, None included."""
     seen: list[Any] = []
     bus = Bus()
 

@@ -87,7 +87,7 @@ async def test_three_stage_slip_with_sync_middle_stage_delivers_composed_result(
 
 
 async def test_handler_returning_none_sends_none_to_the_next_hop() -> None:
-    """DESIGN: the return value is the next payload, None included."""
+    """The return value is the next payload, None included."""
     received: list[Any] = []
 
     async def observer(payload: Any) -> None:

@@ -1,6 +1,6 @@
-"""A transport written to DESIGN's ``Delivery`` protocol alone works with the bus.
+"""A transport written to the public ``Delivery`` protocol alone works with the bus.
 
-DESIGN's protocol has ``envelope``, ``ack()``, ``nack(delay=)`` and ``reject(reason)``;
+The protocol has ``envelope``, ``ack()``, ``nack(delay=)`` and ``reject(reason)``;
 asyncbus's own deliveries add ``error`` and keywords on ``reject``, which the bus must
 not require. (Like any transport, it reports ``backlog()`` so that ``drain()`` knows
 about envelopes still on their way to a stage.)
