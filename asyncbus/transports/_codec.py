@@ -5,12 +5,12 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any, Protocol
 
 from .._dead_letters import DeadLetter, DeadLetterReason
-from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
-from .._exceptions import DecodeError, EncodeError
+from .._envelope import Envelope
+from .._exceptions import DecodeError, EncodeError, SerializationError
+from ._wire_fields import envelope_from_fields, optional_text, real
 
 __all__ = [
     "Codec",
@@ -48,15 +48,15 @@ class JsonCodec:
         """Serialise ``value`` as compact UTF-8 JSON."""
         try:
             return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-        except (TypeError, ValueError) as error:
-            raise EncodeError(f"cannot encode {type(value).__name__} as JSON: {error}") from error
+        except (TypeError, ValueError, RecursionError) as error:
+            raise _encode_error(value, error) from error
 
     def decode(self, data: bytes) -> Any:
         """Parse UTF-8 JSON."""
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, ValueError) as error:
-            raise DecodeError(f"body is not valid JSON: {error}") from error
+        except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+            raise _decode_error(error) from error
 
 
 class MsgspecCodec:
@@ -75,15 +75,27 @@ class MsgspecCodec:
         """Serialise ``value`` as JSON."""
         try:
             return self._encoder.encode(value)
-        except (TypeError, ValueError, self._msgspec.EncodeError) as error:
-            raise EncodeError(f"cannot encode {type(value).__name__} as JSON: {error}") from error
+        except (TypeError, ValueError, RecursionError, self._msgspec.EncodeError) as error:
+            raise _encode_error(value, error) from error
 
     def decode(self, data: bytes) -> Any:
         """Parse JSON."""
         try:
             return self._decoder.decode(data)
-        except self._msgspec.DecodeError as error:
-            raise DecodeError(f"body is not valid JSON: {error}") from error
+        except (self._msgspec.DecodeError, RecursionError) as error:
+            raise _decode_error(error) from error
+
+
+def _encode_error(value: Any, error: BaseException) -> EncodeError:
+    if isinstance(error, RecursionError):
+        return EncodeError(f"cannot encode {type(value).__name__} as JSON: nested too deep")
+    return EncodeError(f"cannot encode {type(value).__name__} as JSON: {error}")
+
+
+def _decode_error(error: BaseException) -> DecodeError:
+    if isinstance(error, RecursionError):
+        return DecodeError("body is not valid JSON: nested too deep")
+    return DecodeError(f"body is not valid JSON: {error}")
 
 
 def default_codec() -> Codec:
@@ -158,34 +170,33 @@ def _stdlib_dumps(value: Any) -> bytes:
 _meta_json = _MetaJson()
 
 
-def dump_meta(meta: Mapping[str, Any]) -> bytes:
-    """``meta`` (from :func:`envelope_meta`) as compact JSON bytes."""
-    return _meta_json.dumps(meta)
-
-
 def envelope_to_wire(envelope: Envelope, codec: Codec) -> tuple[bytes, bytes]:
-    """``(meta, body)``: the envelope's fields as JSON, and its payload by ``codec``."""
-    return _meta_json.dumps(envelope_meta(envelope)), codec.encode(envelope.payload)
+    """``(meta, body)``: the envelope's fields as JSON, and its payload by ``codec``.
+
+    :raises EncodeError: when the payload (or a header) cannot be encoded, nested too
+        deep included.
+    """
+    return dump_meta(envelope_meta(envelope)), encode_payload(codec, envelope.payload)
 
 
-def _envelope_from_meta(meta: Mapping[str, Any], payload: Any, attempt: int | None) -> Envelope:
-    headers = meta.get("headers") or {}
-    return make_envelope(
-        str(meta["id"]),
-        str(meta["topic"]),
-        payload,
-        MappingProxyType({str(k): str(v) for k, v in headers.items()})
-        if headers
-        else EMPTY_HEADERS,
-        float(meta["timestamp"]),
-        None if meta.get("ttl") is None else float(meta["ttl"]),
-        int(attempt if attempt is not None else meta.get("attempt", 1)),
-        tuple(meta.get("slip") or ()),
-        str(meta.get("correlation_id") or meta["id"]),
-        meta.get("causation_id"),
-        meta.get("reply_to"),
-        meta.get("sender"),
-    )
+def dump_meta(meta: Mapping[str, Any]) -> bytes:
+    """``meta`` (from :func:`envelope_meta`) as compact JSON bytes.
+
+    :raises EncodeError: when a field cannot be written as JSON.
+    """
+    try:
+        return _meta_json.dumps(meta)
+    except Exception as error:  # msgspec's and json's errors alike: the fields are bad
+        raise EncodeError(f"cannot encode the envelope's fields as JSON: {error}") from error
+
+
+def encode_payload(codec: Codec, payload: Any) -> bytes:
+    """``codec.encode(payload)``; a payload nested too deep is an :class:`EncodeError`
+    whatever the codec (Python's recursion limit is no excuse to end a publisher)."""
+    try:
+        return codec.encode(payload)
+    except RecursionError as error:
+        raise EncodeError(f"cannot encode {type(payload).__name__}: nested too deep") from error
 
 
 def envelope_from_wire(
@@ -194,22 +205,31 @@ def envelope_from_wire(
     """Rebuild an envelope; ``(envelope, error)``.
 
     When the body does not decode, the envelope carries the raw body as its payload
-    and ``error`` says why (the bus dead-letters it ``rejected``).
+    and ``error`` says why (the bus dead-letters it ``rejected``). Whatever the bytes,
+    this returns or raises :class:`DecodeError`, nothing else.
 
     :param attempt: the broker's delivery count, overriding the stored attempt.
-    :raises DecodeError: when ``meta`` itself is unreadable (nothing to rebuild).
+    :raises DecodeError: when ``meta`` itself is unreadable, or a field is missing or
+        wrong (nothing to rebuild).
     """
     try:
         fields = _meta_json.loads(meta)
-        if not isinstance(fields, dict) or "id" not in fields or "topic" not in fields:
-            raise ValueError("meta is not an envelope")
-    except (UnicodeDecodeError, ValueError) as error:
-        raise DecodeError(f"envelope metadata is unreadable: {error}") from error
+    except Exception as error:  # json's ValueError, msgspec's DecodeError, RecursionError
+        raise DecodeError(f"envelope metadata is unreadable: {_reason(error)}") from error
+    undecodable: str | None = None
     try:
         payload = codec.decode(body)
-    except DecodeError as error:
-        return _envelope_from_meta(fields, body, attempt), str(error)
-    return _envelope_from_meta(fields, payload, attempt), None
+    except Exception as error:  # a codec's DecodeError, or whatever a custom one raises
+        payload, undecodable = body, _reason(error)
+    return envelope_from_fields(fields, payload, attempt), undecodable
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, SerializationError):
+        return str(error)
+    if isinstance(error, RecursionError):
+        return "nested too deep"
+    return f"{type(error).__name__}: {error}"
 
 
 def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
@@ -220,9 +240,9 @@ def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
         body = bytes(payload)
     else:
         try:
-            body = codec.encode(payload)
+            body = encode_payload(codec, payload)
         except EncodeError:
-            body = repr(payload).encode()
+            body = _shown(payload)
     return json.dumps(
         {
             "meta": envelope_meta(entry.envelope),
@@ -239,30 +259,43 @@ def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
     ).encode()
 
 
+def _shown(payload: Any) -> bytes:
+    """What a dead letter keeps of a payload its codec cannot encode: its repr."""
+    try:
+        return repr(payload).encode("utf-8", "backslashreplace")
+    except RecursionError:
+        return f"<{type(payload).__name__} nested too deep to show>".encode()
+
+
 def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
     """Rebuild a dead letter stored by :func:`dead_letter_to_wire`.
 
-    :raises DecodeError: when ``data`` is not such a document.
+    :raises DecodeError: when ``data`` is not such a document (whatever the bytes).
     """
     try:
         fields = json.loads(data)
-        body = base64.b64decode(fields["body"])
+        if type(fields) is not dict:
+            raise ValueError("not a JSON object")
+        body = base64.b64decode(fields["body"], validate=True)
         reason = DeadLetterReason(fields["reason"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise DecodeError(f"dead letter is unreadable: {error}") from error
+        attempts = fields.get("attempts", 0)
+        if type(attempts) is not int:
+            raise ValueError(f"attempts is {type(attempts).__name__}")
+    except (KeyError, TypeError, ValueError, RecursionError) as error:
+        raise DecodeError(f"dead letter is unreadable: {_reason(error)}") from error
     if fields.get("raw"):
         payload: Any = body
     else:
         try:
             payload = codec.decode(body)
-        except DecodeError:
+        except Exception:  # kept as it was stored
             payload = body
     return DeadLetter(
-        envelope=_envelope_from_meta(fields["meta"], payload, None),
+        envelope=envelope_from_fields(fields.get("meta"), payload, None),
         reason=reason,
-        error=fields.get("error"),
-        stage=fields.get("stage"),
-        attempts=int(fields.get("attempts", 0)),
-        dead_at=float(fields.get("dead_at", 0.0)),
-        traceback=fields.get("traceback"),
+        error=optional_text(fields.get("error"), "error"),
+        stage=optional_text(fields.get("stage"), "stage"),
+        attempts=attempts,
+        dead_at=real(fields.get("dead_at", 0.0), "dead_at"),
+        traceback=optional_text(fields.get("traceback"), "traceback"),
     )
