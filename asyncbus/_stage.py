@@ -16,13 +16,13 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._dead_letters import DeadLetterReason
-from ._dispatch import Dispatch, Outcome
+from ._dispatch import Dispatch, Outcome, describe_error
+from ._envelope import Envelope
 from ._stats import LatencyHistogram, StageStatistics
 
 if TYPE_CHECKING:
     from ._bus import Bus
     from ._dead_letters import DeadLetter
-    from ._envelope import Envelope
     from ._subscription import Subscription
     from ._types import Handler
     from .transports.base import Delivery, Transport
@@ -374,38 +374,51 @@ class Stage:
             logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
 
     async def pump(self, transport: Transport) -> None:
-        """Feed this stage from the broker: at most ``capacity`` deliveries held here."""
+        """Feed this stage from the broker: at most ``capacity`` deliveries held here.
+
+        No delivery ends the pump: one that cannot be taken in (undecodable, delivered
+        too often, or anything unexpected) is dead-lettered ``rejected`` and rejected.
+        """
         subscription = transport.subscribe(self.pattern, group=self.group, prefetch=self.capacity)
         async with subscription as deliveries:
             if self.subscribed is not None:
                 self.subscribed.set()  # the group exists in the broker from here on
             async for delivery in deliveries:
-                envelope = delivery.envelope
-                undecodable = getattr(delivery, "error", None)  # beyond the Delivery protocol
-                if undecodable is not None:
-                    # An undecodable body: admitted and dead-lettered at once, never handled.
-                    self.published += 1
-                    self._count_dead(DeadLetterReason.REJECTED)
-                    entry = self.bus.dead_letter(
-                        envelope,
-                        DeadLetterReason.REJECTED,
-                        undecodable,
-                        self.name,
-                        envelope.attempt,
-                        stored=True,
-                    )
-                    with anyio.CancelScope(shield=True):
-                        await reject_delivery(
-                            delivery,
-                            DeadLetterReason.REJECTED.value,
-                            entry.error if entry else undecodable,
-                            self.name,
-                            envelope.attempt,
-                        )
-                    continue
-                await self._wait_for_room()
-                self.deliveries[id(envelope)] = delivery
-                self.admit(envelope)
+                try:
+                    envelope = delivery.envelope
+                    refused = getattr(delivery, "error", None)  # beyond the Delivery protocol
+                    if refused is None:
+                        await self._wait_for_room()
+                        self.deliveries[id(envelope)] = delivery
+                        self.admit(envelope)
+                        continue
+                except Exception as error:  # a broken delivery must not end the pump
+                    logger.exception("stage %s could not take in a delivery", self.name)
+                    refused = f"the delivery could not be taken in: {describe_error(error)}"
+                await self._refuse(delivery, str(refused))
+
+    async def _refuse(self, delivery: Delivery, error: str) -> None:
+        """Count ``delivery`` in, dead-letter it ``rejected`` and reject it, never handled."""
+        envelope = getattr(delivery, "envelope", None)
+        if not isinstance(envelope, Envelope):
+            envelope = Envelope(topic=self.pattern, payload=None)
+        self.published += 1
+        self._count_dead(DeadLetterReason.REJECTED)
+        entry = self.bus.dead_letter(
+            envelope, DeadLetterReason.REJECTED, error, self.name, envelope.attempt, stored=True
+        )
+        try:
+            with anyio.CancelScope(shield=True):
+                await reject_delivery(
+                    delivery,
+                    DeadLetterReason.REJECTED.value,
+                    entry.error if entry else error,
+                    self.name,
+                    envelope.attempt,
+                )
+        except Exception:
+            # Left unsettled: the broker delivers it again, and it is refused again.
+            logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
 
     def _wake_consumer(self) -> None:
         if self._consumer_waiters:

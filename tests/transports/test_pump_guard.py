@@ -1,0 +1,112 @@
+"""A stage's pump never dies because of one delivery.
+
+A transport hands the pump deliveries; one that raises anything unexpected while the
+pump takes it in, or whose ``reject`` fails, is dead-lettered ``rejected`` (or left
+to the broker), and the deliveries after it are handled as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncbus import Bus, DeadLetterReason, Envelope
+from asyncbus.transports import Transport
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+
+
+class Recorded:
+    """A delivery that records how it was settled."""
+
+    def __init__(self, payload: Any, settled: list[tuple[str, Any]]) -> None:
+        self.envelope = Envelope(topic="jobs", payload=payload)
+        self._settled = settled
+
+    async def ack(self) -> None:
+        self._settled.append(("ack", self.envelope.payload))
+
+    async def nack(self, *, delay: float | None = None) -> None:
+        self._settled.append(("nack", self.envelope.payload))
+
+    async def reject(self, reason: str, *, error: str | None = None) -> None:
+        self._settled.append((f"reject {reason}", self.envelope.payload))
+
+
+class Broken(Recorded):
+    """Its ``error`` raises: a transport's bug, or a delivery object gone wrong."""
+
+    @property
+    def error(self) -> str | None:
+        raise RuntimeError("the delivery is broken")
+
+
+class Unrejectable(Recorded):
+    """Undecodable, and its broker cannot take the reject (the broker redelivers it)."""
+
+    error = "body is not valid JSON"
+
+    async def reject(self, reason: str, *, error: str | None = None) -> None:
+        raise OSError("connection lost")
+
+
+class FixedTransport(Transport):
+    """Hands its deliveries to the first subscription, then waits."""
+
+    def __init__(self, deliveries: Sequence[Recorded]) -> None:
+        super().__init__()
+        self._deliveries = list(deliveries)
+
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        raise AssertionError("nothing is published in these tests")
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        return len(self._deliveries)
+
+    def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AbstractAsyncContextManager[AsyncIterator[Recorded]]:
+        return self._subscription()
+
+    @asynccontextmanager
+    async def _subscription(self) -> AsyncIterator[AsyncIterator[Recorded]]:
+        async def deliveries() -> AsyncIterator[Recorded]:
+            while self._deliveries:
+                yield self._deliveries.pop(0)
+            await anyio.sleep_forever()
+
+        yield deliveries()
+
+
+async def test_a_delivery_that_raises_is_rejected_and_the_pump_goes_on() -> None:
+    settled: list[tuple[str, Any]] = []
+    transport = FixedTransport(
+        [Recorded(1, settled), Broken(2, settled), Unrejectable(3, settled), Recorded(4, settled)]
+    )
+    bus = Bus(transport)
+    handled: list[int] = []
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.drain()
+            stage = bus.statistics().stage("jobs@g")
+            entries = sorted(bus.dead_letters.list(), key=lambda entry: entry.envelope.payload)
+    assert handled == [1, 4]
+    assert sorted(settled) == [("ack", 1), ("ack", 4), ("reject rejected", 2)]
+    assert (stage.published, stage.acked, stage.dead_lettered) == (4, 2, 2)
+    assert [(e.envelope.payload, e.reason) for e in entries] == [
+        (2, DeadLetterReason.REJECTED),
+        (3, DeadLetterReason.REJECTED),
+    ]
+    assert (
+        entries[0].error is not None and "RuntimeError: the delivery is broken" in entries[0].error
+    )
+    assert entries[1].error == "body is not valid JSON"
