@@ -47,8 +47,8 @@ from __future__ import annotations
 import functools
 import string
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from typing import Any, ClassVar, cast
 
 import anyio
@@ -184,6 +184,20 @@ class _Inbox:
             if ack:
                 await delivery.ack()
             self.put(consumer, delivery)
+
+
+@contextmanager
+def _keep_alive(transport: Transport, value: bool) -> Iterator[None]:
+    """``transport.keep_alive`` set to ``value`` for the subscriptions made meanwhile."""
+    if not hasattr(transport, "keep_alive"):
+        yield
+        return
+    before = transport.keep_alive
+    transport.keep_alive = value
+    try:
+        yield
+    finally:
+        transport.keep_alive = before
 
 
 async def _wait(event: anyio.Event, timeout: float, what: str) -> None:
@@ -758,9 +772,16 @@ class TransportSuite:
 
         Within ``ack_timeout`` + 1 s another consumer of the group gets them, as the
         next attempt; when the dead consumer finally leaves, nothing comes twice.
+        (A transport that keeps held deliveries alive, ``keep_alive``, is tested with
+        it off: with it on, only a dead process loses them.)
         """
         if self.ack_timeout is None:
             pytest.skip(f"{type(transport).__name__} has no ack timeout")
+        with _keep_alive(transport, False):
+            await self._check_hung_consumer_loses_its_delivery(transport)
+
+    async def _check_hung_consumer_loses_its_delivery(self, transport: Transport) -> None:
+        assert self.ack_timeout is not None
         sent = Envelope(topic="crash", payload="work")
         inbox = _Inbox()
         dead = _Holder(transport, "crash", group="g", prefetch=1)
@@ -781,6 +802,41 @@ class TransportSuite:
                 await anyio.sleep(QUIET)
                 tg.cancel_scope.cancel()
         _check(inbox.count(), 1, "deliveries to the survivor (after the dead one left)")
+
+    @pytest.mark.anyio
+    async def test_a_live_consumer_keeps_what_it_holds_past_ack_timeout(
+        self, transport: Transport
+    ) -> None:
+        """With ``keep_alive`` (the default where a transport has it), a delivery held
+        longer than ``ack_timeout`` by a live consumer (a long handler, a retry
+        waiting) goes to nobody else; when that consumer leaves, another gets it once.
+        """
+        if self.ack_timeout is None:
+            pytest.skip(f"{type(transport).__name__} has no ack timeout")
+        if not getattr(transport, "keep_alive", False):
+            pytest.skip(f"{type(transport).__name__} does not keep held deliveries alive")
+        sent = Envelope(topic="long", payload="work")
+        inbox = _Inbox()
+        holder = _Holder(transport, "long", group="g", prefetch=1)
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(holder.run, 1, self.timeout)
+            await _wait(holder.subscribed, self.timeout, "the holding consumer to subscribe")
+            await transport.publish("long", [sent])
+            await _wait(holder.took, self.timeout, "a delivery to the holding consumer")
+            async with (
+                transport.subscribe("long", group="g", prefetch=1) as other,
+                anyio.create_task_group() as tg,
+            ):
+                tg.start_soon(inbox.consume, other, "other")
+                await anyio.sleep(self.ack_timeout * 2.5)
+                _check(inbox.count(), 0, "deliveries to another consumer while it is held")
+                holder.leave.set()
+                await _wait(holder.left, self.timeout, "the holding consumer to leave")
+                await inbox.wait_for(1, self.release_timeout + self.ack_timeout, "other")
+                await anyio.sleep(QUIET)
+                tg.cancel_scope.cancel()
+        _check(inbox.count(), 1, "deliveries to the other consumer")
+        _check(_ids(inbox.of("other")), [sent.id], "the id it got")
 
     # -- routing --------------------------------------------------------------------
 

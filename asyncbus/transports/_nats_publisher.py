@@ -24,10 +24,14 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
-__all__ = ["JetStreamPublisher"]
+__all__ = ["JetStreamPublisher", "NoStreamError"]
 
 #: Status of the reply when no stream captures the subject.
 _NO_RESPONDERS = "503"
+
+
+class NoStreamError(TransportError):
+    """No JetStream stream captures the subject (the server answered "no responders")."""
 
 
 class JetStreamPublisher:
@@ -67,8 +71,8 @@ class JetStreamPublisher:
     async def publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
         """Publish one message and return once its stream stored it.
 
-        :raises TransportError: when no stream captures ``subject`` or the stream
-            refused the message.
+        :raises NoStreamError: when no stream captures ``subject``.
+        :raises TransportError: when the stream refused the message.
         :raises TimeoutError: when no ack came within ``timeout``.
         """
         token = str(next(self._tokens))
@@ -86,7 +90,7 @@ class JetStreamPublisher:
             return  # answered after its timeout, or its publisher was cancelled
         future = entry[0]
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
-            future.set_exception(TransportError("no JetStream stream captures the subject"))
+            future.set_exception(NoStreamError("no JetStream stream captures the subject"))
             return
         try:
             answer: Any = json.loads(msg.data)

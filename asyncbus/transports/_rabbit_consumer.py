@@ -25,7 +25,7 @@ import anyio.lowlevel
 from .._envelope import Envelope
 from .._exceptions import DecodeError, TransportError
 from ._codec import envelope_from_wire
-from .base import Delivery, rejected_entry
+from .base import Delivery, over_max_deliveries, rejected_entry
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, DeliveredMessage
@@ -250,6 +250,9 @@ class Subscription:
         self.closed = False
         #: A channel whose consumer the broker cancelled, to be closed.
         self.stale: AbstractChannel | None = None
+        #: Whether deliveries handed out stay with this consumer however long they are
+        #: held (the transport's ``keep_alive`` when it subscribed): no ack_timeout.
+        self.keep_alive = transport.keep_alive
 
     def unsettled(self) -> int:
         return len(self.ready) + len(self.handed)
@@ -341,19 +344,24 @@ class Subscription:
     async def _on_message(self, consumer: ConsumerChannel, message: DeliveredMessage) -> None:
         if consumer is not self.consumer or self.closed:
             return  # a late delivery on a channel being closed: the broker requeues it
+        # ``receive`` hands over whatever arrived (an unreadable message carries
+        # ``error``): a message that raised here would stay unacked on the channel,
+        # invisible to ``backlog``, until the connection closed.
         self.ready.append(self.receive(consumer, message))
         if not self.wake.is_set():
             self.wake.set()
 
     def receive(self, consumer: ConsumerChannel, message: DeliveredMessage) -> RabbitDelivery:
         """The delivery of a received message; an unreadable one carries ``error``."""
-        codec, prefix = self.transport.codec, self.transport.prefix
+        transport = self.transport
         properties = message.header.properties
-        headers = properties.headers or {}
+        headers = properties.headers if isinstance(properties.headers, dict) else {}
+        # The quorum queue's count of returns; the broker sets it (the first delivery
+        # has none).
         count = headers.get(_DELIVERY_COUNT) or 0
-        if not isinstance(count, int):
+        if type(count) is not int or count < 0:
             count = 0
-        body = message.body
+        body = bytes(message.body or b"")
         tag = message.delivery_tag or 0
         error: str | None
         try:
@@ -362,24 +370,24 @@ class Subscription:
                 meta = meta.encode()
             if not isinstance(meta, bytes):
                 raise DecodeError(f"the message has no {META_HEADER} header")
-            envelope, error = envelope_from_wire(meta, body, codec)
+            envelope, error = envelope_from_wire(meta, body, transport.codec)
             if count:
                 envelope = envelope.evolve(attempt=envelope.attempt + count)
-        except (DecodeError, KeyError, TypeError, ValueError) as problem:
+        except (DecodeError, UnicodeEncodeError) as problem:
             # Nothing to rebuild: hand over a stand-in carrying the raw body, with the
             # error set, so it is dead-lettered instead of blocking the queue.
-            topic = message.routing_key if message.exchange == prefix else None
+            topic = message.routing_key if message.exchange == transport.prefix else None
+            message_id = properties.message_id
             envelope = Envelope(
-                id=properties.message_id or f"rabbit:{secrets.token_hex(8)}",
+                id=message_id if isinstance(message_id, str) and message_id else
+                f"rabbit:{secrets.token_hex(8)}",
                 topic=topic or self.pattern,
                 payload=body,
                 attempt=1 + count,
             )
-            error = (
-                str(problem)
-                if isinstance(problem, DecodeError)
-                else f"envelope metadata is unreadable: {type(problem).__name__}: {problem}"
-            )
+            error = str(problem)
+        if error is None:
+            error = over_max_deliveries(count + 1, transport.max_deliveries)
         return RabbitDelivery(self, consumer, tag, envelope, body, error)
 
     async def expire(self, now: float) -> None:

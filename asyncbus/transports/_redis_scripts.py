@@ -7,12 +7,13 @@ consumers, moving due retries back.
 
 from __future__ import annotations
 
-__all__ = ["CLAIM", "MOVE_DUE", "PUBLISH", "REAP", "RELEASE", "TOUCH"]
+__all__ = ["CLAIM", "MOVE_DUE", "PUBLISH", "REAP", "REAP_INBOXES", "RELEASE", "TOUCH"]
 
 #: XADD a batch of publishes and read the bindings' version, in one command (one reply
 #: to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
 #: ARGV holds one group per publish: the number of its streams, their indexes into
-#: KEYS, the number of its envelopes, then (meta, body) for each envelope.
+#: KEYS (negative for a request inbox: written only if it still exists, NOMKSTREAM),
+#: the number of its envelopes, then (meta, body) for each envelope.
 #: Returns the version as it was when the entries were added.
 PUBLISH = """
 local i = 1
@@ -24,7 +25,12 @@ while i <= #ARGV do
   i = i + 1
   for at = i, i + envelopes * 2 - 1, 2 do
     for s = first, first + streams - 1 do
-      redis.call('XADD', KEYS[tonumber(ARGV[s])], '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+      local k = tonumber(ARGV[s])
+      if k > 0 then
+        redis.call('XADD', KEYS[k], '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+      else
+        redis.call('XADD', KEYS[-k], 'NOMKSTREAM', '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+      end
     end
   end
   i = i + envelopes * 2
@@ -122,4 +128,19 @@ for _, item in ipairs(due) do
 end
 local after = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 return {#due, after[2]}
+"""
+
+#: Delete the request inboxes whose expiry passed (their process died): the stream,
+#: its binding and its entry in the sorted set; then change the bindings' version.
+#: KEYS[1] the sorted set of inbox streams by expiry (ms), KEYS[2] the bindings hash,
+#: KEYS[3] the version key; ARGV now ms, a new version. Returns how many.
+REAP_INBOXES = """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 100)
+for _, stream in ipairs(gone) do
+  redis.call('ZREM', KEYS[1], stream)
+  redis.call('HDEL', KEYS[2], stream)
+  redis.call('DEL', stream)
+end
+if #gone > 0 then redis.call('SET', KEYS[3], ARGV[2]) end
+return #gone
 """

@@ -50,12 +50,20 @@ def real(value: Any, field: str) -> float:
 
 
 def _topic(value: Any, field: str) -> str:
+    """A topic a slip hop will be published to: it must be publishable."""
     topic = text(value, field)
     try:
         validate_topic(topic)
     except ConfigurationError as error:
         raise DecodeError(f"envelope field {field!r}: {error}") from None
     return topic
+
+
+def _nonempty(value: Any, field: str) -> str:
+    found = text(value, field)
+    if not found:
+        raise DecodeError(f"envelope field {field!r} is empty")
+    return found
 
 
 def _encodable(value: str) -> bool:
@@ -90,18 +98,19 @@ def envelope_from_fields(fields: Any, payload: Any, attempt: int | None) -> Enve
     for required in ("id", "topic", "timestamp"):
         if required not in fields:
             raise DecodeError(f"envelope metadata has no {required!r}")
-    envelope_id = text(get("id"), "id")
-    if not envelope_id:
-        raise DecodeError("envelope field 'id' is empty")
+    envelope_id = _nonempty(get("id"), "id")
+    stored = get("attempt", 1)
+    if type(stored) is not int or not 0 <= stored <= MAX_ATTEMPT:
+        raise DecodeError(f"envelope field 'attempt' is not a count: {_show(stored)}")
     if attempt is None:
-        attempt = get("attempt", 1)
-    if type(attempt) is not int or not 0 <= attempt <= MAX_ATTEMPT:
-        raise DecodeError(f"envelope field 'attempt' is not a count: {_show(attempt)}")
+        attempt = stored
     ttl = get("ttl")
     correlation_id = get("correlation_id")
     return make_envelope(
         envelope_id,
-        _topic(get("topic"), "topic"),
+        # Informative only (routing is done): a stand-in for a message that could not
+        # be read may carry its subscription's pattern here.
+        _nonempty(get("topic"), "topic"),
         payload,
         _headers(get("headers")),
         real(get("timestamp"), "timestamp"),

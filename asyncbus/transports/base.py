@@ -23,12 +23,16 @@ from .._runtime import current_backend
 from ._codec import Codec, default_codec
 
 __all__ = [
+    "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_MAX_MESSAGE_SIZE",
+    "INBOX_GROUP_PREFIX",
     "Capabilities",
     "Delivery",
     "DetailedDelivery",
     "Transport",
+    "checked_max_deliveries",
     "checked_max_message_size",
+    "over_max_deliveries",
     "refuse_oversized",
     "rejected_entry",
     "require_asyncio",
@@ -44,6 +48,34 @@ def checked_max_message_size(value: int) -> int:
     if not (isinstance(value, int) and value > 0):
         raise ConfigurationError(f"max_message_size must be an int > 0, got {value!r}")
     return value
+
+
+#: Default number of deliveries of one message, none of them settled, after which the
+#: next one is dead-lettered on arrival instead of handled (a message that kills its
+#: consumer must not loop for ever).
+DEFAULT_MAX_DELIVERIES = 10
+
+#: Groups of the bus's request inboxes (``_reply.<bus instance>``, one per process):
+#: transports keep what such a group has in the broker only while its process lives.
+INBOX_GROUP_PREFIX = "_reply."
+
+
+def checked_max_deliveries(value: int) -> int:
+    """``value`` as a delivery cap; :class:`ConfigurationError` unless it is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"max_deliveries must be an int >= 1, got {value!r}")
+    return value
+
+
+def over_max_deliveries(deliveries: int, limit: int) -> str | None:
+    """Why a message the broker has delivered ``deliveries`` times is not handled again
+    (``None`` while it is within ``limit``)."""
+    if deliveries <= limit:
+        return None
+    return (
+        f"delivered {deliveries} times without being settled (max_deliveries={limit}): "
+        "its consumer may crash on it"
+    )
 
 
 def refuse_oversized(envelope: Envelope, size: int, limit: int) -> None:

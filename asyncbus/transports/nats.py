@@ -71,8 +71,17 @@ from ._codec import (
     envelope_from_wire,
     envelope_to_wire,
 )
-from ._nats_publisher import JetStreamPublisher
-from .base import Capabilities, Delivery, Transport, rejected_entry
+from ._nats_publisher import JetStreamPublisher, NoStreamError
+from .base import (
+    DEFAULT_MAX_DELIVERIES,
+    INBOX_GROUP_PREFIX,
+    Capabilities,
+    Delivery,
+    Transport,
+    checked_max_deliveries,
+    over_max_deliveries,
+    rejected_entry,
+)
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -100,6 +109,8 @@ _PULL_GRACE = 1.0
 _PUBLISH_WINDOW = 256
 #: Seconds to wait before asking again after the server refused a pull request.
 _PULL_PAUSE = 0.25
+#: Longest wait between two attempts to make a vanished stream or consumer again.
+_RESTORE_BACKOFF_MAX = 2.0
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -228,13 +239,17 @@ class _PullConsumer:
     request's reply subject (``{inbox}.{n}``), so a stale request's end is ignored.
     """
 
-    def __init__(self, transport: NatsTransport, nc: Client, name: str, prefetch: int) -> None:
+    def __init__(
+        self, transport: NatsTransport, nc: Client, pattern: str, group: str, prefetch: int
+    ) -> None:
         self.transport = transport
         self.nc = nc
-        self.name = name
+        self.pattern = pattern
+        self.group = group
+        self.name = consumer_name(pattern, group)
         self.prefetch = prefetch
         self.inbox = nc.new_inbox()
-        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{name}"
+        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{self.name}"
         self.ready: deque[Msg] = deque()
         self.unsettled: dict[int, _NatsDelivery] = {}
         #: Reply subject of the open pull request, what it may still bring, its deadline.
@@ -243,7 +258,10 @@ class _PullConsumer:
         self.deadline = 0.0
         self.sequence = 0
         self.pause_until = 0.0
+        #: Why the consumer cannot be pulled from (it, or its stream, is gone), until
+        #: :meth:`restore` made it again.
         self.failure: str | None = None
+        self.restore_backoff = _PULL_PAUSE
         self.closed = False
         self.wakeup = anyio.Event()
 
@@ -270,6 +288,9 @@ class _PullConsumer:
                     f"consumer {self.name} of stream {self.transport.stream} is gone "
                     f"({status} {description})".rstrip()
                 )
+                # Not at once: a stream being deleted ends its consumers' requests
+                # first, and one made again before its files are gone loses them.
+                self.pause_until = time.monotonic() + _PULL_PAUSE
             elif status not in ("404", "408"):
                 # 409 (too many waiting requests, leadership change...) and the like:
                 # ask again, but not in a tight loop.
@@ -334,10 +355,11 @@ class _PullConsumer:
             if self.closed:
                 raise StopAsyncIteration
             wakeup = self.wakeup = anyio.Event()
-            if self.failure is None and self.nc.is_closed:
-                self.failure = "the connection to NATS is closed"
+            if self.nc.is_closed:
+                raise TransportError("the connection to NATS is closed")
             if self.failure is not None:
-                raise TransportError(self.failure)
+                await self.restore()
+                continue
             await self.request_more()
             if self.failure is not None:
                 continue
@@ -354,6 +376,28 @@ class _PullConsumer:
                 continue
             self.unsettled[id(delivery)] = delivery
             return delivery
+
+    async def restore(self) -> None:
+        """Make the stream and this consumer again (a server that lost its state, a
+        consumer or stream deleted by someone); on failure, wait and let the caller
+        try again."""
+        now = time.monotonic()
+        if now < self.pause_until:
+            wakeup = self.wakeup
+            with anyio.move_on_after(self.pause_until - now):
+                await wakeup.wait()
+            return
+        logger.warning("NATS: %s; making it again", self.failure)
+        try:
+            await self.transport._restore(self)
+        except (TransportError, ConfigurationError) as error:
+            logger.warning("NATS: making consumer %s again failed: %s", self.name, error)
+            self.pause_until = time.monotonic() + self.restore_backoff
+            self.restore_backoff = min(self.restore_backoff * 2, _RESTORE_BACKOFF_MAX)
+            return
+        self.failure = None
+        self.request = None
+        self.restore_backoff = _PULL_PAUSE
 
     async def keep_alive(self) -> None:
         """Tell the server held deliveries are being worked on (``+WPI``).
@@ -456,11 +500,21 @@ class NatsTransport(Transport):
     :param dedup_window: seconds the stream remembers envelope ids to drop duplicates.
     :param max_age: seconds after which the stream discards envelopes still unsettled
         (``None``: keep them until every group settled them).
-    :param keep_alive: while a delivery is held (queued in its stage, retrying),
-        tell the server every ``ack_timeout / 3`` that it is in progress.
+    :param keep_alive: while a delivery is held (queued in its stage, handled,
+        waiting for a retry), tell the server every ``ack_timeout / 3`` that it is in
+        progress, so a long handler or retry delay is never run twice; off, a delivery
+        held longer than ``ack_timeout`` also goes to another consumer.
     :param reconnect_wait: seconds between reconnection attempts after a connection
         broke (reconnection is nats-py's and never gives up).
+    :param max_deliveries: deliveries of one message (``num_delivered``), none
+        settled, after which the next one is handed over with ``error`` set (the bus
+        dead-letters it ``rejected``).
+    :raises ConfigurationError: for a bad prefix, a non-positive timeout or cap.
     """
+
+    #: Seconds without a pull after which the server deletes a request inbox's
+    #: consumer (its process died; one that leaves deletes it at once).
+    inbox_ttl: float = 300.0
 
     capabilities: ClassVar[Capabilities] = Capabilities(
         delayed_nack=True,
@@ -483,8 +537,9 @@ class NatsTransport(Transport):
         request_timeout: float = 5.0,
         dedup_window: float = 120.0,
         max_age: float | None = None,
-        keep_alive: bool = False,
+        keep_alive: bool = True,
         reconnect_wait: float = 0.5,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
         validate_topic(prefix)
@@ -509,6 +564,7 @@ class NatsTransport(Transport):
         self.max_age = max_age
         self.keep_alive = keep_alive
         self.reconnect_wait = float(reconnect_wait)
+        self.max_deliveries = checked_max_deliveries(max_deliveries)
         #: Name of the stream of envelopes, and of the stream of dead letters.
         self.stream = _UNSAFE.sub("_", prefix).upper()
         self.dead_letter_stream = f"{self.stream}_DLQ"
@@ -521,6 +577,9 @@ class NatsTransport(Transport):
         self._lingering: set[asyncio.Task[None]] = set()
         self._server: str | None = None
         self._publishes: JetStreamPublisher | None = None
+        #: Times the streams and consumers were made again (see :meth:`_restore`).
+        self._restores = 0
+        self._restore_lock = anyio.Lock()
 
     def __repr__(self) -> str:
         return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
@@ -622,7 +681,7 @@ class NatsTransport(Transport):
     async def _ensure_stream(
         self, js: JetStreamContext, config: Any, *, managed: tuple[str, ...]
     ) -> None:
-        from nats.js.errors import NotFoundError
+        from nats.js.errors import APIError, NotFoundError
 
         name = config.name
         with _broker_call(f"cannot set up the JetStream stream {name} (is JetStream enabled?)"):
@@ -636,6 +695,8 @@ class NatsTransport(Transport):
                     try:  # created meanwhile by another process?
                         info = await js.stream_info(name)
                     except NotFoundError:
+                        if isinstance(error, APIError) and (error.code or 0) >= 500:
+                            raise  # the server failed (a deletion still going on): retry
                         raise ConfigurationError(
                             f"NatsTransport cannot create stream {name} capturing "
                             f"{config.subjects}: {error}"
@@ -693,13 +754,16 @@ class NatsTransport(Transport):
 
     async def _on_reconnected(self) -> None:
         logger.info("NATS %s: reconnected", _address(self.url))
-        server = _server_id(self._nc)
-        if server is not None and server != self._server:
-            # A restarted server forgot the open pull requests: ask again at once
-            # (the same server may still hold them, and would deliver them).
-            self._server = server
-            for consumer in list(self._consumers):
+        self._server = _server_id(self._nc)
+        # The open pull requests may be gone: a restarted server forgot them, and the
+        # same server drops one whose inbox had no interest while we were away (then
+        # nothing answers it before its expiry). Ask again at once rather than wait
+        # for that: if the old request is still alive, it may bring up to one more
+        # batch, which waits in ``ready`` (kept in progress like the rest).
+        for consumer in list(self._consumers):
+            if not consumer.closed:
                 consumer.request = None
+                consumer.pause_until = 0.0
                 consumer.wake()
 
     async def _on_closed(self) -> None:
@@ -762,6 +826,11 @@ class NatsTransport(Transport):
 
     async def _send(self, subject: str, envelope: Envelope, target: str | None) -> None:
         nc, _js = self._client()
+        if self._restore_lock.locked():
+            # The stream and consumers are being made again: a publish stored before
+            # this process's consumers exist would reach none of them.
+            async with self._restore_lock:
+                pass
         meta, body = envelope_to_wire(envelope, self.codec)
         msg_id = envelope.id
         if HEADER_REPLAYED in envelope.headers or target is not None:
@@ -781,11 +850,25 @@ class NatsTransport(Transport):
                 f"server's max_payload of {nc.max_payload} bytes"
             )
         with _broker_call(f"publish of {envelope.id} to {subject} was not confirmed"):
-            await self._publisher().publish(subject, body, headers)
+            try:
+                await self._publisher().publish(subject, body, headers)
+            except NoStreamError:
+                # The server lost its state (a restart with an empty store) or someone
+                # deleted the stream: make it again, with this process's consumers,
+                # and publish once more.
+                logger.warning("NATS: no stream captures %s; making it again", subject)
+                await self._restore()
+                await self._publisher().publish(subject, body, headers)
 
     # -- consuming ----------------------------------------------------------------
 
     async def _ensure_consumer(self, pattern: str, group: str) -> str:
+        """The group's durable consumer, created (or updated) if need be; its name."""
+        await self._make_consumer(pattern, group)
+        return consumer_name(pattern, group)
+
+    async def _make_consumer(self, pattern: str, group: str) -> bool:
+        """Create (or update) the group's consumer if need be; whether it was missing."""
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
         from nats.js.errors import NotFoundError
 
@@ -803,6 +886,9 @@ class NatsTransport(Transport):
             deliver_policy=DeliverPolicy.NEW,
             max_deliver=-1,
             max_ack_pending=-1,
+            # A request inbox is its process's alone: the server deletes it once
+            # nobody pulled from it for inbox_ttl (its process died).
+            inactive_threshold=self.inbox_ttl if _is_inbox(group) else None,
         )
         with _broker_call(f"cannot create consumer {name} on stream {self.stream}"):
             try:
@@ -814,7 +900,7 @@ class NatsTransport(Transport):
             # to it are in flight can lose one and deliver another twice.
             if existing is None or not _same(existing.ack_wait, self.ack_timeout):
                 await js.add_consumer(self.stream, config)
-        return name
+        return existing is None
 
     @asynccontextmanager
     async def subscribe(
@@ -824,8 +910,8 @@ class NatsTransport(Transport):
         if prefetch < 1:
             raise ConfigurationError(f"prefetch must be >= 1, got {prefetch}")
         nc, _ = self._client()
-        name = await self._ensure_consumer(pattern, group)
-        consumer = _PullConsumer(self, nc, name, prefetch)
+        await self._ensure_consumer(pattern, group)
+        consumer = _PullConsumer(self, nc, pattern, group, prefetch)
         with _broker_call(f"cannot subscribe to {consumer.inbox}"):
             subscription = await nc.subscribe(f"{consumer.inbox}.*", cb=consumer.on_message)
         self._consumers.add(consumer)
@@ -839,12 +925,61 @@ class NatsTransport(Transport):
                     task_group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                if await consumer.release(subscription):
+                if _is_inbox(group):
+                    await self._drop_inbox(consumer, subscription)
+                elif await consumer.release(subscription):
                     self._consumers.discard(consumer)
                 else:
                     task = asyncio.create_task(consumer.linger(subscription))
                     self._lingering.add(task)
                     task.add_done_callback(self._lingering.discard)
+
+    async def _drop_inbox(self, consumer: _PullConsumer, subscription: Subscription) -> None:
+        """Delete a leaving request inbox's consumer (what it holds is moot, its process
+        leaves); a consumer left behind by a process that died goes after
+        ``inbox_ttl`` without pulls (``inactive_threshold``)."""
+        from nats.js.errors import NotFoundError
+
+        consumer.closed = True
+        consumer.unsettled.clear()
+        consumer.ready.clear()
+        self._consumers.discard(consumer)
+        try:
+            with anyio.move_on_after(self.request_timeout):
+                await consumer._unsubscribe(subscription)
+                if not consumer.nc.is_closed and self._js is not None:
+                    with contextlib.suppress(NotFoundError):
+                        await self._js.delete_consumer(self.stream, consumer.name)
+        except Exception as error:  # it expires anyway
+            logger.warning(
+                "NATS: deleting inbox consumer %s failed (it expires within %g s): %s",
+                consumer.name,
+                self.inbox_ttl,
+                error,
+            )
+
+    async def _restore(self, consumer: _PullConsumer | None = None) -> None:
+        """Make the streams again if they are gone, then the consumers of this
+        transport's subscriptions (``consumer`` first), so publishes are stored and
+        reach the groups of this process again.
+
+        One task at a time does it; the others wait for it and return.
+        """
+        generation = self._restores
+        async with self._restore_lock:
+            if self._restores != generation and (consumer is None or consumer.failure is None):
+                return  # made again meanwhile by another task
+            _, js = self._client()
+            await self._ensure_streams(js)
+            others = [c for c in self._consumers if c is not consumer and not c.closed]
+            for each in ([consumer] if consumer is not None else []) + others:
+                made = await self._make_consumer(each.pattern, each.group)
+                if each is not consumer and (made or each.failure is not None):
+                    # Its open pull request was for the consumer that vanished.
+                    each.failure = None
+                    each.request = None
+                    each.wake()
+            self._restores += 1
 
     def _delivery(self, consumer: _PullConsumer, msg: Msg) -> _NatsDelivery | None:
         headers = msg.headers or {}
@@ -853,19 +988,20 @@ class NatsTransport(Transport):
             return None
         metadata = msg.metadata
         attempt = metadata.num_delivered or 1
-        meta = headers.get(HEADER_META)
+        error: str | None
         try:
-            if meta is None:
+            meta = headers.get(HEADER_META)
+            if not isinstance(meta, str):
                 raise DecodeError(f"the message has no {HEADER_META} header")
             envelope, error = envelope_from_wire(
                 meta.encode(), msg.data, self.codec, attempt=attempt
             )
-        except DecodeError as failure:
+        except (DecodeError, UnicodeEncodeError) as failure:
             # Not an asyncbus message (or a mangled one): hand it over to be rejected.
             msg_id = headers.get("Nats-Msg-Id") or f"nats-{metadata.sequence.stream}"
             envelope = make_envelope(
                 msg_id,
-                msg.subject[len(self.prefix) + 1 :],
+                msg.subject[len(self.prefix) + 1 :] or msg.subject,
                 msg.data,
                 EMPTY_HEADERS,
                 time.time(),
@@ -878,6 +1014,8 @@ class NatsTransport(Transport):
                 None,
             )
             error = str(failure)
+        if error is None:
+            error = over_max_deliveries(attempt, self.max_deliveries)
         return _NatsDelivery(consumer, msg, envelope, error)
 
     async def _consumer_exists(self, name: str) -> bool:
@@ -938,9 +1076,16 @@ class NatsTransport(Transport):
                 _HEADER_BODY: "dropped",
             }
             body = b""
+        from nats.js.errors import NoStreamResponseError
+
         subject = f"{self._dead_prefix}.{_id_token(entry.envelope.id)}"
         with _broker_call(f"cannot store the dead letter of {entry.envelope.id}"):
-            await js.publish(subject, body, headers=headers)
+            try:
+                await js.publish(subject, body, headers=headers)
+            except NoStreamResponseError:
+                logger.warning("NATS: no stream captures %s; making it again", subject)
+                await self._restore()
+                await js.publish(subject, body, headers=headers)
 
     def _dead_letter_from(self, msg: Msg) -> DeadLetter | None:
         headers = msg.headers or {}
@@ -1020,6 +1165,10 @@ class NatsTransport(Transport):
             subject = f"{self._dead_prefix}.{_id_token(envelope_id)}"
             with _broker_call(f"cannot remove the dead letters of {envelope_id}"):
                 await js.purge_stream(self.dead_letter_stream, subject=subject)
+
+
+def _is_inbox(group: str) -> bool:
+    return group.startswith(INBOX_GROUP_PREFIX)
 
 
 def _server_id(nc: Client | None) -> str | None:

@@ -32,7 +32,10 @@ How it works:
 * **Messages.** Body = the codec's bytes; header ``asyncbus-meta`` = the envelope's
   other fields as JSON; ``message_id`` = the envelope id; persistent. On delivery,
   ``attempt`` = the stored attempt + the quorum queue's ``x-delivery-count`` (every
-  return to the queue counts: a consumer that left, timed out or died).
+  return to the queue counts: a consumer that left, timed out or died). A message
+  delivered more than ``max_deliveries`` times that way is handed over with
+  ``error`` set and dead-lettered ``rejected``; so is one that cannot be read
+  (whatever another client wrote into the queue): it is acked, never left unacked.
 * **Publishing** returns once the broker confirmed (publisher confirms). It first
   waits for the subscriptions of this process that are still declaring their queue
   (RabbitMQ drops what no queue is bound for). A publish interrupted by a lost
@@ -47,13 +50,20 @@ How it works:
   retry queue when delayed), waits for the confirm, then acks the original. **reject**
   publishes the dead letter, waits for the confirm, then acks. If the publish fails
   the original goes back to the queue (``basic.nack``) and the call raises.
-* **ack_timeout.** AMQP has no visibility timeout, so the client keeps one: a
-  delivery handed out and not settled within ``ack_timeout`` means its consumer is
-  stuck. The consumer is cancelled at the broker, its overdue deliveries and those
-  it received but did not hand out yet are nacked back to the queue (another
-  consumer gets them at once), and it consumes again at its next iteration. Settling
-  an overdue delivery later raises :class:`TransportError`. A killed process's
-  deliveries go back to the queue when its connection drops (broker-native).
+* **Held deliveries.** RabbitMQ gives an unacked delivery to another consumer only
+  when its channel or connection closes (a process that dies), so with
+  ``keep_alive=True`` (the default) nothing more is needed: a delivery held for a long
+  handler, a full stage or a retry delay stays where it is and is never run twice.
+  (The broker's ``consumer_timeout``, 30 minutes by default, closes a channel holding
+  a delivery longer; keep retry delays below it.)
+* **ack_timeout**, with ``keep_alive=False``. AMQP has no visibility timeout, so the
+  client keeps one: a delivery handed out and not settled within ``ack_timeout``
+  means its consumer is stuck. The consumer is cancelled at the broker, its overdue
+  deliveries and those it received but did not hand out yet are nacked back to the
+  queue (another consumer gets them at once), and it consumes again at its next
+  iteration. Settling an overdue delivery later raises :class:`TransportError`. A
+  killed process's deliveries go back to the queue when its connection drops
+  (broker-native).
 * **Leaving** a subscription cancels its consumer, writes its pending acks and closes
   its channel, shielded from cancellation: everything unsettled goes back to the
   queue at once (never stuck on a consumer that is gone).
@@ -75,7 +85,6 @@ How it works:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -104,6 +113,8 @@ from .._routing import validate_topic
 from ._codec import (
     Codec,
     dead_letter_to_wire,
+    dump_meta,
+    encode_payload,
     envelope_meta,
 )
 from ._rabbit_consumer import (
@@ -128,10 +139,13 @@ from ._rabbit_names import (
     redact,
 )
 from .base import (
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_MESSAGE_SIZE,
+    INBOX_GROUP_PREFIX,
     Capabilities,
     Delivery,
     Transport,
+    checked_max_deliveries,
     checked_max_message_size,
     refuse_oversized,
     require_asyncio,
@@ -157,9 +171,8 @@ _ACK_LINGER = 0.002
 _RETRY_EXPIRES_MS = 10 * 60 * 1000
 #: Entries the catalog keeps (every process records its queues once: duplicates).
 _CATALOG_MAX = 100_000
-#: Groups of a bus's reply inbox (``_reply.{uuid}``, one per process): their queues
-#: expire (``x-expires``) this long after their last consumer left.
-_INBOX_GROUP = "_reply."
+#: Queues of a bus's reply inbox (group ``_reply.{uuid}``, one per process) expire
+#: (``x-expires``) this long after their last consumer left.
 _INBOX_EXPIRES_MS = 5 * 60 * 1000
 #: The largest x-message-ttl RabbitMQ accepts (about 49 days).
 _TTL_MAX_MS = 2**32 - 1
@@ -232,9 +245,10 @@ class RabbitTransport(Transport):
         as ``heartbeat`` are passed to the client).
     :param prefix: the name of the exchange and the start of every queue name, so
         several buses (or tests) can share a broker.
-    :param ack_timeout: seconds a delivery may stay handed out and unsettled before it
-        goes back to the queue for another consumer (a hung handler); a killed
-        process's deliveries go back at once, when its connection drops.
+    :param ack_timeout: with ``keep_alive=False``, seconds a delivery may stay handed
+        out and unsettled before it goes back to the queue for another consumer (a hung
+        handler). A killed process's deliveries go back at once, when its connection
+        drops, whatever the setting.
     :param codec: how payloads become bytes (JSON by default; never pickle).
     :param publish_timeout: longest a publish (or another broker call) waits for the
         broker, reconnecting included, before raising :class:`TransportError`.
@@ -244,7 +258,17 @@ class RabbitTransport(Transport):
         accepts; a larger one is refused with :class:`TransportError` before anything
         is sent. (RabbitMQ's own limit, ``max_message_size`` in its configuration, is
         16 MiB by default since 4.0.)
-    :raises ConfigurationError: for a non-positive timeout or size, or an unusable prefix.
+    :param keep_alive: a delivery stays with its consumer however long it is held
+        (queued in its stage, handled, waiting for a retry), so a long handler or a
+        long retry delay is never run twice: RabbitMQ gives it to another consumer only
+        when the connection (or channel) drops, which is what happens when a process
+        dies. (RabbitMQ's own ``consumer_timeout``, 30 minutes by default, still closes
+        a channel that holds one unacked longer.) Off, ``ack_timeout`` applies.
+    :param max_deliveries: deliveries of one message (the quorum queue's
+        ``x-delivery-count`` + 1), none settled, after which the next one is handed
+        over with ``error`` set (the bus dead-letters it ``rejected``).
+    :raises ConfigurationError: for a non-positive timeout, size or cap, or an unusable
+        prefix.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -268,6 +292,8 @@ class RabbitTransport(Transport):
         connect_timeout: float = 10.0,
         max_backoff: float = 5.0,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        keep_alive: bool = True,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
         for label, value in (
@@ -291,6 +317,8 @@ class RabbitTransport(Transport):
         self.url = url
         self.prefix = prefix
         self.max_message_size = checked_max_message_size(max_message_size)
+        self.max_deliveries = checked_max_deliveries(max_deliveries)
+        self.keep_alive = keep_alive
         self.ack_timeout = float(ack_timeout)
         self.publish_timeout = float(publish_timeout)
         self.connect_timeout = float(connect_timeout)
@@ -597,7 +625,7 @@ class RabbitTransport(Transport):
             return queue
         key = binding_key(pattern)
         arguments: FieldTable = {"x-queue-type": "quorum"}
-        if group.startswith(_INBOX_GROUP):
+        if group.startswith(INBOX_GROUP_PREFIX):
             # A bus's reply inbox: its process's alone, gone once nobody consumes it.
             arguments["x-expires"] = _INBOX_EXPIRES_MS
 
@@ -717,14 +745,14 @@ class RabbitTransport(Transport):
         meta = envelope_meta(envelope)
         if attempt is not None:
             meta["attempt"] = attempt
-        text = json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+        text = dump_meta(meta).decode()
         if len(text) > _META_LIMIT // 4 and (size := len(text.encode())) > _META_LIMIT:
             raise EncodeError(
                 f"envelope {envelope.id}: its headers and fields take {size} bytes, more "
                 f"than the {_META_LIMIT} an AMQP header frame can carry here"
             )
         if body is None:  # a publish (a retry re-sends a body that was accepted once)
-            body = self.codec.encode(envelope.payload)
+            body = encode_payload(self.codec, envelope.payload)
             refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
         properties = self._properties_type()(
             content_type=self.codec.content_type,
@@ -946,7 +974,7 @@ class RabbitTransport(Transport):
             now = time.monotonic()
             wait = interval
             for subscription in list(self._subscriptions):
-                if not subscription.handed:
+                if not subscription.handed or subscription.keep_alive:
                     continue
                 first = next(iter(subscription.handed.values()))
                 if first._deadline <= now:

@@ -11,6 +11,13 @@ Layout of the keys (all under ``prefix``):
   ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
   counts them per stream (for :meth:`RedisTransport.backlog`).
 * ``{prefix}:deadletters``: the dead-letter stream (``id``, ``entry`` fields).
+* ``{prefix}:inboxes``: sorted set of the streams of request inboxes (groups
+  ``_reply.*``, one per process) by the time they expire (ms). A live process pushes
+  its inbox's expiry (and the stream's own ``PEXPIRE``) forward every
+  ``inbox_ttl / 3``; any process deletes the expired ones with their bindings, so a
+  process that dies leaves nothing behind for more than ``inbox_ttl``, and one that
+  leaves deletes its inbox at once. Replies are written with ``NOMKSTREAM``: a reply
+  to an inbox that is gone is dropped instead of making the stream again.
 
 How it works:
 
@@ -27,7 +34,10 @@ How it works:
   (a writer task gathers what arrives within ~2 ms; leaving a subscription or closing
   the transport writes them first); nack and reject are written before they return.
 * **Attempts.** ``attempt`` = the attempt stored in the entry's meta (incremented on
-  every re-add) + the entry's delivery count - 1 (reclaimed entries count up).
+  every re-add) + the entry's delivery count - 1 (reclaimed entries count up). An
+  entry delivered more than ``max_deliveries`` times (``XPENDING``'s count: reclaimed
+  from consumers that died or hung on it, never settled) is handed over with
+  ``error`` set, so the bus dead-letters it ``rejected`` instead of running it again.
 * **Delayed nack** moves the entry into the sorted set (and acks it) atomically; a task
   of every transport moves due entries back with a Lua script, so any live process
   does it. ``nack()`` without delay re-adds at once.
@@ -36,8 +46,12 @@ How it works:
   settled within ``ack_timeout`` of its delivery (its consumer was killed, or hangs)
   goes to another consumer as the next attempt. ``ack_timeout`` therefore bounds the
   time from delivery to settling, waiting in a local queue included, unless
-  ``keep_alive=True``: then a task resets the idle time of every held entry every
-  ``ack_timeout / 3`` (a Lua script that touches only entries the consumer still owns).
+  ``keep_alive=True`` (the default): then a task resets the idle time of every held
+  entry every ``ack_timeout / 3`` (a Lua script that touches only entries the
+  consumer still owns), so a long handler or a long retry delay is never run twice.
+* **Vanished streams.** A stream deleted under a waiting consumer (``DEL``,
+  ``FLUSHDB``, a restart without persistence: ``NOGROUP``, ``UNBLOCKED``) is made
+  again with its group and binding, and consuming goes on.
 * **Hand-back.** Leaving ``subscribe`` gives every entry the consumer holds to a
   sentinel consumer, idle enough to be claimed at once and with its delivery count put
   back, then deletes the consumer (one Lua script, shielded). The group's next claim
@@ -79,11 +93,15 @@ from ._codec import (
     envelope_to_wire,
 )
 from .base import (
+    DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_MESSAGE_SIZE,
+    INBOX_GROUP_PREFIX,
     Capabilities,
     Delivery,
     Transport,
+    checked_max_deliveries,
     checked_max_message_size,
+    over_max_deliveries,
     refuse_oversized,
     rejected_entry,
     require_asyncio,
@@ -137,6 +155,20 @@ def _escape(name: str) -> str:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _is_inbox(group: str) -> bool:
+    return group.startswith(INBOX_GROUP_PREFIX)
+
+
+def _vanished(error: BaseException) -> bool:
+    """Whether a Redis error says the stream or its group is gone."""
+    message = str(error)
+    return (
+        message.startswith(("NOGROUP", "UNBLOCKED"))
+        or "no such key" in message
+        or "requires the key to exist" in message
+    )
 
 
 class _Verbatim:
@@ -269,11 +301,18 @@ class RedisTransport(Transport):
     :param max_message_size: largest envelope (meta + body, in bytes) ``publish``
         accepts; a larger one is refused with :class:`TransportError` before anything
         is written.
-    :param keep_alive: while a delivery is held (queued in its stage, waiting for a
-        retry), reset its idle time every ``ack_timeout / 3``, so only a dead process's
-        entries go to another consumer (a hung one keeps them until it leaves).
-    :raises ConfigurationError: for a non-positive timeout, interval or size.
+    :param keep_alive: while a delivery is held (queued in its stage, handled, waiting
+        for a retry), reset its idle time every ``ack_timeout / 3``, so only a dead
+        process's entries go to another consumer (a hung one keeps them until it
+        leaves). Off, a delivery held longer than ``ack_timeout`` is also given to
+        another consumer.
+    :param max_deliveries: deliveries of one entry, none settled, after which the next
+        one is handed over with ``error`` set (the bus dead-letters it ``rejected``).
+    :raises ConfigurationError: for a non-positive timeout, interval, size or cap.
     """
+
+    #: Seconds the inbox of a process that died stays in Redis (see the module docstring).
+    inbox_ttl: float = 300.0
 
     capabilities: ClassVar[Capabilities] = Capabilities(
         delayed_nack=True,
@@ -295,7 +334,8 @@ class RedisTransport(Transport):
         block_ms: int = 200,
         claim_interval: float = 0.5,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-        keep_alive: bool = False,
+        keep_alive: bool = True,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
         if not ack_timeout > 0:
@@ -309,6 +349,7 @@ class RedisTransport(Transport):
         self.url = url
         self.max_message_size = checked_max_message_size(max_message_size)
         self.keep_alive = keep_alive
+        self.max_deliveries = checked_max_deliveries(max_deliveries)
         self.prefix = prefix
         self.ack_timeout = float(ack_timeout)
         self.block_ms = int(block_ms)
@@ -318,6 +359,7 @@ class RedisTransport(Transport):
         self._delayed_key = f"{prefix}:delayed"
         self._delayed_counts_key = f"{prefix}:delayed:counts"
         self._dead_key = f"{prefix}:deadletters"
+        self._inboxes_key = f"{prefix}:inboxes"
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
         self._scripts: dict[str, AsyncScript] = {}
@@ -328,6 +370,8 @@ class RedisTransport(Transport):
         self._version: bytes | None = None
         self._bindings: list[tuple[Callable[[str], bool], str]] | None = None
         self._routes: dict[str, tuple[str, ...]] = {}
+        #: Streams of request inboxes among the bindings (written with NOMKSTREAM).
+        self._inbox_streams: set[str] = set()
         self._next_due = float("inf")
         # Acks not yet written, by (stream, group); written by ``_ack_loop``.
         self._acks: dict[tuple[str, str], list[bytes]] = {}
@@ -395,6 +439,7 @@ class RedisTransport(Transport):
         task_group.start_soon(self._move_due_loop)
         task_group.start_soon(self._ack_loop)
         task_group.start_soon(self._publishes.run)
+        task_group.start_soon(self._inbox_loop)
 
     async def aclose(self) -> None:
         """Write pending acks, stop the background tasks, close the connections (shielded)."""
@@ -427,9 +472,6 @@ class RedisTransport(Transport):
     def _failed(self, doing: str, error: BaseException) -> TransportError:
         return TransportError(f"Redis at {_redact(self.url)}: {doing} failed: {error}")
 
-    def _is_connection_error(self, error: BaseException) -> bool:
-        return isinstance(error, (self._errors.ConnectionError, self._errors.TimeoutError, OSError))
-
     # -- routing --------------------------------------------------------------
 
     async def _bind(self, pattern: str, group: str) -> str:
@@ -451,20 +493,47 @@ class RedisTransport(Transport):
         pipe = client.pipeline(transaction=True)
         pipe.hset(self._bindings_key, stream, json.dumps([pattern, group]))
         pipe.set(self._version_key, secrets.token_hex(8))
+        if _is_inbox(group):
+            self._queue_inbox_expiry(pipe, stream)
         await pipe.execute()
         self._bound.add(stream)
         return stream
 
-    async def _load_bindings(self) -> None:
+    def _queue_inbox_expiry(self, pipe: Any, stream: str) -> None:
+        ttl_ms = math.ceil(self.inbox_ttl * 1000)
+        pipe.zadd(self._inboxes_key, {stream: int(time.time() * 1000) + ttl_ms})
+        pipe.pexpire(stream, ttl_ms)
+
+    async def _read_bindings(self) -> tuple[dict[bytes, bytes], bytes | None]:
         pipe = self._redis().pipeline(transaction=True)
         pipe.hgetall(self._bindings_key)
         pipe.get(self._version_key)
         found, version = await pipe.execute()
+        return found, version
+
+    async def _load_bindings(self) -> None:
+        found, version = await self._read_bindings()
+        if version is None and self._consumers:
+            # No version although this process has bindings: the server lost them (a
+            # restart without persistence, a flush). Make ours again before routing, so
+            # a publish does not miss this process's groups until their next read.
+            for consumer in list(self._consumers):
+                await self._bind_raw(consumer.pattern, consumer.group)
+            found, version = await self._read_bindings()
         bindings: list[tuple[Callable[[str], bool], str]] = []
+        inboxes: set[str] = set()
         for stream, value in found.items():
-            pattern, _group = json.loads(value)
-            bindings.append((compile_pattern(pattern), _text(stream)))
+            try:
+                pattern, group = json.loads(value)
+                matches = compile_pattern(pattern)
+            except (ValueError, TypeError) as error:  # ConfigurationError is a ValueError
+                logger.warning("Redis: skipping unreadable binding %r: %s", stream, error)
+                continue
+            bindings.append((matches, _text(stream)))
+            if _is_inbox(str(group)):
+                inboxes.add(_text(stream))
         self._bindings = bindings
+        self._inbox_streams = inboxes
         self._version = version
         self._routes = {}
 
@@ -513,6 +582,7 @@ class RedisTransport(Transport):
             await self._load_bindings()
         written: list[set[str]] = [set() for _ in batch]
         while True:
+            inboxes = self._inbox_streams
             keys: list[str] = [self._version_key]
             index: dict[str, int] = {}
             args: list[bytes | str | int] = []
@@ -527,7 +597,8 @@ class RedisTransport(Transport):
                     if stream not in index:
                         keys.append(stream)
                         index[stream] = len(keys)
-                    args.append(index[stream])
+                    # A negative index: an inbox, written only while it exists.
+                    args.append(-index[stream] if stream in inboxes else index[stream])
                 args.append(len(wire))
                 for meta, body in wire:
                     args += (meta, body)
@@ -582,8 +653,8 @@ class RedisTransport(Transport):
                     try:
                         await self._fetch(consumer)
                     except self._errors.RedisError as error:
-                        if not self._is_connection_error(error):
-                            raise self._failed(f"reading {pattern}@{group}", error) from error
+                        # Lost connections, a server loading or out of memory, a
+                        # stream made again meanwhile: none ends the subscription.
                         logger.warning(
                             "Redis at %s: reading %s@%s failed, retrying in %.2f s: %s",
                             _redact(self.url),
@@ -630,17 +701,9 @@ class RedisTransport(Transport):
                 block=self.block_ms,
             )
         except self._errors.ResponseError as error:
-            if "NOGROUP" not in str(error):
+            if not _vanished(error):
                 raise
-            # The stream or group is gone (a server restarted empty, a flush): make it
-            # again, and claim whatever the new group may need.
-            logger.warning(
-                "Redis: the group of %s@%s vanished, re-creating it",
-                consumer.pattern,
-                consumer.group,
-            )
-            await self._bind_raw(consumer.pattern, consumer.group)
-            consumer.next_claim = 0.0
+            await self._rebind(consumer, error)
             return
         for _stream, entries in reply or ():
             for entry, fields in entries:
@@ -666,9 +729,10 @@ class RedisTransport(Transport):
                 ],
             )
         except self._errors.ResponseError as error:
-            if "NOGROUP" in str(error):
-                return 0  # the read that follows re-creates the group
-            raise
+            if not _vanished(error):
+                raise
+            await self._rebind(consumer, error)
+            return 0
         cursor, claimed = reply
         consumer.claim_cursor = cursor
         delivered = 0
@@ -684,6 +748,19 @@ class RedisTransport(Transport):
         if claimed and cursor not in (b"0-0", "0-0"):
             consumer.next_claim = 0.0  # more may wait: look again at once
         return delivered
+
+    async def _rebind(self, consumer: _Consumer, error: BaseException) -> None:
+        """The stream or group is gone (deleted, flushed, a server restarted empty): make
+        both again, and claim whatever the new group may need."""
+        logger.warning(
+            "Redis: the stream of %s@%s vanished (%s); re-creating it",
+            consumer.pattern,
+            consumer.group,
+            error,
+        )
+        await self._bind_raw(consumer.pattern, consumer.group)
+        consumer.claim_cursor = "0-0"
+        consumer.next_claim = 0.0
 
     def _deliver(
         self, consumer: _Consumer, entry: bytes, fields: dict[bytes, bytes], count: int
@@ -705,6 +782,8 @@ class RedisTransport(Transport):
                 attempt=count,
             )
             error = str(problem)
+        if error is None:
+            error = over_max_deliveries(count, self.max_deliveries)
         delivery = _RedisDelivery(consumer, entry, envelope, body, error)
         consumer.held[entry] = delivery
         consumer.ready.append(delivery)
@@ -792,6 +871,9 @@ class RedisTransport(Transport):
         consumer.ready.clear()
         if self._client is None:
             return  # the transport closed first: the entries are reclaimed after ack_timeout
+        if _is_inbox(consumer.group):
+            await self._drop_inbox(consumer)
+            return
         released = 0
         with anyio.move_on_after(_RELEASE_TIMEOUT):
             try:
@@ -814,7 +896,44 @@ class RedisTransport(Transport):
                 if other.stream == consumer.stream:
                     other.next_claim = 0.0
 
+    async def _drop_inbox(self, consumer: _Consumer) -> None:
+        """Delete a leaving inbox: its stream, binding and expiry (replies to it are moot)."""
+        if any(other.stream == consumer.stream for other in self._consumers):
+            return
+        pipe = self._redis().pipeline(transaction=True)
+        pipe.delete(consumer.stream)
+        pipe.hdel(self._bindings_key, consumer.stream)
+        pipe.zrem(self._inboxes_key, consumer.stream)
+        pipe.set(self._version_key, secrets.token_hex(8))
+        with anyio.move_on_after(_RELEASE_TIMEOUT):
+            try:
+                await pipe.execute()
+            except self._errors.RedisError as error:
+                logger.warning(
+                    "Redis: deleting the inbox %s failed (it expires within %g s): %s",
+                    consumer.stream,
+                    self.inbox_ttl,
+                    error,
+                )
+        self._bound.discard(consumer.stream)
+
     # -- background tasks -----------------------------------------------------
+
+    async def _inbox_loop(self) -> None:
+        """Push the expiry of this process's inboxes forward; delete expired ones."""
+        while True:
+            try:
+                pipe = self._redis().pipeline(transaction=False)
+                for stream in {c.stream for c in self._consumers if _is_inbox(c.group)}:
+                    self._queue_inbox_expiry(pipe, stream)
+                await pipe.execute()
+                await self._scripts["REAP_INBOXES"](
+                    keys=[self._inboxes_key, self._bindings_key, self._version_key],
+                    args=[int(time.time() * 1000), secrets.token_hex(8)],
+                )
+            except Exception as error:  # keep going: the next round tries again
+                logger.warning("Redis: keeping request inboxes failed: %s", error)
+            await anyio.sleep(self.inbox_ttl / 3)
 
     async def _keep_alive(self, consumer: _Consumer) -> None:
         """Reset the idle time of what ``consumer`` holds, until it leaves."""

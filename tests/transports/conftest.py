@@ -8,11 +8,16 @@ broker, unless the environment variable ``ASYNCBUS_REQUIRE_SERVICES=1`` is set
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import anyio
 import pytest
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -61,3 +66,57 @@ def rabbit_url() -> str:
 def unique_prefix() -> str:
     """A broker-name prefix unique to one test, so tests never see each other's data."""
     return f"asyncbus-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def redis_prefix(redis_url: str, unique_prefix: str) -> AsyncIterator[str]:
+    """``unique_prefix``; every Redis key under it is deleted after the test."""
+    yield unique_prefix
+    import redis.asyncio as aioredis
+
+    with anyio.CancelScope(shield=True):
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            keys = [key async for key in client.scan_iter(match=f"{unique_prefix}:*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
+@pytest.fixture
+async def nats_prefix(nats_url: str, unique_prefix: str) -> AsyncIterator[str]:
+    """``unique_prefix``; its two JetStream streams (and their consumers) are deleted
+    after the test."""
+    yield unique_prefix
+    import nats
+    from nats.js.errors import NotFoundError
+
+    from asyncbus.transports.nats import NatsTransport
+
+    with anyio.CancelScope(shield=True):
+        nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
+        try:
+            names = NatsTransport(nats_url, prefix=unique_prefix)
+            for stream in (names.stream, names.dead_letter_stream):
+                with contextlib.suppress(NotFoundError):
+                    await nc.jetstream().delete_stream(stream)
+        finally:
+            await nc.close()
+
+
+@pytest.fixture
+async def rabbit_prefix(rabbit_url: str, unique_prefix: str) -> AsyncIterator[str]:
+    """``unique_prefix``; every queue and exchange under it is deleted after the test."""
+    yield unique_prefix
+    from asyncbus.transports.rabbit import RabbitTransport
+
+    with anyio.CancelScope(shield=True):
+        await RabbitTransport(rabbit_url, prefix=unique_prefix).delete_everything()
+
+
+# The helpers beside this file (``_private_brokers``) are imported by name: pytest's
+# importlib mode puts no test directory on sys.path by itself.
+_HERE = str(Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.append(_HERE)

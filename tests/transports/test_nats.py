@@ -666,18 +666,41 @@ async def test_cancelled_wait_for_a_delivery_keeps_the_subscription_usable(
         await delivery.ack()
 
 
+async def _delete_consumer(url: str, stream: str, name: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().delete_consumer(stream, name)
+    finally:
+        await nc.close()
+
+
+async def _consumer_made_again(transport: NatsTransport, name: str, timeout: float) -> None:
+    with anyio.fail_after(timeout):
+        while not await transport._consumer_exists(name):
+            await anyio.sleep(0.05)
+
+
 @pytest.mark.anyio
-async def test_deleted_consumer_ends_the_subscription_with_transport_error(
+async def test_deleted_consumer_is_made_again_and_consuming_goes_on(
     transport: NatsTransport, nats_url: str
 ) -> None:
+    """Deleted while a pull request waits (the server ends it: 409 Consumer Deleted)."""
+    name = consumer_name("doomed", "g")
     async with transport.subscribe("doomed", group="g", prefetch=1) as deliveries:
-        nc = await nats.connect(nats_url)
-        try:
-            await nc.jetstream().delete_consumer(transport.stream, consumer_name("doomed", "g"))
-        finally:
-            await nc.close()
-        with anyio.fail_after(10), pytest.raises(TransportError, match="gone"):
-            await anext(deliveries)
+        async with anyio.create_task_group() as tg:
+            got: list[Delivery] = []
+
+            async def take() -> None:
+                got.append(await anext(deliveries))
+
+            tg.start_soon(take)
+            await anyio.sleep(0.2)  # the pull request is open
+            await _delete_consumer(nats_url, transport.stream, name)
+            await _consumer_made_again(transport, name, 10)
+            await transport.publish("doomed", [Envelope(topic="doomed", payload=1)])
+        [delivery] = got
+        assert delivery.envelope.payload == 1
+        await delivery.ack()
 
 
 @pytest.mark.anyio
@@ -697,21 +720,27 @@ async def test_backlog_counts_delayed_nacks_until_redelivered_and_acked(
 
 
 @pytest.mark.anyio
-async def test_consumer_deleted_while_no_request_waits_is_noticed(
+async def test_consumer_deleted_while_no_request_waits_is_made_again(
     transport: NatsTransport, nats_url: str
 ) -> None:
     """A pull on a deleted consumer gets no reply at all; the expired request tells."""
+    name = consumer_name("doomed", "g")
     async with transport.subscribe("doomed", group="g", prefetch=1) as deliveries:
         await transport.publish("doomed", [Envelope(topic="doomed", payload=1)])
         delivery = await _next(deliveries)  # the request is fulfilled: none waits now
-        nc = await nats.connect(nats_url)
-        try:
-            await nc.jetstream().delete_consumer(transport.stream, consumer_name("doomed", "g"))
-        finally:
-            await nc.close()
+        await _delete_consumer(nats_url, transport.stream, name)
         await delivery.ack()
-        with anyio.fail_after(15), pytest.raises(TransportError, match="gone"):
-            await anext(deliveries)
+        async with anyio.create_task_group() as tg:
+            got: list[Delivery] = []
+
+            async def take() -> None:
+                got.append(await _next(deliveries, 20))
+
+            tg.start_soon(take)
+            await _consumer_made_again(transport, name, 15)
+            await transport.publish("doomed", [Envelope(topic="doomed", payload=2)])
+        assert [d.envelope.payload for d in got] == [2]
+        await got[0].ack()
 
 
 @pytest.mark.anyio

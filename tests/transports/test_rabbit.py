@@ -553,9 +553,10 @@ async def test_cancelled_consumer_leaves_nothing_stuck(made: Made) -> None:
 
 
 async def test_stuck_delivery_goes_back_and_its_consumer_consumes_again(made: Made) -> None:
-    """ack_timeout with a single consumer: the overdue delivery returns to it as attempt 2."""
+    """ack_timeout (keep_alive off) with a single consumer: the overdue delivery returns
+    to it as attempt 2."""
     async with (
-        made(ack_timeout=0.5) as transport,
+        made(ack_timeout=0.5, keep_alive=False) as transport,
         transport.subscribe("slow", group="g", prefetch=5) as deliveries,
     ):
         sent = Envelope(topic="slow", payload=1)

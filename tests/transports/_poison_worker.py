@@ -1,0 +1,73 @@
+"""A worker process whose handler kills it: the poison that crashes its consumer.
+
+    python _poison_worker.py KIND URL PREFIX MAX_DELIVERIES
+
+Runs one Bus over the broker ``KIND`` with ``max_deliveries=MAX_DELIVERIES`` and a
+short ack timeout. Prints JSON lines: ``{"ready": true}`` once subscribed,
+``{"handling": attempt}`` just before its handler ends the process (``os._exit``, as
+a segfault or an OOM kill would), and ``{"dead": reason, "error": ...}`` for each
+envelope the bus dead-letters. Killed by the test when no longer needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import anyio
+
+from asyncbus import Bus, DeadLetter, Envelope
+from asyncbus.transports import Transport
+
+ACK_TIMEOUT = 1.0
+
+
+def _say(line: dict[str, object]) -> None:
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+
+
+def make_transport(kind: str, url: str, prefix: str, max_deliveries: int) -> Transport:
+    """The broker transport called ``kind``."""
+    if kind == "redis":
+        from asyncbus.transports.redis import RedisTransport
+
+        return RedisTransport(
+            url, prefix=prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries
+        )
+    if kind == "nats":
+        from asyncbus.transports.nats import NatsTransport
+
+        return NatsTransport(
+            url, prefix=prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries
+        )
+    if kind == "rabbit":
+        from asyncbus.transports.rabbit import RabbitTransport
+
+        return RabbitTransport(
+            url, prefix=prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries
+        )
+    raise SystemExit(f"unknown transport {kind!r}")
+
+
+async def main(kind: str, url: str, prefix: str, max_deliveries: int) -> None:
+    bus = Bus(transport=make_transport(kind, url, prefix, max_deliveries))
+
+    @bus.subscribe("poison.*", group="g")
+    async def crash(envelope: Envelope) -> None:
+        _say({"handling": envelope.attempt})
+        os._exit(3)
+
+    @bus.subscribe("$deadletter")
+    async def tell(entry: DeadLetter) -> None:
+        _say({"dead": entry.reason.value, "error": entry.error})
+
+    async with bus:
+        _say({"ready": True})
+        await anyio.sleep_forever()
+
+
+if __name__ == "__main__":
+    kind, url, prefix, max_deliveries = sys.argv[1:5]
+    anyio.run(main, kind, url, prefix, int(max_deliveries))

@@ -1,0 +1,185 @@
+"""Broker state that vanishes under a running bus: the bus makes it again and goes on.
+
+Redis: a stream deleted (``DEL``, a flush of the test's keys, a server restarted
+without persistence) while its consumer waits in ``XREADGROUP``. NATS: a server
+restarted with its JetStream store lost, a consumer or the stream deleted by another
+client. Restarts use private servers on other ports (``_private_brokers``); on the
+shared servers only the keys and streams of the test's own prefix are deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _private_brokers import private_nats, private_redis
+
+from asyncbus import Bus, TransportError
+from asyncbus.transports import Transport
+from asyncbus.transports.nats import NatsTransport, consumer_name
+from asyncbus.transports.redis import RedisTransport
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+
+ROUNDS = 3
+PER_ROUND = 20
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The broker clients run on asyncio only."""
+    return "asyncio"
+
+
+async def _publish_until_confirmed(bus: Bus, topic: str, payload: Any, timeout: float) -> None:
+    """Publish once the broker is back (a publish refused while it is away is retried)."""
+    with anyio.fail_after(timeout):
+        while True:
+            try:
+                await bus.publish(topic, payload)
+                return
+            except TransportError:
+                await anyio.sleep(0.1)
+
+
+async def _survives(
+    transport: Transport, vanish: Callable[[], Awaitable[None]], *, timeout: float = 20.0
+) -> None:
+    """A bus consumes ``work``; before each round its state vanishes (``vanish``); every
+    envelope published after that is handled exactly once and the bus stays up."""
+    bus = Bus(transport=transport)
+    handled: list[int] = []
+
+    @bus.subscribe("work", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    async with bus:
+        sent: list[int] = []
+        for round in range(ROUNDS):
+            await vanish()
+            for n in range(round * PER_ROUND, (round + 1) * PER_ROUND):
+                await _publish_until_confirmed(bus, "work", n, timeout)
+                sent.append(n)
+            with anyio.fail_after(timeout):
+                await bus.drain()
+            assert sorted(handled) == sent
+        stage = bus.statistics().stage("work@g")
+        assert (stage.published, stage.acked, stage.dead_lettered) == (len(sent),) * 2 + (0,)
+
+
+# -- Redis ------------------------------------------------------------------------------
+
+
+async def _redis_client(url: str) -> Any:
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(url)
+
+
+async def test_redis_stream_deleted_while_its_consumer_waits_is_made_again(
+    redis_url: str, redis_prefix: str
+) -> None:
+    transport = RedisTransport(redis_url, prefix=redis_prefix, block_ms=2000)
+    client = await _redis_client(redis_url)
+
+    async def delete_the_stream() -> None:
+        # The consumer waits in XREADGROUP (2 s blocks): DEL unblocks it with
+        # "UNBLOCKED the stream key no longer exists".
+        await anyio.sleep(0.3)
+        assert await client.delete(transport.stream_key("work", "g")) == 1
+
+    try:
+        await _survives(transport, delete_the_stream)
+    finally:
+        await client.aclose()
+
+
+async def test_redis_keys_flushed_under_a_running_bus_are_made_again(
+    redis_url: str, redis_prefix: str
+) -> None:
+    transport = RedisTransport(redis_url, prefix=redis_prefix, block_ms=2000)
+    client = await _redis_client(redis_url)
+
+    async def flush_the_prefix() -> None:
+        await anyio.sleep(0.3)  # the consumer waits in XREADGROUP
+        keys = [key async for key in client.scan_iter(match=f"{redis_prefix}:*")]
+        assert keys
+        await client.delete(*keys)
+
+    try:
+        await _survives(transport, flush_the_prefix)
+    finally:
+        await client.aclose()
+
+
+async def test_redis_restarted_without_persistence_under_a_running_bus(tmp_path: Path) -> None:
+    async with private_redis(tmp_path) as server:
+
+        async def restart_empty() -> None:
+            await server.restart(fresh=True)
+
+        await _survives(RedisTransport(server.url, prefix="restart"), restart_empty)
+
+
+# -- NATS -------------------------------------------------------------------------------
+
+
+async def test_nats_server_restarted_with_its_store_lost_under_a_running_bus(
+    tmp_path: Path,
+) -> None:
+    async with private_nats(tmp_path) as server:
+
+        async def restart_empty() -> None:
+            await server.restart(fresh=True)
+
+        transport = NatsTransport(server.url, prefix="restart", request_timeout=2.0)
+        await _survives(transport, restart_empty, timeout=30.0)
+
+
+async def _nats_js(url: str) -> Any:
+    import nats
+
+    return await nats.connect(url, allow_reconnect=False)
+
+
+async def test_nats_consumer_deleted_by_another_client_is_made_again(
+    nats_url: str, nats_prefix: str
+) -> None:
+    transport = NatsTransport(nats_url, prefix=nats_prefix)
+    nc = await _nats_js(nats_url)
+
+    async def delete_the_consumer() -> None:
+        await anyio.sleep(0.3)  # the consumer's pull request waits on the server
+        name = consumer_name("work", "g")
+        await nc.jetstream().delete_consumer(transport.stream, name)
+        # Until it exists again nothing is interested in ``work``: an interest stream
+        # keeps nothing published meanwhile (no consumer, no delivery).
+        with anyio.fail_after(10):
+            while not await transport._consumer_exists(name):
+                await anyio.sleep(0.05)
+
+    try:
+        await _survives(transport, delete_the_consumer)
+    finally:
+        await nc.close()
+
+
+async def test_nats_stream_deleted_by_another_client_is_made_again(
+    nats_url: str, nats_prefix: str
+) -> None:
+    transport = NatsTransport(nats_url, prefix=nats_prefix)
+    nc = await _nats_js(nats_url)
+
+    async def delete_the_streams() -> None:
+        await anyio.sleep(0.3)  # the consumer's pull request waits on the server
+        await nc.jetstream().delete_stream(transport.stream)
+        await nc.jetstream().delete_stream(transport.dead_letter_stream)
+
+    try:
+        await _survives(transport, delete_the_streams)
+    finally:
+        await nc.close()
