@@ -344,10 +344,16 @@ class Subscription:
     async def _on_message(self, consumer: ConsumerChannel, message: DeliveredMessage) -> None:
         if consumer is not self.consumer or self.closed:
             return  # a late delivery on a channel being closed: the broker requeues it
-        # ``receive`` hands over whatever arrived (an unreadable message carries
-        # ``error``): a message that raised here would stay unacked on the channel,
-        # invisible to ``backlog``, until the connection closed.
-        self.ready.append(self.receive(consumer, message))
+        # Whatever arrived is handed over (an unreadable message carries ``error``): a
+        # message that raised here would stay unacked on the channel, invisible to
+        # ``backlog``, until the connection closed.
+        try:
+            delivery = self.receive(consumer, message)
+        except Exception as error:  # a message shaped like nothing expected
+            delivery = self._stand_in(
+                consumer, message, f"unreadable message: {type(error).__name__}: {error}", 0
+            )
+        self.ready.append(delivery)
         if not self.wake.is_set():
             self.wake.set()
 
@@ -374,21 +380,29 @@ class Subscription:
             if count:
                 envelope = envelope.evolve(attempt=envelope.attempt + count)
         except (DecodeError, UnicodeEncodeError) as problem:
-            # Nothing to rebuild: hand over a stand-in carrying the raw body, with the
-            # error set, so it is dead-lettered instead of blocking the queue.
-            topic = message.routing_key if message.exchange == transport.prefix else None
-            message_id = properties.message_id
-            envelope = Envelope(
-                id=message_id if isinstance(message_id, str) and message_id else
-                f"rabbit:{secrets.token_hex(8)}",
-                topic=topic or self.pattern,
-                payload=body,
-                attempt=1 + count,
-            )
-            error = str(problem)
+            return self._stand_in(consumer, message, str(problem), count)
         if error is None:
             error = over_max_deliveries(count + 1, transport.max_deliveries)
         return RabbitDelivery(self, consumer, tag, envelope, body, error)
+
+    def _stand_in(
+        self, consumer: ConsumerChannel, message: DeliveredMessage, error: str, count: int
+    ) -> RabbitDelivery:
+        """A delivery for a message with nothing to rebuild: it carries the raw body and
+        ``error``, so it is dead-lettered instead of blocking the queue."""
+        properties = getattr(message.header, "properties", None)
+        message_id = getattr(properties, "message_id", None)
+        topic = message.routing_key if message.exchange == self.transport.prefix else None
+        body = bytes(message.body) if isinstance(message.body, bytes | bytearray) else b""
+        envelope = Envelope(
+            id=message_id
+            if isinstance(message_id, str) and message_id
+            else f"rabbit:{secrets.token_hex(8)}",
+            topic=topic if isinstance(topic, str) and topic else self.pattern,
+            payload=body,
+            attempt=1 + count,
+        )
+        return RabbitDelivery(self, consumer, message.delivery_tag or 0, envelope, body, error)
 
     async def expire(self, now: float) -> None:
         """Give back what is overdue and what is not handed out; cancel until next asked."""

@@ -27,19 +27,41 @@ it. (It costs them a skip each; it never reaches their handlers.) Its
 ``Nats-Msg-Id`` is the envelope id plus the replay's timestamp, so the duplicate
 window never drops a replay as a copy of the original.
 
+Vanished state: a server restarted with its JetStream store lost, or a stream or
+consumer deleted by another client, is made whole again. A publish answered "no
+responders" (no stream captures its subject) makes the streams again, and this
+process's consumers, then publishes once more; a pull answered "consumer deleted"
+or "no responders" (or never answered while the consumer is gone) makes the
+stream and the consumer again, a moment later (a stream still being deleted would
+take the new one's files with it), and pulls again. Publishes of this process wait
+while that happens: one stored before its consumers exist would reach none of
+them (retention is by interest). Another process's groups are made again by that
+process, on its next pull.
+
+Request inboxes (groups ``_reply.*``, one per bus process) are durable consumers
+with ``inactive_threshold = inbox_ttl``: deleted when their subscription ends, and
+by the server once their process died and stopped pulling.
+
 Worth knowing:
 
 * ``attempt`` is JetStream's ``num_delivered``: every delivery counts, including
   one a consumer gave back unhandled when it left (the reference transport does not
-  count those) and one that timed out at a crashed consumer.
+  count those) and one that timed out at a crashed consumer. A message delivered
+  more than ``max_deliveries`` times is handed over with ``error`` set, and the bus
+  dead-letters it ``rejected`` instead of running it again.
+* After a reconnect every subscription asks again at once: the server may have
+  dropped the open pull request (it found no interest while the client was away)
+  without answering it. If it did not, the old request may still bring up to one
+  more batch, which waits in the subscription (kept in progress) until taken.
 * Order: one subscription receives a topic's envelopes in stream (publish) order;
   ``nack`` and redeliveries after ``ack_timeout`` come back later, out of order.
 * Retention is by interest and new groups start with what is published after they
   were created (``deliver_policy = new``), as in the reference transport.
-* A delivery held unsettled longer than ``ack_timeout`` (queued in a full stage,
-  waiting for a retry) goes to the group again, whether its consumer is hung or just
-  slow. ``keep_alive=True`` sends ``+WPI`` (in progress) for held deliveries so only
-  a dead process loses them; a hung one then keeps them until it leaves.
+* ``keep_alive=True`` (the default) sends ``+WPI`` (in progress) for held
+  deliveries every ``ack_timeout / 3``, so a long handler, a full stage or a retry
+  delay never makes the group run a delivery twice; only a dead process loses
+  them (a hung one keeps them until it leaves). Without it, a delivery held
+  unsettled longer than ``ack_timeout`` goes to the group again.
 """
 
 from __future__ import annotations
@@ -297,6 +319,11 @@ class _PullConsumer:
                 self.pause_until = time.monotonic() + _PULL_PAUSE
                 logger.debug("pull request for %s ended: %s %s", self.name, status, description)
             self.wake()
+            return
+        if not (msg.reply or "").startswith("$JS.ACK."):
+            # Not from JetStream (someone published to this private inbox): nothing to
+            # settle, nothing to hand over.
+            logger.warning("NATS: ignoring a message on %s not sent by JetStream", msg.subject)
             return
         if self.request is not None:
             self.remaining -= 1

@@ -323,3 +323,27 @@ async def test_rabbit_poison_that_kills_its_process_is_dead_lettered_after_max_d
         await _check_poison_that_kills_its_process(
             "rabbit", rabbit_url, rabbit_prefix, transport, workers
         )
+
+
+async def test_nats_a_plain_message_on_a_pull_inbox_is_ignored(
+    nats_url: str, nats_prefix: str
+) -> None:
+    """Someone publishes to a subscription's private inbox: not a JetStream delivery."""
+    import nats
+
+    async with (
+        NatsTransport(nats_url, prefix=nats_prefix) as transport,
+        transport.subscribe("plain", group="g", prefetch=1) as deliveries,
+    ):
+        [consumer] = transport._consumers
+        nc = await nats.connect(nats_url, allow_reconnect=False)
+        try:
+            await nc.publish(f"{consumer.inbox}.1", b"junk")
+            await nc.flush()
+        finally:
+            await nc.close()
+        await transport.publish("plain", [Envelope(topic="plain", payload=1)])
+        with anyio.fail_after(10):
+            delivery = await anext(deliveries)
+        assert (delivery.envelope.payload, delivery.error) == (1, None)
+        await delivery.ack()
