@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._adaptive import Adaptive as Adaptive
+from ._admission import Admission as Admission
+from ._admission import Priority as Priority
 from ._bus import DEADLETTER_TOPIC as DEADLETTER_TOPIC
 from ._bus import Bus as Bus
 from ._dead_letters import DeadLetter as DeadLetter
 from ._dead_letters import DeadLetterQueue as DeadLetterQueue
 from ._dead_letters import DeadLetterReason as DeadLetterReason
 from ._envelope import HEADER_KEY as HEADER_KEY
+from ._envelope import HEADER_PRIORITY as HEADER_PRIORITY
 from ._envelope import HEADER_REPLAYED as HEADER_REPLAYED
 from ._envelope import Envelope as Envelope
 from ._envelope import Receipt as Receipt
@@ -60,7 +64,10 @@ __all__ = [
     "DEADLETTER_TOPIC",
     "FREE_THREADED",
     "HEADER_KEY",
+    "HEADER_PRIORITY",
     "HEADER_REPLAYED",
+    "Adaptive",
+    "Admission",
     "AsyncbusError",
     "Backpressure",
     "Bus",
@@ -82,6 +89,7 @@ __all__ = [
     "MemoryTransport",
     "Middleware",
     "NatsTransport",
+    "Priority",
     "PublishTimeout",
     "RabbitTransport",
     "Receipt",

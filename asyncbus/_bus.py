@@ -19,11 +19,14 @@ from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import checkpoint
 
+from ._adaptive import Adaptive
+from ._admission import Admission, Priority
 from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._dispatch import current_dispatch, describe_error, short_traceback
 from ._envelope import (
     EMPTY_HEADERS,
     HEADER_KEY,
+    HEADER_PRIORITY,
     HEADER_REPLAYED,
     Envelope,
     Receipt,
@@ -36,7 +39,7 @@ from ._logging import FailureLog, dead_letter_logger
 from ._offload import hold_switch_interval, release_switch_interval
 from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
-from ._stage import Admission, Backpressure, Stage
+from ._stage import Backpressure, DoorOutcome, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, adapt_handler, build_chain, make_subscription
 from ._types import Middleware
@@ -388,13 +391,14 @@ class Bus:
         handler: None = None,
         *,
         group: str | None = None,
-        concurrency: int = 1,
+        concurrency: int | Adaptive = 1,
         capacity: int = 1024,
         backpressure: Backpressure = Backpressure.BLOCK,
         retry: Retry | None = None,
         timeout: float | None = None,
         offload: Literal["thread", "process", "inline"] | None = None,
         middleware: Sequence[Middleware] = (),
+        admission: Admission | None = None,
     ) -> Callable[[F], F]: ...
 
     @overload
@@ -404,13 +408,14 @@ class Bus:
         handler: Callable[..., Any],
         *,
         group: str | None = None,
-        concurrency: int = 1,
+        concurrency: int | Adaptive = 1,
         capacity: int = 1024,
         backpressure: Backpressure = Backpressure.BLOCK,
         retry: Retry | None = None,
         timeout: float | None = None,
         offload: Literal["thread", "process", "inline"] | None = None,
         middleware: Sequence[Middleware] = (),
+        admission: Admission | None = None,
     ) -> Subscription: ...
 
     def subscribe(
@@ -419,19 +424,26 @@ class Bus:
         handler: Callable[..., Any] | None = None,
         *,
         group: str | None = None,
-        concurrency: int = 1,
+        concurrency: int | Adaptive = 1,
         capacity: int = 1024,
         backpressure: Backpressure = Backpressure.BLOCK,
         retry: Retry | None = None,
         timeout: float | None = None,
         offload: Literal["thread", "process", "inline"] | None = None,
         middleware: Sequence[Middleware] = (),
+        admission: Admission | None = None,
     ) -> Callable[[F], F] | Subscription:
         """Register a handler for ``topic`` (NATS pattern: ``*`` one token, ``>`` the rest).
 
         As a decorator it returns the function unchanged; called with ``handler`` it
         returns the :class:`Subscription`. Subscribing while the bus runs takes effect
         at once.
+
+        :param concurrency: consumer tasks, or :class:`Adaptive` to let the stage find
+            its own number from the handler's latency.
+        :param admission: :class:`Admission` to shed stale envelopes (dead-lettered
+            ``overload``) when the stage's queue stands; every subscription of a stage
+            must give the same.
 
         :raises ConfigurationError: for a malformed pattern, ``capacity`` or
             ``concurrency`` below 1, a non-callable handler, or a stage (same pattern
@@ -446,6 +458,7 @@ class Bus:
             "timeout": timeout,
             "offload": offload,
             "middleware": middleware,
+            "admission": admission,
         }
         if handler is None:
             compile_pattern(topic)  # a malformed pattern fails here, not at decoration
@@ -467,6 +480,8 @@ class Bus:
                 subscription.group,
                 subscription.capacity,
                 subscription.backpressure,
+                admission=subscription.admission,
+                controlled=isinstance(subscription.concurrency, Adaptive),
             )
             if self._task_group is not None:
                 stage.open_stream()
@@ -482,6 +497,18 @@ class Bus:
                 f"backpressure={stage.backpressure.name}; a subscription in the same group "
                 f"asked for capacity={subscription.capacity}, "
                 f"backpressure={subscription.backpressure.name}"
+            )
+        elif (stage.control.admission if stage.control else None) != subscription.admission:
+            raise ConfigurationError(
+                f"stage {stage.name!r} already has admission="
+                f"{stage.control.admission if stage.control else None!r}; a subscription in "
+                f"the same group asked for admission={subscription.admission!r}"
+            )
+        elif stage.control is None and isinstance(subscription.concurrency, Adaptive):
+            raise ConfigurationError(
+                f"stage {stage.name!r} runs a fixed concurrency; a subscription in the same "
+                "group cannot be Adaptive (give the group's first subscription Adaptive or "
+                "admission=)"
             )
         stage.subscriptions.append(subscription)
         if self._task_group is not None:
@@ -524,11 +551,14 @@ class Bus:
         key: str | None,
         id: str | None,
         reply_to: str | None = None,
+        priority: Priority | int | None = None,
     ) -> Envelope:
-        if headers or key is not None:
+        if headers or key is not None or priority is not None:
             fields = dict(headers or {})
             if key is not None:
                 fields[HEADER_KEY] = str(key)
+            if priority is not None:
+                fields[HEADER_PRIORITY] = _priority_text(topic, priority)
             frozen_headers: Mapping[str, str] = MappingProxyType(fields)
         else:
             frozen_headers = EMPTY_HEADERS
@@ -564,10 +594,13 @@ class Bus:
         key: str | None = None,
         id: str | None = None,
         timeout: float | None = None,
+        priority: Priority | int | None = None,
     ) -> Receipt:
         """Publish ``payload`` on ``topic`` to every matching stage (once per group).
 
         :param slip: topics the result is forwarded to, one after another.
+        :param priority: a :class:`Priority` class (or its int, 0 to 2); stages with
+            admission control serve higher classes first and shed lower ones first.
         :param ttl: seconds after which the envelope expires unhandled.
         :param timeout: longest wait for room in ``BLOCK`` stages.
         :raises BusClosedError: before start or after ``aclose`` began.
@@ -582,8 +615,10 @@ class Bus:
         await self.yield_now()
         if self._state != "running":  # checked after the yield: aclose may have begun
             self._check_open()
-        if headers or ttl is not None or slip or key is not None:
-            envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        if headers or ttl is not None or slip or key is not None or priority is not None:
+            envelope = self._envelope(
+                topic, payload, headers, ttl, slip, key, id, priority=priority
+            )
         else:
             envelope_id = id if id is not None else new_id()
             envelope = make_envelope(
@@ -627,6 +662,7 @@ class Bus:
         key: str | None = None,
         id: str | None = None,
         timeout: float | None = None,
+        priority: Priority | int | None = None,
     ) -> Receipt:
         """Publish without waiting; nothing is admitted anywhere if a ``BLOCK`` stage is full.
 
@@ -642,7 +678,7 @@ class Bus:
                 f"publish_nowait cannot wait for {self._broker.name}'s confirmation: "
                 "use `await bus.publish(...)` or publish_threadsafe"
             )
-        envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+        envelope = self._envelope(topic, payload, headers, ttl, slip, key, id, priority=priority)
         for observe in self.observers:
             observe(envelope)
         stages = self._router.route(envelope.topic)
@@ -664,6 +700,7 @@ class Bus:
         key: str | None = None,
         id: str | None = None,
         timeout: float | None = None,
+        priority: Priority | int | None = None,
     ) -> concurrent.futures.Future[Receipt]:
         """Publish from any thread (worker threads included); the receipt arrives in a future.
 
@@ -672,7 +709,7 @@ class Bus:
         inside = current_dispatch() is not None
         with self._threadsafe_lock:
             self._threadsafe_pending += 1
-        arguments = (inside, topic, payload, headers, ttl, tuple(slip), key, id, timeout)
+        arguments = (inside, topic, payload, headers, ttl, tuple(slip), key, id, timeout, priority)
         portal = self._portal
         try:
             if threading.get_ident() == self._loop_thread and self._task_group is not None:
@@ -711,11 +748,14 @@ class Bus:
         key: str | None,
         id: str | None,
         timeout: float | None,
+        priority: Priority | int | None,
     ) -> Receipt:
         try:
             if not (self._state == "running" or (self._state == "closing" and inside)):
                 raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
-            envelope = self._envelope(topic, payload, headers, ttl, slip, key, id)
+            envelope = self._envelope(
+                topic, payload, headers, ttl, slip, key, id, priority=priority
+            )
             return await self._route(envelope, timeout)
         finally:
             self._threadsafe_done()
@@ -733,11 +773,11 @@ class Bus:
         if len(stages) == 1:
             stage = stages[0]
             admission = stage.offer(envelope)
-            if admission is Admission.ACCEPTED:
+            if admission is DoorOutcome.ACCEPTED:
                 return make_receipt(envelope.id, stage.names), []
-            if admission is Admission.BLOCKED:
+            if admission is DoorOutcome.BLOCKED:
                 return Receipt(envelope.id), [stage]
-            if admission is Admission.REJECTED:
+            if admission is DoorOutcome.REJECTED:
                 return Receipt(envelope.id, rejected=(stage.name,)), []
             return Receipt(envelope.id, dropped=(stage.name,)), []
         accepted: list[str] = []
@@ -746,11 +786,11 @@ class Bus:
         blocked: list[Stage] = []
         for stage in stages:
             admission = stage.offer(envelope)
-            if admission is Admission.ACCEPTED:
+            if admission is DoorOutcome.ACCEPTED:
                 accepted.append(stage.name)
-            elif admission is Admission.BLOCKED:
+            elif admission is DoorOutcome.BLOCKED:
                 blocked.append(stage)
-            elif admission is Admission.REJECTED:
+            elif admission is DoorOutcome.REJECTED:
                 rejected.append(stage.name)
             else:
                 dropped.append(stage.name)
@@ -896,7 +936,7 @@ class Bus:
             sender=self.name,
         )
         for stage in stages:
-            if stage.offer(envelope) is Admission.BLOCKED:
+            if stage.offer(envelope) is DoorOutcome.BLOCKED:
                 self._background += 1
                 self.task_group.start_soon(self._put_later, stage, envelope)
 
@@ -1125,6 +1165,19 @@ class Bus:
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"
+
+
+def _priority_text(topic: str, priority: Priority | int) -> str:
+    """The ``asyncbus-priority`` header value of ``priority``, validated."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority not in _PRIORITIES:
+        raise ConfigurationError(
+            f"publish({topic!r}): priority must be a Priority (0 to {max(_PRIORITIES)}), "
+            f"got {priority!r}"
+        )
+    return str(int(priority))
+
+
+_PRIORITIES = frozenset(int(level) for level in Priority)
 
 
 def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> HandlerError:

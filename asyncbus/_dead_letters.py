@@ -23,6 +23,8 @@ class DeadLetterReason(StrEnum):
     EXPIRED = "expired"
     DROPPED = "dropped"
     TIMEOUT = "timeout"
+    #: Shed by a stage with admission control: it waited too long under overload.
+    OVERLOAD = "overload"
 
 
 @dataclass(frozen=True, slots=True)

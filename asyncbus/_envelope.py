@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "HEADER_KEY",
+    "HEADER_PRIORITY",
     "HEADER_REPLAYED",
     "Envelope",
     "Receipt",
@@ -23,6 +24,8 @@ __all__ = [
 HEADER_REPLAYED = "asyncbus-replayed"
 #: Header carrying the ``key=`` given to :meth:`Bus.publish` (ordering/partition key).
 HEADER_KEY = "asyncbus-key"
+#: Header carrying the ``priority=`` class given to :meth:`Bus.publish` (``"0"``..``"2"``).
+HEADER_PRIORITY = "asyncbus-priority"
 
 EMPTY_HEADERS: Mapping[str, str] = MappingProxyType({})
 

@@ -21,13 +21,15 @@ from ._envelope import Envelope
 from ._stats import LatencyHistogram, StageStatistics
 
 if TYPE_CHECKING:
+    from ._admission import Admission
     from ._bus import Bus
+    from ._control import StageControl
     from ._dead_letters import DeadLetter
     from ._subscription import Subscription
     from ._types import Handler
     from .transports.base import Delivery, Transport
 
-__all__ = ["Admission", "Backpressure", "Stage"]
+__all__ = ["Backpressure", "DoorOutcome", "Stage"]
 
 _clock = time.perf_counter
 logger = logging.getLogger("asyncbus.stage")
@@ -46,7 +48,7 @@ class Backpressure(StrEnum):
     DROP_OLDEST = "drop_oldest"
 
 
-class Admission(Enum):
+class DoorOutcome(Enum):
     """What happened at a stage's door."""
 
     ACCEPTED = "accepted"
@@ -65,7 +67,15 @@ class Stage:
     """
 
     def __init__(
-        self, bus: Bus, pattern: str, group: str, capacity: int, backpressure: Backpressure
+        self,
+        bus: Bus,
+        pattern: str,
+        group: str,
+        capacity: int,
+        backpressure: Backpressure,
+        *,
+        admission: Admission | None = None,
+        controlled: bool = False,
     ) -> None:
         self.bus = bus
         self.pattern = pattern
@@ -79,6 +89,8 @@ class Stage:
         self.published = self.acked = self.failed = self.retried = 0
         self.dead_lettered = self.rejected = self.dropped = self.expired = 0
         self.abandoned = self.in_flight = self.queued = 0
+        #: Envelopes shed under overload (a part of ``dead_lettered``).
+        self.shed = 0
         self.latency = LatencyHistogram()
         self.wait = LatencyHistogram()
         # Where an admitted, unsettled envelope can be, besides the stream's buffer:
@@ -95,13 +107,26 @@ class Stage:
         #: Set once the pump's broker subscription exists (its group receives publishes).
         self.subscribed: anyio.Event | None = None
         self._consumer_waiters: deque[anyio.Event] = deque()
+        #: Adaptive concurrency and shedding; ``None`` for a static stage.
+        self.control: StageControl | None = None
+        if controlled or admission is not None:
+            from ._control import StageControl
+
+            self.control = StageControl(self, admission)
 
     # -- life cycle -------------------------------------------------------------
 
     @property
     def concurrency(self) -> int:
         """Consumer tasks of all subscriptions sharing this stage."""
-        return sum(subscription.concurrency for subscription in self.subscriptions)
+        if self.control is not None:
+            return self.control.consumers
+        total = 0
+        for subscription in self.subscriptions:
+            # Without control every concurrency is an int (Adaptive makes a stage controlled).
+            assert isinstance(subscription.concurrency, int)
+            total += subscription.concurrency
+        return total
 
     def open_stream(self) -> None:
         """Create the bounded stream (when the bus starts, or at once if it runs)."""
@@ -116,10 +141,17 @@ class Stage:
         buffer = getattr(getattr(self._send, "_state", None), "buffer", None)
         if isinstance(buffer, deque):
             self._push, self._pop = buffer.append, buffer.popleft
+        if self.control is not None:  # priority lanes, timed with the controllers' clock
+            lanes = self.control.lanes
+            self._push, self._pop = lanes.push, lanes.pop_oldest
 
     def start_consumers(self, subscription: Subscription, chain: Handler) -> None:
         """Start ``subscription.concurrency`` consumers running ``chain`` in the bus's group."""
+        if self.control is not None:
+            self.control.start(subscription, chain)
+            return
         task_group = self.bus.task_group
+        assert isinstance(subscription.concurrency, int)
         for _ in range(subscription.concurrency):
             task_group.start_soon(self._consume, chain, name=f"asyncbus consumer {self.name}")
 
@@ -135,6 +167,8 @@ class Stage:
                     left.append(self._receive.receive_nowait()[1].id)
                 except anyio.WouldBlock:
                     break
+        if self.control is not None:
+            left += self.control.clear()
         for dispatch in self._dispatches:
             if dispatch.envelope is not None and dispatch.outcome in (None, Outcome.SKIPPED):
                 left.append(dispatch.envelope.id)
@@ -163,32 +197,33 @@ class Stage:
         """Whether a publish can be admitted now without waiting or dropping."""
         return self.queued < self.capacity and not self.room_waiters
 
-    def offer(self, envelope: Envelope) -> Admission:
+    def offer(self, envelope: Envelope) -> DoorOutcome:
         """Admit ``envelope`` now if the policy allows it, without waiting."""
         if self.queued < self.capacity and not self.room_waiters:
             self.admit(envelope)
-            return Admission.ACCEPTED
+            return DoorOutcome.ACCEPTED
         policy = self.backpressure
         if policy is Backpressure.BLOCK:
-            return Admission.BLOCKED
+            return DoorOutcome.BLOCKED
         if policy is Backpressure.REJECT:
             self.rejected += 1
             self.bus.failure_log.rejected_at_door(self.name, self.capacity, envelope)
-            return Admission.REJECTED
+            return DoorOutcome.REJECTED
         if policy is Backpressure.DROP_NEWEST:
             return self._drop_at_door(envelope)
         while self.queued >= self.capacity:
             self._evict_oldest()
         self.admit(envelope)
-        return Admission.ACCEPTED
+        return DoorOutcome.ACCEPTED
 
     async def put(self, envelope: Envelope) -> None:
         """Admit ``envelope``, waiting for room whatever the policy."""
         await self._wait_for_room()
         self.admit(envelope)
 
-    async def _wait_for_room(self) -> None:
-        while self.queued >= self.capacity:
+    async def _wait_for_room(self, bound: Callable[[], int] | None = None) -> None:
+        # ``bound``: a lower ceiling than ``capacity``, read again at every wake-up.
+        while self.queued >= (self.capacity if bound is None else bound()):
             waiter = anyio.Event()
             self.room_waiters.append(waiter)
             try:
@@ -199,7 +234,7 @@ class Stage:
                 except ValueError:
                     self._wake_one()  # we were handed the room: pass it on
                 raise
-        if self.room_waiters and self.queued < self.capacity:
+        if self.room_waiters and self.queued < (self.capacity if bound is None else bound()):
             self._wake_one()  # room for more than us: keep the queue of waiters moving
 
     def _wake_one(self) -> None:
@@ -220,11 +255,11 @@ class Stage:
         """Nothing queued, in flight or waiting for a retry."""
         return not (self.queued or self.in_flight)
 
-    def _drop_at_door(self, envelope: Envelope) -> Admission:
+    def _drop_at_door(self, envelope: Envelope) -> DoorOutcome:
         self.published += 1
         self._count_dead(DeadLetterReason.DROPPED)
         self.bus.dead_letter(envelope, DeadLetterReason.DROPPED, None, self.name, 0)
-        return Admission.DROPPED
+        return DoorOutcome.DROPPED
 
     def _evict_oldest(self) -> None:
         _, oldest = self._pop()
@@ -241,6 +276,8 @@ class Stage:
             self.dropped += 1
         elif reason is DeadLetterReason.EXPIRED:
             self.expired += 1
+        elif reason is DeadLetterReason.OVERLOAD:
+            self.shed += 1
 
     def settle_dead(
         self,
@@ -378,8 +415,11 @@ class Stage:
 
         No delivery ends the pump: one that cannot be taken in (undecodable, delivered
         too often, or anything unexpected) is dead-lettered ``rejected`` and rejected.
+        A controlled stage queues at most ``min(capacity, limit)`` of them (plus the
+        ones its consumers hold), so the rest stays in the broker for other replicas.
         """
         subscription = transport.subscribe(self.pattern, group=self.group, prefetch=self.capacity)
+        bound = self.control.local_bound if self.control is not None else None
         async with subscription as deliveries:
             if self.subscribed is not None:
                 self.subscribed.set()  # the group exists in the broker from here on
@@ -388,7 +428,7 @@ class Stage:
                     envelope = delivery.envelope
                     refused = getattr(delivery, "error", None)  # beyond the Delivery protocol
                     if refused is None:
-                        await self._wait_for_room()
+                        await self._wait_for_room(bound)
                         self.deliveries[id(envelope)] = delivery
                         self.admit(envelope)
                         continue
@@ -428,6 +468,8 @@ class Stage:
 
     def statistics(self) -> StageStatistics:
         """Snapshot this stage's ledger and timings."""
+        control = self.control
+        limit = control.limit if control is not None else self.concurrency
         return StageStatistics(
             name=self.name,
             topic=self.pattern,
@@ -448,6 +490,10 @@ class Stage:
             latency_p50=_finite(self.latency.quantile(0.5)),
             latency_p99=_finite(self.latency.quantile(0.99)),
             wait_p99=_finite(self.wait.quantile(0.99)),
+            limit=limit,
+            shedding=control is not None and control.shedding,
+            shed=self.shed,
+            saturation=self.in_flight / limit if limit else 0.0,
         )
 
 

@@ -61,7 +61,8 @@ class StageStatistics:
     ``published == acked + dead_lettered + abandoned + depth + in_flight`` holds at
     every moment; envelopes waiting for a retry count as ``in_flight``. ``dropped``
     and ``expired`` are parts of ``dead_lettered``; ``rejected`` (refused at the door)
-    is never part of ``published``. ``failed`` counts failed attempts, ``retried``
+    is never part of ``published``; ``shed`` is part of ``dead_lettered`` too.
+    ``failed`` counts failed attempts, ``retried``
     the attempts scheduled again. Latencies are in seconds: ``latency_*`` from pick-up
     to settlement, ``wait_p99`` from admission to pick-up.
     """
@@ -86,6 +87,16 @@ class StageStatistics:
     #: Added after the documented fields (kept last, so their order holds).
     abandoned: int
     capacity: int
+    #: Consumers the stage should run now: ``concurrency`` for a static stage; the
+    #: controller's current limit for ``concurrency=Adaptive(...)`` (``concurrency``
+    #: then counts the consumers alive, retiring ones included).
+    limit: int = 0
+    #: Whether an ``admission=`` stage is shedding stale envelopes now.
+    shedding: bool = False
+    #: Envelopes shed under overload (dead-lettered ``overload``; part of ``dead_lettered``).
+    shed: int = 0
+    #: ``in_flight / limit``: how busy the consumers are (see "Saturation" in the docs).
+    saturation: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

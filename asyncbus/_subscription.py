@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.to_process
 
+from ._adaptive import Adaptive
+from ._admission import Admission
 from ._decoding import payload_decoder
 from ._envelope import Envelope
 from ._exceptions import ConfigurationError, Reject
@@ -44,13 +46,15 @@ class Subscription:
     topic: str
     handler: Callable[..., Any]
     group: str
-    concurrency: int
+    concurrency: int | Adaptive
     capacity: int
     backpressure: Backpressure
     retry: Retry | None
     timeout: float | None
     offload: Offload | None
     middleware: tuple[Middleware, ...]
+    #: Sojourn shedding of the stage, ``None`` for none.
+    admission: Admission | None = None
 
     @property
     def stage(self) -> str:
@@ -79,13 +83,14 @@ def make_subscription(
     handler: Any,
     *,
     group: str | None,
-    concurrency: int,
+    concurrency: int | Adaptive,
     capacity: int,
     backpressure: Backpressure | str,
     retry: Retry | None,
     timeout: float | None,
     offload: str | None,
     middleware: Sequence[Middleware],
+    admission: Admission | None = None,
 ) -> Subscription:
     """Validate everything ``subscribe`` was given and return the :class:`Subscription`.
 
@@ -98,8 +103,18 @@ def make_subscription(
     if not callable(handler):
         raise ConfigurationError(f"{where}: handler must be callable, got {handler!r}")
     for name, value in (("concurrency", concurrency), ("capacity", capacity)):
+        if name == "concurrency" and isinstance(value, Adaptive):
+            continue  # validated when it was made
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigurationError(f"{where}: {name} must be an int >= 1, got {value!r}")
+            raise ConfigurationError(
+                f"{where}: {name} must be an int >= 1"
+                + (" or an Adaptive" if name == "concurrency" else "")
+                + f", got {value!r}"
+            )
+    if admission is not None and not isinstance(admission, Admission):
+        raise ConfigurationError(
+            f"{where}: admission must be an Admission or None, got {admission!r}"
+        )
     try:
         policy = Backpressure(backpressure)
     except ValueError:
@@ -133,6 +148,7 @@ def make_subscription(
         timeout=float(timeout) if timeout is not None else None,
         offload=None if is_async else typing.cast("Offload", offload or "thread"),
         middleware=tuple(middleware),
+        admission=admission,
     )
 
 
