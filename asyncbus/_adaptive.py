@@ -18,11 +18,14 @@ The rule, in the family of TCP Vegas and gradient limiters:
   ``_TOLERANCE``: latency near its floor means the downstream has spare parallelism;
   latency above it means callers queue inside the downstream (its knee is passed).
 * Median at or under the threshold, and the limit was used (the window's peak
-  in-flight reached the limit): raise it, doubling until the first back-off (slow
-  start), then by one per window. An unused limit is never raised, so a lightly
-  loaded stage does not drift to ``max``.
+  in-flight reached the limit): raise it, doubling until the first back-off or the
+  first window that left the limit unused (slow start), then by one per window, and
+  only ``_HOLD`` windows after the last back-off (so a limit one above the knee is
+  visited briefly, not every other window). An unused limit is never raised, so a
+  lightly loaded stage does not drift to ``max``.
 * Median over the threshold: multiply the limit by ``threshold / median`` (at most
-  halving it), the gradient back to where latency was acceptable.
+  halving it, at least lowering it by one), the gradient back to where latency was
+  acceptable.
 * The limit always stays within ``[min, max]``.
 """
 
@@ -44,7 +47,9 @@ _WINDOW_LATENCIES = 5.0
 _MIN_SAMPLES = 8
 _MAX_SAMPLES = 512
 #: Latency up to this multiple of the no-load latency counts as "no queueing downstream".
-_TOLERANCE = 1.25
+_TOLERANCE = 1.2
+#: Windows to wait after a back-off before probing upwards again.
+_HOLD = 3
 #: Windows per epoch of the sliding no-load minimum.
 _EPOCH = 100
 #: A back-off never cuts the limit by more than this factor in one window.
@@ -63,7 +68,7 @@ class Adaptive:
     :param min: fewest consumers (>= 1).
     :param max: most consumers (>= ``min``).
     :param target_latency: seconds of handling latency to hold; ``None`` (the default)
-        tolerates 1.25 times the no-load latency the controller measures.
+        tolerates 1.2 times the no-load latency the controller measures.
     :raises ConfigurationError: for ``min < 1``, ``max < min``, or a ``target_latency``
         that is not a positive finite number.
     """
@@ -106,6 +111,7 @@ class ConcurrencyLimit:
         "_clock",
         "_epoch_min",
         "_epoch_windows",
+        "_hold",
         "_last_median",
         "_previous_min",
         "_samples",
@@ -134,6 +140,7 @@ class ConcurrencyLimit:
         self._previous_min = math.inf
         self._epoch_windows = 0
         self._last_median = 0.0
+        self._hold = 0
 
     @property
     def no_load_latency(self) -> float:
@@ -184,11 +191,18 @@ class ConcurrencyLimit:
         before = self.limit
         threshold = self.threshold()
         if median <= threshold:
-            if peak >= self.limit:
+            if self._hold:
+                self._hold -= 1
+            elif peak >= self.limit:
                 grown = self.limit * 2 if self._slow_start else self.limit + 1
                 self.limit = min(self.maximum, grown)
+            else:
+                # Demand, not the downstream, bounds the stage now: from here on probe
+                # one step at a time, so a burst does not double the limit past the knee.
+                self._slow_start = False
         else:
             self._slow_start = False
+            self._hold = _HOLD
             cut = max(_MAX_CUT, threshold / median)
             self.limit = max(self.minimum, min(self.limit - 1, math.floor(self.limit * cut)))
         return self.limit != before
