@@ -23,9 +23,10 @@ The rule, in the family of TCP Vegas and gradient limiters:
   only ``_HOLD`` windows after the last back-off (so a limit one above the knee is
   visited briefly, not every other window). An unused limit is never raised, so a
   lightly loaded stage does not drift to ``max``.
-* Median over the threshold: multiply the limit by ``threshold / median`` (at most
-  halving it, at least lowering it by one), the gradient back to where latency was
-  acceptable.
+* Median over the threshold: lower the limit by one (a knee is sharp: one caller
+  too many already shows); when the median is over twice the threshold, multiply it
+  by ``threshold / median`` instead, at most halving it (the gradient back to where
+  latency was acceptable, for a limit far past the knee).
 * The limit always stays within ``[min, max]``.
 """
 
@@ -203,8 +204,10 @@ class ConcurrencyLimit:
         else:
             self._slow_start = False
             self._hold = _HOLD
-            cut = max(_MAX_CUT, threshold / median)
-            self.limit = max(self.minimum, min(self.limit - 1, math.floor(self.limit * cut)))
+            lowered = self.limit - 1
+            if median > 2.0 * threshold:
+                lowered = min(lowered, math.floor(self.limit * max(_MAX_CUT, threshold / median)))
+            self.limit = max(self.minimum, lowered)
         return self.limit != before
 
     def _learn_floor(self, median: float) -> None:

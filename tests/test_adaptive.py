@@ -47,7 +47,7 @@ def test_limit_falls_when_latency_rises_then_probes_one_step_at_a_time() -> None
     # Three times the floor: the gradient (0.012 / 0.030 = 0.4) is capped at halving.
     assert window(limit, clock, 0.030, 16)
     assert limit.limit == 8
-    # A little over the threshold (0.012): cut by the gradient, at least by one.
+    # A little over the threshold (0.012): one step down.
     assert window(limit, clock, 0.0125, 8)
     assert limit.limit == 7
     # Back at the floor: three windows of hold, then one step per window (no more doubling).
@@ -86,7 +86,7 @@ def test_target_latency_is_the_threshold() -> None:
     assert window(limit, clock, 0.045, limit.limit)
     assert limit.limit == 4
     assert limit.threshold() == 0.050
-    assert window(limit, clock, 0.100, 4)  # twice the target: halved
+    assert window(limit, clock, 0.150, 4)  # three times the target: halved
     assert limit.limit == 2
 
 
