@@ -18,7 +18,7 @@ import anyio
 import pytest
 import uvicorn
 
-from asyncbus import HEADER_REPLAYED, Bus, Envelope
+from asyncbus import HEADER_REPLAYED, Adaptive, Admission, Bus, Envelope, _control
 from asyncbus.integrations.starlette import admin_app
 
 pytestmark = pytest.mark.anyio
@@ -185,3 +185,65 @@ async def test_dashboard_updates_live_and_replays_a_dead_letter(chromium: Path) 
         0,
         0,
     )
+
+
+@pytest.mark.timeout(120)
+async def test_dashboard_shows_the_limit_and_shedding_live(
+    chromium: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from playwright.async_api import async_playwright, expect
+
+    now = [0.0]
+    monkeypatch.setattr(_control, "default_clock", lambda: now[0])
+    started = {n: anyio.Event() for n in range(1, 8)}
+    release = {n: anyio.Event() for n in range(1, 8)}
+
+    async def handle(n: int) -> None:
+        started[n].set()
+        await release[n].wait()
+
+    bus = Bus()
+    bus.subscribe(
+        "work",
+        handle,
+        group="w",
+        concurrency=Adaptive(min=1, max=8),
+        admission=Admission(target_wait=1.0, interval=1.0),
+    )
+    with anyio.fail_after(90):
+        async with bus, serving(admin_app(bus, token=TOKEN)) as url, async_playwright() as pw:
+            # Six wait from t=0; at t=3 the oldest has stood above 1 s for an interval.
+            for n in range(1, 7):
+                await bus.publish("work", n)
+            await started[1].wait()
+            now[0] = 2.0
+            release[1].set()
+            await started[2].wait()
+            now[0] = 3.0
+            await bus.publish("work", 7)
+            release[2].set()
+            await started[7].wait()  # 3..6 shed, 7 (the newest) served
+
+            browser = await pw.chromium.launch(
+                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=30_000
+            )
+            try:
+                page = await browser.new_page()
+                page.set_default_timeout(TIMEOUT_MS)
+                await page.goto(f"{url}/?token={TOKEN}")
+                row = page.locator('#stages tr[data-stage="work@w"]')
+                shed = row.locator('td[data-field="shed"]')
+                await expect(shed).to_have_text("4 shedding", timeout=TIMEOUT_MS)
+                await expect(row.locator('td[data-field="in_flight"]')).to_have_text("1 / 1")
+                await expect(row.locator('td[data-field="saturation"]')).to_have_text("100%")
+                await expect(
+                    page.locator('#by-reason [data-reason="overload"] .count')
+                ).to_have_text("4")
+                release[7].set()
+                await bus.drain(timeout=5)
+                await expect(shed).to_have_text("4", timeout=TIMEOUT_MS)  # the queue emptied
+                await expect(row.locator('td[data-field="saturation"]')).to_have_text("0%")
+            finally:
+                await browser.close()
+    stage = bus.statistics().stage("work@w")
+    assert (stage.published, stage.acked, stage.shed, stage.dead_lettered) == (7, 3, 4, 4)
