@@ -5,9 +5,13 @@ longer, and every one handled late is work wasted on a caller that gave up. The
 :class:`SojournShedder` tells a standing queue from a passing burst by how long the
 oldest waiting envelope has waited, looked at on every pick-up:
 
-* **Entering.** When that wait stays above ``target_wait`` at every pick-up for
-  ``interval`` seconds, the stage starts shedding. A burst that the stage works off
-  within the interval never triggers it. An empty queue resets the rule.
+* **Entering.** When that wait has stayed above ``target_wait`` for ``interval``
+  seconds, the stage starts shedding. The oldest envelope tells since when without
+  anyone watching: the queue has held an envelope older than the target at least since
+  that envelope itself crossed the target (``now - (oldest_wait - target_wait)``), so
+  the rule holds however rarely consumers pick up. A pick-up that finds the oldest
+  under the target, or an empty queue, resets it. A burst that the stage works off
+  within the interval never triggers it.
 * **Shedding.** Before each pick-up, every queued envelope that has waited longer
   than ``target_wait`` is dead-lettered ``overload`` (never dropped silently), and
   the stage serves the newest envelope first (adaptive LIFO): under overload the
@@ -99,7 +103,7 @@ class SojournShedder:
         """
         if oldest_wait > self.target:
             if self._above_since is None:
-                self._above_since = now
+                self._above_since = now - (oldest_wait - self.target)
             if not self.shedding and now - self._above_since >= self.interval:
                 self.shedding = True
                 self.episodes += 1

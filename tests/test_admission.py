@@ -13,46 +13,50 @@ from asyncbus._lanes import Lanes, priority_of
 
 
 def test_shedding_starts_when_the_oldest_wait_stays_above_target_for_an_interval() -> None:
-    # Times are sums of powers of two, so the interval's edge is exact.
-    shedder = SojournShedder(Admission(target_wait=0.0625, interval=0.125))
-    assert not shedder.observe(0.07, now=10.0)
-    assert not shedder.observe(0.1, now=10.0625)
-    assert not shedder.observe(0.15, now=10.12)
-    assert shedder.observe(0.16, now=10.125)
+    # Times are sums of powers of two, so every edge is exact.
+    shedder = SojournShedder(Admission(target_wait=0.25, interval=0.5))
+    assert not shedder.observe(0.25, now=10.0)  # at the target is not above it
+    assert not shedder.observe(0.5, now=10.25)  # above since 10.0, the oldest tells
+    assert not shedder.observe(0.625, now=10.375)
+    assert shedder.observe(0.75, now=10.5)  # above for a whole interval
     assert shedder.episodes == 1
-    assert shedder.shed_before(10.125) == 10.0625
+    assert shedder.shed_before(10.5) == 10.25
+
+
+def test_a_queue_nobody_looked_at_sheds_at_the_first_pick_up() -> None:
+    shedder = SojournShedder(Admission(target_wait=0.25, interval=0.5))
+    # Consumers were busy for a second: the oldest crossed the target 0.75 s ago.
+    assert shedder.observe(1.0, now=5.0)
 
 
 def test_a_wait_under_the_target_resets_the_interval() -> None:
-    shedder = SojournShedder(Admission(target_wait=0.05, interval=0.1))
-    assert not shedder.observe(0.06, now=0.0)
-    assert not shedder.observe(0.04, now=0.08)  # the queue caught up
-    assert not shedder.observe(0.06, now=0.12)
-    assert not shedder.observe(0.09, now=0.21)
-    assert shedder.observe(0.10, now=0.22)
+    shedder = SojournShedder(Admission(target_wait=0.25, interval=0.5))
+    assert not shedder.observe(0.375, now=0.0)
+    assert not shedder.observe(0.125, now=0.125)  # the queue caught up
+    assert not shedder.observe(0.5, now=0.5)  # above since 0.25
+    assert not shedder.observe(0.625, now=0.625)
+    assert shedder.observe(0.75, now=0.75)
 
 
 def test_an_empty_queue_resets_everything() -> None:
-    shedder = SojournShedder(Admission(target_wait=0.05, interval=0.1))
-    shedder.observe(0.06, now=0.0)
-    assert shedder.observe(0.2, now=0.2)
+    shedder = SojournShedder(Admission(target_wait=0.25, interval=0.5))
+    assert shedder.observe(1.0, now=0.0)
     shedder.idle()
     assert not shedder.shedding
-    assert not shedder.observe(0.06, now=0.3)  # the interval starts again
-    assert shedder.observe(0.06, now=0.4)
+    assert not shedder.observe(0.375, now=1.0)  # the interval starts again (at 0.875)
+    assert shedder.observe(0.875, now=1.5)
     assert shedder.episodes == 2
 
 
 def test_shedding_stops_after_an_interval_without_anything_to_shed() -> None:
-    shedder = SojournShedder(Admission(target_wait=0.05, interval=0.1))
-    shedder.observe(0.06, now=0.0)
-    assert shedder.observe(0.2, now=0.1)
-    shedder.note_shed(0.15)
-    assert shedder.observe(0.01, now=0.2)  # under the target, but shed 50 ms ago
-    assert shedder.observe(0.07, now=0.24)  # over the target again: still shedding
-    shedder.note_shed(0.24)
-    assert shedder.observe(0.01, now=0.30)
-    assert not shedder.observe(0.02, now=0.34)
+    shedder = SojournShedder(Admission(target_wait=0.25, interval=0.5))
+    assert shedder.observe(1.0, now=1.0)
+    shedder.note_shed(1.0)
+    assert shedder.observe(0.125, now=1.25)  # under the target, but shed 0.25 s ago
+    assert shedder.observe(0.375, now=1.375)  # over the target again: still shedding
+    shedder.note_shed(1.375)
+    assert shedder.observe(0.125, now=1.75)
+    assert not shedder.observe(0.125, now=1.875)
     assert not shedder.shedding
 
 

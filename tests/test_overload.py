@@ -90,9 +90,9 @@ async def test_stale_envelopes_are_shed_as_overload_and_the_newest_is_served(
             for n in range(1, 7):
                 await bus.publish("work", n)  # all admitted at t=0
             await gates.started[1].wait()
-            clock.now = 2.0
+            clock.now = 1.5
             gates.release[1].set()
-            # The oldest has waited 2 s > 1 s: the interval starts, first-in first-out.
+            # The oldest has waited 1.5 s, above 1 s for 0.5 s: not yet, first-in first-out.
             await gates.started[2].wait()
             stage = bus.statistics().stage("work@w")
             assert (stage.shedding, stage.shed, stage.depth) == (False, 0, 4)
@@ -139,7 +139,7 @@ async def test_a_burst_shorter_than_the_interval_is_not_shed(clock: FakeClock) -
                 await bus.publish("work", n)
             for n in range(1, 5):
                 await gates.started[n].wait()
-                clock.now += 2.0  # every pick-up sees the oldest above the target ...
+                clock.now += 1.5  # every pick-up sees the oldest above the target ...
                 gates.release[n].set()
             await bus.drain()  # ... but for less than the interval
     stage = bus.statistics().stage("work@w")
@@ -274,13 +274,13 @@ async def test_shedding_over_a_broker_rejects_the_deliveries(clock: FakeClock) -
             await gates.started[2].wait()
             await anyio.wait_all_tasks_blocked()  # 3 and 4 pumped in (the limit: 2) at t=0
             assert bus.statistics().stage("work@w").depth == 2
-            clock.now = 2.0
+            clock.now = 1.5
             gates.release[1].set()
-            await gates.started[3].wait()  # the oldest waited 2 s: the interval starts
+            await gates.started[3].wait()  # the oldest waited 1.5 s: above for 0.5 s only
             clock.now = 3.5
             gates.release[2].set()
             gates.release[3].set()
-            await bus.drain()  # 4 waited 3.5 s, over the target for 1.5 s: shed
+            await bus.drain()  # 4 waited 3.5 s, over the target for 2.5 s: shed
             stored = await transport.dead_letters()
     stage = bus.statistics().stage("work@w")
     assert (stage.published, stage.acked, stage.shed, stage.dead_lettered) == (4, 3, 1, 1)

@@ -216,7 +216,7 @@ async def test_dashboard_shows_the_limit_and_shedding_live(
             for n in range(1, 7):
                 await bus.publish("work", n)
             await started[1].wait()
-            now[0] = 2.0
+            now[0] = 1.5
             release[1].set()
             await started[2].wait()
             now[0] = 3.0
