@@ -156,6 +156,8 @@ class StageControl:
         while self.lanes:
             left.append(self.lanes.pop_oldest()[1].id)
         self.crews.clear()
+        if self.shedder is not None:
+            self.shedder.idle()
         return left
 
     async def consume(self, crew: Crew) -> None:

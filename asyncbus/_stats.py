@@ -95,7 +95,8 @@ class StageStatistics:
     shedding: bool = False
     #: Envelopes shed under overload (dead-lettered ``overload``; part of ``dead_lettered``).
     shed: int = 0
-    #: ``in_flight / limit``: how busy the consumers are (see "Saturation" in the docs).
+    #: ``in_flight / limit``: how busy the consumers are (see "Saturation" in the README);
+    #: above 1 while envelopes waiting for a retry (counted in flight) outnumber free slots.
     saturation: float = 0.0
 
 

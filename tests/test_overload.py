@@ -330,3 +330,13 @@ async def test_a_static_stage_reports_its_concurrency_as_its_limit() -> None:
     )
     names = [field.name for field in dataclasses.fields(StageStatistics)]
     assert names[-6:] == ["abandoned", "capacity", "limit", "shedding", "shed", "saturation"]
+
+
+def test_the_controllers_names_import_from_asyncbus() -> None:
+    import asyncbus
+
+    for name in ("Adaptive", "Admission", "Priority", "HEADER_PRIORITY"):
+        assert name in asyncbus.__all__
+    assert DeadLetterReason.OVERLOAD == "overload"
+    assert [int(level) for level in Priority] == [0, 1, 2]
+    assert HEADER_PRIORITY == "asyncbus-priority"
