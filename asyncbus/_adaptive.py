@@ -8,7 +8,8 @@ The rule, in the family of TCP Vegas and gradient limiters:
 * Samples are grouped in windows (at least ``_MIN_WINDOW`` seconds, five no-load
   latencies and two of the last window's median latency long, so most of a window's
   samples started under the current limit; at least ``_MIN_SAMPLES`` samples, at most
-  ``_MAX_SAMPLES``).
+  ``_MAX_SAMPLES``). After the limit changes, as many samples as envelopes were in
+  flight under the old limit are left out: they describe the old limit, not the new.
   A window's figure is the median of its samples, so a few slow outliers (a noisy
   machine, one slow call) do not move the limit.
 * The *no-load latency* is the smallest window median seen over the last two epochs
@@ -22,11 +23,15 @@ The rule, in the family of TCP Vegas and gradient limiters:
   first window that left the limit unused (slow start), then by one per window, and
   only ``_HOLD`` windows after the last back-off (so a limit one above the knee is
   visited briefly, not every other window). An unused limit is never raised, so a
-  lightly loaded stage does not drift to ``max``.
-* Median over the threshold: lower the limit by one (a knee is sharp: one caller
-  too many already shows); when the median is over twice the threshold, multiply it
-  by ``threshold / median`` instead, at most halving it (the gradient back to where
-  latency was acceptable, for a limit far past the knee).
+  lightly loaded stage does not drift to ``max``; a limit that stays well above what
+  demand used (by more than a quarter, at least 2) comes down one step per window, so
+  the next burst starts near the knee instead of far past it.
+* Median over the threshold in two windows running (one slow window alone may be a
+  stalled event loop on a busy machine, not the downstream): lower the limit by one,
+  since a knee is sharp and one caller too many already shows; when the median is
+  over twice the threshold, multiply the limit by ``threshold / median`` instead, at
+  most halving it (the gradient back to where latency was acceptable, for a limit far
+  past the knee).
 * The limit always stays within ``[min, max]``.
 """
 
@@ -51,6 +56,10 @@ _MAX_SAMPLES = 512
 _TOLERANCE = 1.2
 #: Windows to wait after a back-off before probing upwards again.
 _HOLD = 3
+#: Windows over the threshold in a row before a one-step back-off.
+_PATIENCE = 2
+#: Unused consumers a limit keeps (or a quarter of it, if more) before it comes down.
+_SPARE = 2
 #: Windows per epoch of the sliding no-load minimum.
 _EPOCH = 100
 #: A back-off never cuts the limit by more than this factor in one window.
@@ -114,8 +123,10 @@ class ConcurrencyLimit:
         "_epoch_windows",
         "_hold",
         "_last_median",
+        "_over",
         "_previous_min",
         "_samples",
+        "_skip",
         "_slow_start",
         "_target",
         "_window_peak",
@@ -142,6 +153,8 @@ class ConcurrencyLimit:
         self._epoch_windows = 0
         self._last_median = 0.0
         self._hold = 0
+        self._over = 0
+        self._skip = 0
 
     @property
     def no_load_latency(self) -> float:
@@ -162,6 +175,9 @@ class ConcurrencyLimit:
             (itself included).
         """
         if not latency >= 0.0:  # NaN or negative: a broken clock; ignore the sample
+            return False
+        if self._skip:
+            self._skip -= 1  # began under the previous limit
             return False
         self._samples.append(latency)
         if self._window_start is None:
@@ -192,6 +208,7 @@ class ConcurrencyLimit:
         before = self.limit
         threshold = self.threshold()
         if median <= threshold:
+            self._over = 0
             if self._hold:
                 self._hold -= 1
             elif peak >= self.limit:
@@ -199,15 +216,25 @@ class ConcurrencyLimit:
                 self.limit = min(self.maximum, grown)
             else:
                 # Demand, not the downstream, bounds the stage now: from here on probe
-                # one step at a time, so a burst does not double the limit past the knee.
+                # one step at a time, so a burst does not double the limit past the knee,
+                # and let an unused limit come down towards what demand used.
                 self._slow_start = False
+                if self.limit - peak > max(_SPARE, self.limit // 4):
+                    self.limit = max(self.minimum, self.limit - 1)
         else:
-            self._slow_start = False
-            self._hold = _HOLD
-            lowered = self.limit - 1
-            if median > 2.0 * threshold:
-                lowered = min(lowered, math.floor(self.limit * max(_MAX_CUT, threshold / median)))
-            self.limit = max(self.minimum, lowered)
+            self._over += 1
+            severe = median > 2.0 * threshold
+            if self._over >= _PATIENCE:
+                self._over = 0
+                self._slow_start = False
+                self._hold = _HOLD
+                lowered = self.limit - 1
+                if severe:
+                    cut = max(_MAX_CUT, threshold / median)
+                    lowered = min(lowered, math.floor(self.limit * cut))
+                self.limit = max(self.minimum, lowered)
+        if self.limit != before:
+            self._skip = before
         return self.limit != before
 
     def _learn_floor(self, median: float) -> None:

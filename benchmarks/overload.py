@@ -39,7 +39,7 @@ K = 8  # parallel slots of the downstream
 EXTRA = 0.005  # seconds each caller beyond K adds to a call
 CAPACITY = K / SERVICE  # calls per second at the knee
 TARGET_WAIT = 0.05
-INTERVAL = 0.05
+INTERVAL = 0.025
 BACKENDS: dict[str, dict[str, Any]] = {"asyncio": {}, "uvloop": {"use_uvloop": True}}
 SWEEP = (2, 4, 6, 8, 10, 12, 16, 24)
 

@@ -20,8 +20,12 @@ class FakeClock:
 
 
 def window(limit: ConcurrencyLimit, clock: FakeClock, latency: float, in_flight: int) -> bool:
-    """Feed one full window of ``latency`` samples; return whether the limit changed."""
-    for _ in range(7):
+    """Feed one full window of ``latency`` samples; return whether the limit changed.
+
+    Plenty of samples, in no time, then one after the window's length: enough for any
+    window, whatever the limiter leaves out after a change.
+    """
+    for _ in range(63):
         assert not limit.record(latency, in_flight)
     clock.now += 1.0  # longer than any window
     return limit.record(latency, in_flight)
@@ -44,10 +48,13 @@ def test_limit_falls_when_latency_rises_then_probes_one_step_at_a_time() -> None
     for _ in range(4):
         window(limit, clock, 0.010, limit.limit)
     assert limit.limit == 16
-    # Three times the floor: the gradient (0.012 / 0.030 = 0.4) is capped at halving.
+    # Three times the floor, two windows running: the gradient (0.012 / 0.030 = 0.4)
+    # is capped at halving.
+    assert not window(limit, clock, 0.030, 16)
     assert window(limit, clock, 0.030, 16)
     assert limit.limit == 8
-    # A little over the threshold (0.012): one step down.
+    # A little over the threshold (0.012): one step down, after two such windows running.
+    assert not window(limit, clock, 0.0125, 8)
     assert window(limit, clock, 0.0125, 8)
     assert limit.limit == 7
     # Back at the floor: three windows of hold, then one step per window (no more doubling).
@@ -86,7 +93,8 @@ def test_target_latency_is_the_threshold() -> None:
     assert window(limit, clock, 0.045, limit.limit)
     assert limit.limit == 4
     assert limit.threshold() == 0.050
-    assert window(limit, clock, 0.150, 4)  # three times the target: halved
+    assert not window(limit, clock, 0.150, 4)  # three times the target ...
+    assert window(limit, clock, 0.150, 4)  # ... twice running: halved
     assert limit.limit == 2
 
 
@@ -141,3 +149,46 @@ def test_adaptive_is_a_frozen_slotted_dataclass() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.min = 3  # type: ignore[misc]
     assert Adaptive(target_latency=1).target_latency == 1.0
+
+
+def test_one_slow_window_alone_does_not_lower_the_limit() -> None:
+    clock = FakeClock()
+    limit = ConcurrencyLimit(Adaptive(min=1, max=64), clock)
+    for _ in range(3):
+        window(limit, clock, 0.010, limit.limit)
+    assert limit.limit == 8
+    assert not window(limit, clock, 0.015, 8)  # a noisy window ...
+    assert not window(limit, clock, 0.010, 7)  # ... then normal again: forgotten
+    assert not window(limit, clock, 0.100, 8)  # even a very slow one, alone
+    assert limit.limit == 8
+
+
+def test_samples_that_began_under_the_old_limit_are_left_out() -> None:
+    clock = FakeClock()
+    limit = ConcurrencyLimit(Adaptive(min=1, max=64), clock)
+    window(limit, clock, 0.010, 1)
+    window(limit, clock, 0.010, 2)
+    assert limit.limit == 4
+    # Two envelopes were in flight under the limit of 2: their samples do not count.
+    clock.now += 1.0
+    for _ in range(2):
+        assert not limit.record(5.0, 4)
+    for _ in range(7):
+        assert not limit.record(0.010, 4)
+    assert limit.record(0.010, 4)  # the eighth counted sample closes the window
+    assert limit.limit == 8
+
+
+def test_an_unused_limit_comes_down_towards_demand() -> None:
+    clock = FakeClock()
+    limit = ConcurrencyLimit(Adaptive(min=1, max=64), clock)
+    for _ in range(5):
+        window(limit, clock, 0.010, limit.limit)
+    assert limit.limit == 32
+    seen = []
+    for _ in range(30):
+        window(limit, clock, 0.010, 6)  # demand uses 6
+        seen.append(limit.limit)
+    # Down one step a window while more than a quarter (at least 2) stays unused.
+    assert seen[:3] == [31, 30, 29]
+    assert seen[-1] == 8
