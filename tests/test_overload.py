@@ -178,11 +178,15 @@ async def test_priority_travels_as_a_header_and_is_validated() -> None:
     async with bus:
         await bus.publish("work", 1, priority=Priority.LOW)
         await bus.publish("work", 2)
+        future = await anyio.to_thread.run_sync(
+            lambda: bus.publish_threadsafe("work", 3, priority=Priority.HIGH)
+        )
+        await anyio.to_thread.run_sync(future.result)
         for bad in (3, -1, True, "high", 1.0):
             with pytest.raises(ConfigurationError):
                 await bus.publish("work", 0, priority=bad)  # type: ignore[arg-type]
         await bus.drain()
-    assert [env.headers.get(HEADER_PRIORITY) for env in seen] == ["0", None]
+    assert [env.headers.get(HEADER_PRIORITY) for env in seen] == ["0", None, "2"]
 
 
 @pytest.mark.anyio
@@ -340,3 +344,31 @@ def test_the_controllers_names_import_from_asyncbus() -> None:
     assert DeadLetterReason.OVERLOAD == "overload"
     assert [int(level) for level in Priority] == [0, 1, 2]
     assert HEADER_PRIORITY == "asyncbus-priority"
+
+
+@pytest.mark.anyio
+async def test_a_controlled_stage_accounts_for_everything_at_shutdown(clock: FakeClock) -> None:
+    gates = Gates(6)
+    bus = Bus()
+    bus.subscribe(
+        "work",
+        gates.handle,
+        group="w",
+        concurrency=Adaptive(min=2, max=2),
+        admission=Admission(),
+    )
+    with anyio.fail_after(10):
+        async with bus:
+            ids = [
+                (await bus.publish("work", n, priority=Priority.LOW if n % 2 else None)).id
+                for n in range(1, 7)
+            ]
+            await gates.started[1].wait()
+            await gates.started[2].wait()
+            report = await bus.aclose(timeout=0.01)  # two held by the handlers, four queued
+    assert not report.drained
+    assert (report.published, report.completed, report.dead_lettered) == (6, 0, 0)
+    assert sorted(report.abandoned) == sorted(ids)
+    stage = bus.statistics().stage("work@w")
+    assert (stage.abandoned, stage.depth, stage.in_flight) == (6, 0, 0)
+    assert balanced(stage)
