@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.abc
 import pytest
 
 from asyncbus import TransportError
@@ -42,12 +43,33 @@ async def _submit_all(coalescer: Coalescer[int], items: range) -> dict[int, Base
     return results
 
 
+async def _submit_then_write(
+    coalescer: Coalescer[int], task_group: anyio.abc.TaskGroup, items: range
+) -> dict[int, BaseException | None]:
+    """Submit ``items`` from concurrent tasks, and start the writer once all of them wait.
+
+    (Which task a scheduler runs first is its own choice: trio shuffles them under
+    hypothesis. Starting the writer after every submit waits makes "everything that
+    waited when the writer came" the same set on every backend.)
+    """
+    results: dict[int, BaseException | None] = {}
+
+    async def submit(item: int) -> None:
+        results[item] = await coalescer.submit(item)
+
+    async with anyio.create_task_group() as submitters:
+        for item in items:
+            submitters.start_soon(submit, item)
+        await anyio.wait_all_tasks_blocked()
+        task_group.start_soon(coalescer.run)
+    return results
+
+
 async def test_concurrent_submits_go_in_one_write() -> None:
     writer = Writer()
     coalescer: Coalescer[int] = Coalescer(writer.write)
     async with anyio.create_task_group() as task_group:
-        task_group.start_soon(coalescer.run)
-        results = await _submit_all(coalescer, range(100))
+        results = await _submit_then_write(coalescer, task_group, range(100))
         task_group.cancel_scope.cancel()
     # (in the order the tasks ran: trio does not run new tasks in start order)
     assert [sorted(batch) for batch in writer.batches] == [list(range(100))]
@@ -87,8 +109,8 @@ async def test_a_failed_write_fails_its_batch_only() -> None:
     boom = RuntimeError("server said no")
     writer.fail_next = boom
     async with anyio.create_task_group() as task_group:
-        task_group.start_soon(coalescer.run)
-        failed = await _submit_all(coalescer, range(3))
+        failed = await _submit_then_write(coalescer, task_group, range(3))
+        # The writer is idle again: two more submits wake it together.
         succeeded = await _submit_all(coalescer, range(3, 5))
         task_group.cancel_scope.cancel()
     assert failed == dict.fromkeys(range(3), boom)
