@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
+import functools
 import logging
 import os
 import threading
@@ -10,6 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
+from contextvars import ContextVar
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, TypeVar, overload
 
@@ -19,10 +22,12 @@ from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import checkpoint
 
+from . import _instrument
 from ._adaptive import Adaptive
 from ._admission import Admission, Priority
+from ._carry import ContextVarCarrier, checked_contextvars
 from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
-from ._dispatch import current_dispatch, describe_error, short_traceback
+from ._dispatch import current_dispatch, describe_error, handled_envelope, short_traceback
 from ._envelope import (
     EMPTY_HEADERS,
     HEADER_KEY,
@@ -36,7 +41,7 @@ from ._envelope import (
 )
 from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
 from ._logging import FailureLog, dead_letter_logger
-from ._offload import hold_switch_interval, release_switch_interval
+from ._offload import hold_switch_interval, offloaded_envelope, release_switch_interval
 from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Backpressure, DoorOutcome, Stage
@@ -83,6 +88,9 @@ class Bus:
     :param dead_letter_maxlen: most dead letters kept; the oldest is evicted past it.
     :param codec: serialisation for transports that need it (unused in memory).
     :param name: name of this bus, used as the ``sender`` of what it publishes.
+    :param propagate_contextvars: context variables whose values a publish carries to
+        the handlers of what it published (set in the handler's context while it
+        handles the envelope), in memory only: over a broker nothing is carried.
     """
 
     def __init__(
@@ -95,6 +103,7 @@ class Bus:
         dead_letter_maxlen: int = 100_000,
         codec: object | None = None,
         name: str = "asyncbus",
+        propagate_contextvars: Sequence[ContextVar[Any]] = (),
     ) -> None:
         if transport is not None and not isinstance(transport, Transport):
             raise ConfigurationError(
@@ -111,6 +120,7 @@ class Bus:
         for layer in middleware:
             if not callable(layer):
                 raise ConfigurationError(f"Bus: middleware {layer!r} is not callable")
+        carried = checked_contextvars(propagate_contextvars)
         self.name = name
         self.codec = codec
         #: Where envelopes wait; ``None`` or a :class:`MemoryTransport` keeps them in
@@ -159,6 +169,11 @@ class Bus:
         #: Called with every envelope routed (publishes, slip hops, replays); for test
         #: helpers such as :func:`asyncbus.testing.capture`.
         self.observers: list[Callable[[Envelope], None]] = []
+        # Told where envelopes leave and around each dispatch (tracing, carried
+        # contextvars); None costs the hot path one attribute check.
+        self._instrumentation: _instrument.Instrumentation | None = None
+        if carried:
+            _instrument.attach(self, ContextVarCarrier(carried))
 
     # -- life cycle -------------------------------------------------------------
 
@@ -552,7 +567,10 @@ class Bus:
         id: str | None,
         reply_to: str | None = None,
         priority: Priority | int | None = None,
+        cause: Envelope | None = None,
     ) -> Envelope:
+        """A new envelope to send; one sent while ``cause`` is handled continues its
+        conversation (same ``correlation_id``, ``causation_id`` = its id)."""
         if headers or key is not None or priority is not None:
             fields = dict(headers or {})
             if key is not None:
@@ -577,10 +595,21 @@ class Bus:
             ttl,
             1,
             route,
-            envelope_id,
-            None,
+            cause.correlation_id if cause is not None else envelope_id,
+            cause.id if cause is not None else None,
             reply_to,
             self.name,
+        )
+
+    def _send(
+        self, kind: _instrument.SendKind, envelope: Envelope, timeout: float | None
+    ) -> Awaitable[Receipt]:
+        """Route ``envelope``, told to the instrumentation (if any) as a send of ``kind``."""
+        instrumentation = self._instrumentation
+        if instrumentation is None:
+            return self._route(envelope, timeout)
+        return _instrument.send(
+            instrumentation, kind, envelope, _instrument.system(self), self._route, timeout
         )
 
     async def publish(
@@ -615,9 +644,17 @@ class Bus:
         await self.yield_now()
         if self._state != "running":  # checked after the yield: aclose may have begun
             self._check_open()
-        if headers or ttl is not None or slip or key is not None or priority is not None:
+        cause = handled_envelope()  # published by a handler: continue its conversation
+        if (
+            headers
+            or ttl is not None
+            or slip
+            or key is not None
+            or priority is not None
+            or cause is not None
+        ):
             envelope = self._envelope(
-                topic, payload, headers, ttl, slip, key, id, priority=priority
+                topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
             )
         else:
             envelope_id = id if id is not None else new_id()
@@ -635,6 +672,8 @@ class Bus:
                 None,
                 self.name,
             )
+        if self._instrumentation is not None:
+            return await self._send("publish", envelope, timeout)
         if not self.observers and self._broker is None:
             # The common case, without the general path's calls: every stage has room.
             stages = self._routes.get(topic) or self._router.route(topic)
@@ -678,7 +717,17 @@ class Bus:
                 f"publish_nowait cannot wait for {self._broker.name}'s confirmation: "
                 "use `await bus.publish(...)` or publish_threadsafe"
             )
-        envelope = self._envelope(topic, payload, headers, ttl, slip, key, id, priority=priority)
+        envelope = self._envelope(
+            topic, payload, headers, ttl, slip, key, id, priority=priority, cause=handled_envelope()
+        )
+        instrumentation = self._instrumentation
+        if instrumentation is not None:
+            return _instrument.send_now(
+                instrumentation, "publish", envelope, _instrument.system(self), self._offer_now
+            )
+        return self._offer_now(envelope)
+
+    def _offer_now(self, envelope: Envelope) -> Receipt:
         for observe in self.observers:
             observe(envelope)
         stages = self._router.route(envelope.topic)
@@ -706,10 +755,31 @@ class Bus:
 
         Errors (``BusClosedError``, ``PublishTimeout``, …) are set on the future.
         """
-        inside = current_dispatch() is not None
+        dispatch = current_dispatch()
+        inside = dispatch is not None
+        # What the call is made in, captured here (the publish itself runs on the loop):
+        # the envelope it handles, if made by a handler (in a worker thread, the one
+        # its offloaded handler was given), and the context observers read.
+        cause = offloaded_envelope() if threading.get_ident() != self._loop_thread else None
+        if cause is None and dispatch is not None:
+            cause = dispatch.envelope
+        context = contextvars.copy_context() if self._instrumentation is not None else None
         with self._threadsafe_lock:
             self._threadsafe_pending += 1
-        arguments = (inside, topic, payload, headers, ttl, tuple(slip), key, id, timeout, priority)
+        arguments = (
+            inside,
+            cause,
+            context,
+            topic,
+            payload,
+            headers,
+            ttl,
+            tuple(slip),
+            key,
+            id,
+            timeout,
+            priority,
+        )
         portal = self._portal
         try:
             if threading.get_ident() == self._loop_thread and self._task_group is not None:
@@ -740,6 +810,8 @@ class Bus:
     async def _publish_from_thread(
         self,
         inside: bool,
+        cause: Envelope | None,
+        context: contextvars.Context | None,
         topic: str,
         payload: Any,
         headers: Mapping[str, str] | None,
@@ -754,9 +826,21 @@ class Bus:
             if not (self._state == "running" or (self._state == "closing" and inside)):
                 raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
             envelope = self._envelope(
-                topic, payload, headers, ttl, slip, key, id, priority=priority
+                topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
             )
-            return await self._route(envelope, timeout)
+            instrumentation = self._instrumentation
+            if context is None or instrumentation is None:
+                return await self._route(envelope, timeout)
+            # Observers see the send in the caller's context (a handler's, in its thread).
+            return await _instrument.send(
+                instrumentation,
+                "publish",
+                envelope,
+                _instrument.system(self),
+                self._route,
+                timeout,
+                context,
+            )
         finally:
             self._threadsafe_done()
 
@@ -935,10 +1019,18 @@ class Bus:
             causation_id=entry.envelope.id,
             sender=self.name,
         )
+        announce = functools.partial(self._announce_to, stages)
+        if self._instrumentation is None:
+            announce(envelope)
+        else:  # (announcements stay in this process, whatever the transport)
+            _instrument.send_now(self._instrumentation, "dead_letter", envelope, "memory", announce)
+
+    def _announce_to(self, stages: tuple[Stage, ...], envelope: Envelope) -> Receipt:
         for stage in stages:
             if stage.offer(envelope) is DoorOutcome.BLOCKED:
                 self._background += 1
                 self.task_group.start_soon(self._put_later, stage, envelope)
+        return make_receipt(envelope.id, tuple(stage.name for stage in stages))
 
     async def _put_later(self, stage: Stage, envelope: Envelope) -> None:
         try:
@@ -951,11 +1043,24 @@ class Bus:
     async def _resend(self, entry: DeadLetter) -> Receipt:
         if self._state not in ("running", "closing"):
             raise BusClosedError("replay needs a running bus")
-        headers = dict(entry.envelope.headers)
-        headers[HEADER_REPLAYED] = "1"
-        envelope = entry.envelope.evolve(
-            attempt=1, timestamp=time.time(), headers=MappingProxyType(headers)
+        envelope = _instrument.with_headers(
+            entry.envelope.evolve(attempt=1, timestamp=time.time()), {HEADER_REPLAYED: "1"}
         )
+        instrumentation = self._instrumentation
+        if instrumentation is None:
+            return await self._replay(entry, envelope, None)
+        return await _instrument.send(
+            instrumentation,
+            "replay",
+            envelope,
+            _instrument.system(self),
+            functools.partial(self._replay, entry),
+            None,
+        )
+
+    async def _replay(
+        self, entry: DeadLetter, envelope: Envelope, timeout: float | None
+    ) -> Receipt:
         stage = self._stages_by_name.get(entry.stage) if entry.stage else None
         broker = self._broker
         if stage is not None or broker is not None:  # (_route tells observers itself)
@@ -1000,7 +1105,7 @@ class Bus:
                 envelope.sender,
             )
             try:
-                receipt = await self._route(hop, None)
+                receipt = await self._send("forward", hop, None)
             except Exception as error:
                 self.dead_letter(
                     hop, DeadLetterReason.NO_SUBSCRIBERS, describe_error(error), None, 0, error
@@ -1015,6 +1120,18 @@ class Bus:
         if envelope.reply_to is not None:
             pending = self._requests.get(envelope.reply_to)
             if pending is not None:
+                instrumentation = self._instrumentation
+                if instrumentation is not None:
+                    # Answered in this process, without an envelope: observers see the
+                    # reply one would have been, as a broker's replier sends it.
+                    reply = self._reply_envelope(envelope, {"result": result})
+                    _instrument.send_now(
+                        instrumentation,
+                        "reply",
+                        reply,
+                        _instrument.system(self),
+                        lambda reply: make_receipt(reply.id, ()),
+                    )
                 if not pending.event.is_set():
                     pending.value = result
                     pending.event.set()
@@ -1023,8 +1140,15 @@ class Bus:
 
     async def _send_reply(self, envelope: Envelope, body: dict[str, Any]) -> None:
         # A request made by another process: answer through its inbox topic.
+        reply = self._reply_envelope(envelope, body)
+        try:
+            await self._send("reply", reply, None)
+        except Exception:
+            logger.warning("could not reply to %s", envelope.reply_to, exc_info=True)
+
+    def _reply_envelope(self, envelope: Envelope, body: dict[str, Any]) -> Envelope:
         assert envelope.reply_to is not None
-        reply = make_envelope(
+        return make_envelope(
             new_id(),
             envelope.reply_to,
             body,
@@ -1038,10 +1162,6 @@ class Bus:
             None,
             self.name,
         )
-        try:
-            await self._route(reply, None)
-        except Exception:
-            logger.warning("could not reply to %s", envelope.reply_to, exc_info=True)
 
     async def _fail_remote_request(self, entry: DeadLetter) -> None:
         try:
@@ -1120,13 +1240,21 @@ class Bus:
         if self._broker is not None:
             await self.subscribed()  # the inbox, subscribed on the first request
         envelope = self._envelope(
-            topic, payload, headers, ttl, slip, None, envelope_id, reply_to=reply_to
+            topic,
+            payload,
+            headers,
+            ttl,
+            slip,
+            None,
+            envelope_id,
+            reply_to=reply_to,
+            cause=handled_envelope(),
         )
         pending = _PendingReply()
         self._requests[reply_to] = pending
         try:
             with anyio.fail_after(timeout):
-                receipt = await self._route(envelope, None)
+                receipt = await self._send("request", envelope, None)
                 if pending.error is None and not pending.event.is_set():
                     if receipt.rejected:
                         raise _rejected_at_the_door(envelope, receipt.rejected)

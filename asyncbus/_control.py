@@ -20,6 +20,7 @@ from ._adaptive import Adaptive, ConcurrencyLimit
 from ._admission import Admission, SojournShedder
 from ._dead_letters import DeadLetterReason
 from ._dispatch import Dispatch, Outcome
+from ._instrument import dispatch as instrumented_dispatch
 from ._lanes import Lanes
 from ._stage import reject_delivery
 
@@ -226,10 +227,14 @@ class StageControl:
             stage.wait.record(now - admitted_at)
             dispatch.envelope = envelope
             dispatch.outcome = None
-            try:
-                await chain(envelope)
-            except Exception as error:  # the chain's outermost dead-letter layer
-                dispatch.fail(error)
+            instrumentation = bus._instrumentation
+            if instrumentation is None:
+                try:
+                    await chain(envelope)
+                except Exception as error:  # the chain's outermost dead-letter layer
+                    dispatch.fail(error)
+            else:  # the same, between the observers' enter and exit (tracing)
+                await instrumented_dispatch(instrumentation, chain, dispatch, envelope)
             crew.in_flight -= 1
             outcome = dispatch.outcome
             if outcome is None or outcome is Outcome.SKIPPED:

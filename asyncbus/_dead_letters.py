@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -78,6 +78,8 @@ class DeadLetterQueue:
         self._entries: OrderedDict[int, DeadLetter] = OrderedDict()
         self._by_id: dict[str, list[int]] = {}
         self._next_key = 0
+        # Entries per (stage, reason), kept as they come and go, so metrics never scan.
+        self._tally: Counter[tuple[str | None, DeadLetterReason]] = Counter()
 
     def add(self, dead_letter: DeadLetter) -> None:
         """Store ``dead_letter``, evicting the oldest entry when the queue is full."""
@@ -90,6 +92,7 @@ class DeadLetterQueue:
             self._next_key += 1
             self._entries[key] = dead_letter
             self._by_id.setdefault(dead_letter.envelope.id, []).append(key)
+            self._tally[dead_letter.stage, dead_letter.reason] += 1
         else:
             self.evicted += 1
         if self._on_add is not None:
@@ -105,6 +108,7 @@ class DeadLetterQueue:
         self._next_key += 1
         self._entries[key] = dead_letter
         self._by_id.setdefault(dead_letter.envelope.id, []).append(key)
+        self._tally[dead_letter.stage, dead_letter.reason] += 1
 
     def __len__(self) -> int:
         self._expire()
@@ -167,6 +171,7 @@ class DeadLetterQueue:
             gone = builtins.list(self._by_id)
             self._entries.clear()
             self._by_id.clear()
+            self._tally.clear()
         else:
             removed = 0
             gone = []
@@ -181,8 +186,14 @@ class DeadLetterQueue:
             self._on_remove(gone)
         return removed
 
+    def _counts(self) -> dict[tuple[str | None, DeadLetterReason], int]:
+        """Entries stored now per (stage, reason), without scanning the queue (metrics)."""
+        self._expire()
+        return {key: count for key, count in self._tally.items() if count}
+
     def _pop_key(self, key: int) -> None:
         entry = self._entries.pop(key)
+        self._tally[entry.stage, entry.reason] -= 1
         keys = self._by_id[entry.envelope.id]
         keys.remove(key)
         if not keys:

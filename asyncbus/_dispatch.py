@@ -20,7 +20,14 @@ if TYPE_CHECKING:
     from ._envelope import Envelope
     from ._stage import Stage
 
-__all__ = ["Dispatch", "Outcome", "current_dispatch", "describe_error", "short_traceback"]
+__all__ = [
+    "Dispatch",
+    "Outcome",
+    "current_dispatch",
+    "describe_error",
+    "handled_envelope",
+    "short_traceback",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _current: ContextVar[Dispatch | None] = ContextVar("asyncbus_dispatch", default=None)
@@ -37,6 +44,12 @@ class Outcome:
 def current_dispatch() -> Dispatch | None:
     """Return the dispatch being handled by the calling task, or ``None`` outside one."""
     return _current.get()
+
+
+def handled_envelope() -> Envelope | None:
+    """The envelope the calling consumer is handling now, ``None`` outside a handler."""
+    dispatch = _current.get()
+    return dispatch.envelope if dispatch is not None else None
 
 
 def describe_error(error: BaseException) -> str:
@@ -63,7 +76,7 @@ class Dispatch:
     :ivar outcome: ``None`` while it will be acked, else an :class:`Outcome` value.
     """
 
-    __slots__ = ("bus", "dead", "envelope", "outcome", "stage")
+    __slots__ = ("bus", "cause", "dead", "delay", "envelope", "outcome", "stage")
 
     def __init__(self, stage: Stage, bus: Bus) -> None:
         self.stage = stage
@@ -72,6 +85,10 @@ class Dispatch:
         self.outcome: str | None = None
         #: The dead letter recorded for the current envelope, if it died.
         self.dead: DeadLetter | None = None
+        #: What failed the current envelope's attempt, when it died or will be retried.
+        self.cause: BaseException | None = None
+        #: Seconds until the retry, when one is scheduled.
+        self.delay: float | None = None
 
     def activate(self) -> None:
         """Make this the calling task's dispatch (once, when the consumer starts)."""
@@ -93,6 +110,7 @@ class Dispatch:
         if self.outcome is not None or self.envelope is None:
             return
         self.outcome = Outcome.DEAD
+        self.cause = cause
         self.dead = self.stage.settle_dead(self.envelope, reason, error, failed=failed, cause=cause)
 
     def fail(self, error: BaseException) -> None:
@@ -123,10 +141,13 @@ class Dispatch:
 
         The envelope stays in flight (for the ledger and ``drain``) while it waits.
 
-        :param cause: the failure that made the attempt fail (logged at DEBUG).
+        :param cause: the failure that made the attempt fail (logged at DEBUG, and told
+            to an instrumented bus's observers).
         """
         if self.outcome is not None or self.envelope is None:
             return
         self.outcome = Outcome.DEFERRED
+        self.cause = cause
+        self.delay = delay
         self.bus.failure_log.retrying(self.stage.name, self.envelope, delay, cause)
         self.stage.schedule_retry(self.envelope, delay)

@@ -7,13 +7,33 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-__all__ = ["hold_switch_interval", "release_switch_interval", "run_in_worker", "run_niced"]
+if TYPE_CHECKING:
+    from ._envelope import Envelope
+
+__all__ = [
+    "hold_switch_interval",
+    "offloaded_envelope",
+    "release_switch_interval",
+    "run_in_worker",
+    "run_niced",
+]
+
+# Set in a worker thread's own context (a copy of the consumer's) to the envelope its
+# handler was given: a publish from that thread is caused by it, even after a timeout
+# abandoned the attempt and the consumer went on to another envelope.
+_offloaded: ContextVar[Envelope | None] = ContextVar("asyncbus_offloaded", default=None)
+
+
+def offloaded_envelope() -> Envelope | None:
+    """The envelope the offloaded handler running in this thread handles, else ``None``."""
+    return _offloaded.get()
 
 #: How much lower than the event loop's process a CPU-bound worker process runs.
 WORKER_NICENESS = 5
@@ -47,7 +67,10 @@ class _Slot:
 
 
 async def run_in_worker(
-    function: Callable[[Any], Any], argument: Any, limiter: anyio.CapacityLimiter
+    function: Callable[[Any], Any],
+    argument: Any,
+    limiter: anyio.CapacityLimiter,
+    envelope: Envelope | None = None,
 ) -> Any:
     """Run ``function(argument)`` in a worker thread under the bus-wide ``limiter``.
 
@@ -55,11 +78,15 @@ async def run_in_worker(
     once, but the thread runs to its end *holding its slot*: the pool never runs more
     than ``workers`` handlers, even abandoned ones. (anyio's own ``limiter=`` would
     free the slot when the caller gives up.)
+
+    :param envelope: the envelope being handled, for :func:`offloaded_envelope`.
     """
     slot = _Slot()
     await limiter.acquire_on_behalf_of(slot)
 
     def run() -> Any:
+        # (The worker runs this in a copy of the caller's context: setting it is local.)
+        _offloaded.set(envelope)
         try:
             return function(argument)
         finally:

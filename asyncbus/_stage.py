@@ -18,6 +18,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._dead_letters import DeadLetterReason
 from ._dispatch import Dispatch, Outcome, describe_error
 from ._envelope import Envelope
+from ._instrument import dispatch as instrumented_dispatch
 from ._stats import LatencyHistogram, StageStatistics
 
 if TYPE_CHECKING:
@@ -371,10 +372,14 @@ class Stage:
                 wait_record(started - admitted_at)
             dispatch.envelope = envelope
             dispatch.outcome = None
-            try:
-                await chain(envelope)
-            except Exception as error:  # the chain's outermost dead-letter layer
-                dispatch.fail(error)
+            instrumentation = bus._instrumentation
+            if instrumentation is None:
+                try:
+                    await chain(envelope)
+                except Exception as error:  # the chain's outermost dead-letter layer
+                    dispatch.fail(error)
+            else:  # the same, between the observers' enter and exit (tracing)
+                await instrumented_dispatch(instrumentation, chain, dispatch, envelope)
             outcome = dispatch.outcome
             if outcome is None or outcome is Outcome.SKIPPED:
                 # Acked: counted here, inline, as this runs once per envelope.

@@ -25,11 +25,13 @@ class LatencyHistogram:
     Recording is O(1) and memory never grows, whatever the message count.
     """
 
-    __slots__ = ("_counts", "count")
+    __slots__ = ("_counts", "count", "total")
 
     def __init__(self) -> None:
         self._counts = [0] * _BUCKETS
         self.count = 0
+        #: Sum of every duration recorded, in seconds.
+        self.total = 0.0
 
     def record(self, seconds: float) -> None:
         """Add one observed duration."""
@@ -39,6 +41,7 @@ class LatencyHistogram:
             index = min(int(math.log2(seconds / _SMALLEST) * _STEPS_PER_OCTAVE) + 1, _BUCKETS - 1)
         self._counts[index] += 1
         self.count += 1
+        self.total += seconds
 
     def quantile(self, q: float) -> float:
         """Return the ``q`` quantile (0 < q <= 1) in seconds, 0.0 when nothing was recorded."""
@@ -52,6 +55,23 @@ class LatencyHistogram:
                 # Upper edge of the bucket: never under-reports.
                 return _SMALLEST * 2 ** (index / _STEPS_PER_OCTAVE)
         return _SMALLEST * 2 ** (_BUCKETS / _STEPS_PER_OCTAVE)  # pragma: no cover
+
+    def cumulative(self, every: int = _STEPS_PER_OCTAVE) -> list[tuple[float, int]]:
+        """Durations recorded up to each ``every``-th bucket edge: ``(seconds, count)``.
+
+        Exact (the edges are bucket edges), ascending from 1 µs; the default step is
+        one octave (each edge twice the last). The last bucket, which also holds every
+        longer duration, has no upper edge: it is what ``count`` adds above the last.
+        """
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every!r}")
+        edges: list[tuple[float, int]] = []
+        seen = 0
+        for index, count in enumerate(self._counts[:-1]):
+            seen += count
+            if index % every == 0:
+                edges.append((_SMALLEST * 2 ** (index / _STEPS_PER_OCTAVE), seen))
+        return edges
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,7 +246,7 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
         return call_in_process
 
     async def call_in_thread(env: Envelope) -> Any:
-        return await run_in_worker(function, extract(env), limiter)
+        return await run_in_worker(function, extract(env), limiter, env)
 
     return call_in_thread
 
