@@ -1,0 +1,318 @@
+"""Prometheus metrics of a bus, read from its statistics at scrape time.
+
+Install with ``pip install 'asyncbus[prometheus]'``. ``import asyncbus`` never imports
+this module.
+
+.. code-block:: python
+
+    from prometheus_client import REGISTRY
+
+    from asyncbus.integrations.prometheus import BusCollector
+
+    REGISTRY.register(BusCollector(bus))
+
+or serve them from the admin app: ``admin_app(bus, metrics=True)`` answers
+``GET /metrics``. Nothing is added to the bus's hot path: every scrape reads
+:meth:`Bus.statistics` (the numbers the dashboard shows), the stages' latency
+histograms and the dead-letter queue's counts. Over a broker, the broker's backlog per
+stage is asked for in the background (every ``backlog_interval`` seconds, by a task
+in the bus's task group, started by the first scrape of a running bus); a scrape only
+reads the last answer.
+
+Every metric is labelled ``bus`` (the bus's name), and the per-stage ones ``stage``
+(``pattern@group``), ``pattern`` and ``group``:
+
+============================================  =========  ===============================
+metric                                        type       what
+============================================  =========  ===============================
+``asyncbus_stage_published_total``            counter    admitted at the door
+``asyncbus_stage_acked_total``                counter    handled and acked
+``asyncbus_stage_failed_total``               counter    failed attempts
+``asyncbus_stage_retried_total``              counter    attempts scheduled again
+``asyncbus_stage_dead_lettered_total``        counter    dead-lettered (any reason)
+``asyncbus_stage_rejected_total``             counter    refused at the door (REJECT)
+``asyncbus_stage_dropped_total``              counter    dropped (part of dead-lettered)
+``asyncbus_stage_expired_total``              counter    expired (part of dead-lettered)
+``asyncbus_stage_abandoned_total``            counter    cancelled unsettled at shutdown
+``asyncbus_stage_depth``                      gauge      queued in the stage
+``asyncbus_stage_in_flight``                  gauge      with a consumer or a retry timer
+``asyncbus_stage_concurrency``                gauge      consumer tasks
+``asyncbus_stage_capacity``                   gauge      queue bound
+``asyncbus_stage_latency_seconds``            histogram  pick-up to settlement
+``asyncbus_stage_wait_seconds``               histogram  admission to pick-up
+``asyncbus_stage_backlog``                    gauge      unsettled in the broker
+``asyncbus_backlog_refreshed_timestamp_seconds`` gauge   when the backlog was last read
+``asyncbus_dead_letters``                     gauge      in the queue now, by ``reason``
+``asyncbus_dead_letters_evicted_total``       counter    evicted from the full queue
+``asyncbus_bus_running``                      gauge      1 while the bus accepts publishes
+============================================  =========  ===============================
+
+The two histograms come from the bus's own fixed logarithmic buckets, exposed at
+every octave from 1 µs (1, 2, 4 µs … about 71 minutes), over the envelopes the bus
+samples for its timings (one in eight), so their ``_count`` is about an eighth of
+what was handled. ``asyncbus_dead_letters`` carries ``reason`` and the stage labels
+(empty for ``no_subscribers``, which reached no stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+
+try:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "asyncbus.integrations.prometheus needs the 'prometheus' extra: "
+        "pip install 'asyncbus[prometheus]'"
+    ) from error
+
+from .._bus import DEADLETTER_TOPIC, Bus
+from .._exceptions import BusClosedError, ConfigurationError
+from .._instrument import bus_state, dead_letter_counts, on_loop, stage_timings
+from .._stats import BusStatistics, LatencyHistogram
+
+__all__ = ["BusCollector"]
+
+logger = logging.getLogger("asyncbus")
+
+_STAGE_LABELS = ("bus", "stage", "pattern", "group")
+#: Ledger column -> what its counter counts.
+_COUNTERS = {
+    "published": "Envelopes admitted at the stage's door.",
+    "acked": "Envelopes handled and acked.",
+    "failed": "Failed handling attempts (the last one included).",
+    "retried": "Failed attempts scheduled to run again.",
+    "dead_lettered": "Envelopes dead-lettered, whatever the reason.",
+    "rejected": "Publishes refused at the door of a full REJECT stage (never published).",
+    "dropped": "Envelopes dropped by a full DROP_* stage (part of dead_lettered).",
+    "expired": "Envelopes expired before handling (part of dead_lettered).",
+    "abandoned": "Envelopes cancelled unsettled when the bus closed.",
+}
+_GAUGES = {
+    "depth": "Envelopes queued in the stage.",
+    "in_flight": "Envelopes with a consumer or waiting for a retry.",
+    "concurrency": "Consumer tasks of the stage.",
+    "capacity": "Most envelopes the stage queues.",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Histogram:
+    """A latency histogram as Prometheus takes it: cumulative buckets and the sum."""
+
+    buckets: list[tuple[str, float]]
+    total: float
+
+    @classmethod
+    def of(cls, histogram: LatencyHistogram) -> _Histogram:
+        buckets = [(repr(edge), float(seen)) for edge, seen in histogram.cumulative()]
+        buckets.append(("+Inf", float(histogram.count)))
+        return cls(buckets, histogram.total)
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """What one scrape read on the bus's thread."""
+
+    statistics: BusStatistics
+    #: Stage name -> (latency, wait).
+    timings: dict[str, tuple[_Histogram, _Histogram]]
+    dead_letters: dict[tuple[str | None, str], int]
+    evicted: int
+    running: bool
+
+
+class BusCollector(Collector):
+    """A Prometheus collector of one bus; register it with a registry.
+
+    :param bus: the bus to report (running or not).
+    :param backlog_interval: seconds between two reads of the broker's backlog (over a
+        broker; in memory there is none).
+    :param backlog_timeout: longest wait for one stage's backlog; a stage whose broker
+        does not answer in time keeps its previous value.
+    :raises ConfigurationError: for an interval or timeout that is not a positive number.
+    """
+
+    def __init__(
+        self, bus: Bus, *, backlog_interval: float = 15.0, backlog_timeout: float = 5.0
+    ) -> None:
+        for name, value in (
+            ("backlog_interval", backlog_interval),
+            ("backlog_timeout", backlog_timeout),
+        ):
+            if not isinstance(value, int | float) or not value > 0 or value == float("inf"):
+                raise ConfigurationError(f"BusCollector: {name} must be > 0, got {value!r}")
+        self.bus = bus
+        self.backlog_interval = float(backlog_interval)
+        self.backlog_timeout = float(backlog_timeout)
+        #: Stage name -> envelopes unsettled in the broker, as last read.
+        self.backlog: dict[str, int] = {}
+        #: Epoch seconds of the last backlog read (``None`` before the first).
+        self.backlog_refreshed: float | None = None
+        self._refreshing_in: anyio.abc.TaskGroup | None = None
+
+    # -- the background backlog ----------------------------------------------------
+
+    def _over_broker(self) -> bool:
+        transport = self.bus.transport
+        return transport is not None and not transport.direct
+
+    async def refresh_backlog(self) -> None:
+        """Ask the broker for every stage's backlog now (what the background task does)."""
+        transport = self.bus.transport
+        if transport is None or transport.direct:
+            return
+        for stage in self.bus.statistics().stages:
+            if stage.topic == DEADLETTER_TOPIC:
+                continue  # announcements never leave the process
+            try:
+                with anyio.fail_after(self.backlog_timeout):
+                    count = await transport.backlog(stage.topic, stage.group)
+            except Exception as error:  # TimeoutError included: keep the last value
+                logger.debug("backlog of %s not read: %r", stage.name, error)
+                continue
+            self.backlog[stage.name] = int(count)
+        self.backlog_refreshed = time.time()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.refresh_backlog()
+            await anyio.sleep(self.backlog_interval)
+
+    def _start_refreshing(self) -> None:
+        # On the bus's thread. One task per run of the bus (its task group ends with it).
+        if not self._over_broker():
+            return
+        try:
+            task_group = self.bus.task_group
+        except BusClosedError:
+            return
+        if task_group is not self._refreshing_in:
+            self._refreshing_in = task_group
+            task_group.start_soon(
+                self._refresh_forever, name=f"asyncbus backlog metrics {self.bus.name}"
+            )
+
+    # -- scraping ------------------------------------------------------------------
+
+    def _read(self) -> _Reading:
+        # Runs on the bus's thread: one consistent snapshot.
+        bus = self.bus
+        self._start_refreshing()
+        timings = {
+            name: (_Histogram.of(latency), _Histogram.of(wait))
+            for name, (latency, wait) in stage_timings(bus).items()
+        }
+        return _Reading(
+            statistics=bus.statistics(),
+            timings=timings,
+            dead_letters=dead_letter_counts(bus),
+            evicted=bus.dead_letters.evicted,
+            running=bus_state(bus) == "running",
+        )
+
+    def describe(self) -> list[Metric]:
+        """Nothing: the registry then takes the names from a first :meth:`collect`."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the bus now (on its own thread) and yield every metric family."""
+        reading = on_loop(self.bus, self._read)
+        bus = self.bus.name
+        stages = reading.statistics.stages
+
+        for column, documentation in _COUNTERS.items():
+            counter = CounterMetricFamily(
+                f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS
+            )
+            for stage in stages:
+                counter.add_metric(
+                    (bus, stage.name, stage.topic, stage.group), getattr(stage, column)
+                )
+            yield counter
+
+        for column, documentation in _GAUGES.items():
+            gauge = GaugeMetricFamily(
+                f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS
+            )
+            for stage in stages:
+                gauge.add_metric(
+                    (bus, stage.name, stage.topic, stage.group), getattr(stage, column)
+                )
+            yield gauge
+
+        latency = HistogramMetricFamily(
+            "asyncbus_stage_latency_seconds",
+            "Seconds from pick-up to settlement, over one envelope in eight.",
+            labels=_STAGE_LABELS,
+        )
+        wait = HistogramMetricFamily(
+            "asyncbus_stage_wait_seconds",
+            "Seconds from admission to pick-up (queue wait), over one envelope in eight.",
+            labels=_STAGE_LABELS,
+        )
+        for stage in stages:
+            labels = (bus, stage.name, stage.topic, stage.group)
+            timing = reading.timings.get(stage.name)
+            if timing is None:
+                continue
+            latency.add_metric(labels, timing[0].buckets, timing[0].total)
+            wait.add_metric(labels, timing[1].buckets, timing[1].total)
+        yield latency
+        yield wait
+
+        if self._over_broker():
+            backlog = GaugeMetricFamily(
+                "asyncbus_stage_backlog",
+                "Envelopes of the stage unsettled in the broker, as last read in the background.",
+                labels=_STAGE_LABELS,
+            )
+            for stage in stages:
+                count = self.backlog.get(stage.name)
+                if count is not None:
+                    backlog.add_metric((bus, stage.name, stage.topic, stage.group), count)
+            yield backlog
+            if self.backlog_refreshed is not None:
+                refreshed = GaugeMetricFamily(
+                    "asyncbus_backlog_refreshed_timestamp_seconds",
+                    "When the broker's backlog was last read (epoch seconds).",
+                    labels=("bus",),
+                )
+                refreshed.add_metric((bus,), self.backlog_refreshed)
+                yield refreshed
+
+        dead = GaugeMetricFamily(
+            "asyncbus_dead_letters",
+            "Dead letters in the queue now, by stage and reason.",
+            labels=(*_STAGE_LABELS, "reason"),
+        )
+        for (stage_name, reason), count in sorted(
+            reading.dead_letters.items(), key=lambda item: (item[0][0] or "", item[0][1])
+        ):
+            pattern, _, group = (stage_name or "").rpartition("@")
+            dead.add_metric((bus, stage_name or "", pattern, group, reason), count)
+        yield dead
+        evicted = CounterMetricFamily(
+            "asyncbus_dead_letters_evicted",
+            "Dead letters evicted because the queue was full.",
+            labels=("bus",),
+        )
+        evicted.add_metric((bus,), reading.evicted)
+        yield evicted
+        running = GaugeMetricFamily(
+            "asyncbus_bus_running", "1 while the bus accepts publishes, else 0.", labels=("bus",)
+        )
+        running.add_metric((bus,), 1 if reading.running else 0)
+        yield running
