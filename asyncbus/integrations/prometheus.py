@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import anyio
@@ -71,7 +71,8 @@ try:
         HistogramMetricFamily,
         Metric,
     )
-    from prometheus_client.registry import Collector
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client.registry import Collector, CollectorRegistry
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "asyncbus.integrations.prometheus needs the 'prometheus' extra: "
@@ -83,7 +84,7 @@ from .._exceptions import BusClosedError, ConfigurationError
 from .._instrument import bus_state, dead_letter_counts, on_loop, stage_timings
 from .._stats import BusStatistics, LatencyHistogram
 
-__all__ = ["BusCollector"]
+__all__ = ["BusCollector", "exposition"]
 
 logger = logging.getLogger("asyncbus")
 
@@ -316,3 +317,18 @@ class BusCollector(Collector):
         )
         running.add_metric((bus,), 1 if reading.running else 0)
         yield running
+
+
+def exposition(bus: Bus) -> Callable[[], tuple[bytes, str]]:
+    """A function that renders ``bus``'s metrics: ``(body, content type)`` in the text format.
+
+    It has its own registry holding one :class:`BusCollector` (what ``admin_app(bus,
+    metrics=True)`` serves at ``/metrics``); call it on any thread.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BusCollector(bus))
+
+    def render() -> tuple[bytes, str]:
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+    return render

@@ -29,7 +29,9 @@ Within a lifespan of your own, enter the bus's next to your other resources::
 
 The admin app is for operators: mount it behind your app's own authentication (or at
 least give it a ``token``), and serve it on the event loop that runs the bus (mounting
-it in the app whose lifespan runs the bus does exactly that).
+it in the app whose lifespan runs the bus does exactly that). Its ``/healthz`` and
+``/readyz`` are the probes for an orchestrator (they answer without the token), and
+``admin_app(bus, metrics=True)`` also serves Prometheus metrics at ``/metrics``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import importlib.resources
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -63,9 +65,10 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         "pip install 'asyncbus[starlette]'"
     ) from error
 
-from .._bus import Bus
+from .._bus import DEADLETTER_TOPIC, Bus
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import ConfigurationError
+from .._instrument import bus_state, stages_subscribed
 from ._json import json_safe
 
 __all__ = ["admin_app", "get_bus", "lifespan"]
@@ -78,6 +81,10 @@ _MAX_BODY = 1 << 20
 _MAX_IDS = 10_000
 _DEFAULT_LIMIT = 100
 _MAX_LIMIT = 1000
+#: Seconds the transport has to answer a liveness probe.
+_HEALTH_DEADLINE = 1.0
+#: Routes served without the token: probes reveal nothing but status.
+_PROBES = frozenset({"/healthz", "/readyz"})
 
 
 # -- lifespan and dependency ------------------------------------------------------
@@ -333,6 +340,26 @@ class _AdminApi:
             }
         )
 
+    async def healthz(self, request: Request) -> Response:
+        state = bus_state(self.bus)
+        if state not in ("running", "closing"):
+            return _status(503, "down", f"the bus is {state}")
+        problem = await _transport_problem(self.bus)
+        if problem is not None:
+            return _status(503, "down", problem)
+        # Draining is alive: a liveness probe failing now would kill it mid-drain.
+        return _status(200, "ok" if state == "running" else "closing")
+
+    async def readyz(self, request: Request) -> Response:
+        state = bus_state(self.bus)
+        if state == "closing":
+            return _status(503, "not ready", "the bus is closing: draining, publishes refused")
+        if state != "running":
+            return _status(503, "not ready", f"the bus is {state}")
+        if not stages_subscribed(self.bus):
+            return _status(503, "not ready", "broker subscriptions are being set up")
+        return _status(200, "ready")
+
     async def purge(self, request: Request) -> Response:
         body = await _json_object(request, frozenset({"ids", "all"}))
         if "all" in body:
@@ -342,6 +369,34 @@ class _AdminApi:
         ids = _ids(body)
         self._check_known(ids)
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
+
+
+def _status(code: int, status: str, reason: str | None = None) -> JSONResponse:
+    body = {"status": status} if reason is None else {"status": status, "reason": reason}
+    return JSONResponse(body, status_code=code, headers={"Cache-Control": "no-store"})
+
+
+async def _transport_problem(bus: Bus) -> str | None:
+    """Why the bus's broker is not answering, or ``None`` (always ``None`` in memory).
+
+    Asks the backlog of one stage, the cheapest question every transport answers.
+    """
+    transport = bus.transport
+    if transport is None or transport.direct:
+        return None
+    stage = next(
+        (each for each in bus.statistics().stages if each.topic != DEADLETTER_TOPIC), None
+    )
+    if stage is None:
+        return None  # nothing subscribed: nothing to ask
+    try:
+        with anyio.fail_after(_HEALTH_DEADLINE):
+            await transport.backlog(stage.topic, stage.group)
+    except TimeoutError:
+        return f"{transport.name} did not answer within {_HEALTH_DEADLINE:g}s"
+    except Exception as error:
+        return f"{transport.name} failed: {type(error).__name__}: {error}"
+    return None
 
 
 class _BearerAuth:
@@ -356,7 +411,7 @@ class _BearerAuth:
         self.token = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
+        if scope["type"] not in ("http", "websocket") or _route_path(scope) in _PROBES:
             await self.app(scope, receive, send)
             return
         connection = HTTPConnection(scope)
@@ -385,7 +440,7 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
-def admin_app(bus: Bus, *, token: str | None = None) -> Starlette:
+def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> Starlette:
     """Return an ASGI app that shows and administers ``bus``; mount it anywhere.
 
     Routes (JSON unless said otherwise; errors are ``{"error": message}`` with a 4xx
@@ -400,15 +455,28 @@ def admin_app(bus: Bus, *, token: str | None = None) -> Starlette:
     * ``GET /dead-letters/{id}`` -- the entries of one envelope id;
     * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
       409 when the bus is not running;
-    * ``POST /dead-letters/purge`` with ``{"ids": [...]}`` or ``{"all": true}``.
+    * ``POST /dead-letters/purge`` with ``{"ids": [...]}`` or ``{"all": true}``;
+    * ``GET /metrics`` (with ``metrics=True``) -- Prometheus metrics in the text format
+      (:class:`asyncbus.integrations.prometheus.BusCollector`; extra ``prometheus``);
+    * ``GET /healthz`` -- liveness: 200 ``{"status": "ok"}`` while the bus runs (also
+      ``"closing"`` while it drains) and its broker answered within 1 s, else 503
+      ``{"status": "down", "reason": ...}``;
+    * ``GET /readyz`` -- readiness: 200 ``{"status": "ready"}`` while the bus runs and
+      every broker subscription exists; 503 with the reason before that and from the
+      moment ``aclose`` begins, so a load balancer stops sending work before the drain.
+
+    The two probes answer without the token (probes seldom can send one, and they
+    reveal nothing but the status); everything else needs it when one is given.
 
     POST bodies must be ``Content-Type: application/json`` (so a cross-site form
     cannot post one). Serve it on the event loop that runs the bus, behind your app's
     own authentication.
 
-    :param token: when given, every route needs ``Authorization: Bearer <token>``
-        (else 401); the page also accepts ``?token=<token>`` and passes it on.
+    :param token: when given, every route but the probes needs ``Authorization: Bearer
+        <token>`` (else 401); the page also accepts ``?token=<token>`` and passes it on.
+    :param metrics: serve ``GET /metrics`` (needs ``prometheus-client``).
     :raises ConfigurationError: when ``token`` is empty.
+    :raises ImportError: for ``metrics=True`` without ``prometheus-client``.
     """
     if token is not None and (not isinstance(token, str) or not token):
         raise ConfigurationError("admin_app: token must be a non-empty string or None")
@@ -420,7 +488,11 @@ def admin_app(bus: Bus, *, token: str | None = None) -> Starlette:
         Route("/dead-letters/replay", api.replay, methods=["POST"]),
         Route("/dead-letters/purge", api.purge, methods=["POST"]),
         Route("/dead-letters/{id}", api.dead_letter, methods=["GET"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/readyz", api.readyz, methods=["GET"]),
     ]
+    if metrics:
+        routes.append(Route("/metrics", _metrics_endpoint(bus), methods=["GET"]))
     middleware = [Middleware(_BearerAuth, token=token)] if token is not None else []
     return Starlette(
         routes=routes,
@@ -431,6 +503,18 @@ def admin_app(bus: Bus, *, token: str | None = None) -> Starlette:
             Exception: _on_server_error,
         },
     )
+
+
+def _metrics_endpoint(bus: Bus) -> Callable[[Request], Awaitable[Response]]:
+    from .prometheus import exposition  # its ImportError names the extra
+
+    render = exposition(bus)
+
+    async def metrics(request: Request) -> Response:
+        body, media_type = render()
+        return Response(body, media_type=media_type, headers={"Cache-Control": "no-store"})
+
+    return metrics
 
 
 # -- the dashboard page -----------------------------------------------------------
