@@ -105,7 +105,7 @@ async def test_fan_out_gives_each_group_its_own_consumer_span(
         "messaging.message.conversation_id": receipt.id,
     }
     consumers = named(spans, "process orders.created")
-    audit = next(s for s in consumers if s["attributes"]["messaging.consumer.group.name"] == "audit")
+    (audit,) = [s for s in consumers if s["attributes"]["messaging.consumer.group.name"] == "audit"]
     assert audit["attributes"] == {
         "messaging.system": "asyncbus",
         "messaging.operation.type": "process",
@@ -276,11 +276,13 @@ async def test_a_request_and_its_reply_are_one_trace(
     (reply,) = named(spans, "reply")
     assert request["attributes"]["messaging.operation.name"] == "request"
     assert reply["attributes"]["messaging.destination.temporary"] is True
-    assert reply["attributes"]["messaging.destination.name"] == request["attributes"][
-        "messaging.message.id"
-    ]  # in memory a request's reply address is its id
-    assert reply["attributes"]["messaging.message.conversation_id"] == (
-        request["attributes"]["messaging.message.id"]
+    assert (
+        reply["attributes"]["messaging.destination.name"]
+        == request["attributes"]["messaging.message.id"]
+    )  # in memory a request's reply address is its id
+    assert (
+        reply["attributes"]["messaging.message.conversation_id"]
+        == (request["attributes"]["messaging.message.id"])
     )
 
 
