@@ -55,6 +55,23 @@ SCRIPTS = {
         r"log: WARNING asyncbus\.dead_letters: 1 more handler_failed record\(s\) for stage "
         r"'payments\.requested@charger' were suppressed\n",
     ],
+    "tracing.py": [
+        r"one trace, 10 spans, trace id [0-9a-f]{32}:",
+        r"\nPOST /orders \[SERVER\] [\d.]+ ms",
+        r"\n  publish orders.created \[PRODUCER\] [\d.]+ ms",
+        r"\n    process orders.created \[CONSUMER\] [\d.]+ ms  group=fulfil  attempt=1  retry"
+        r"  event: retry",
+        r"\n    process orders.created \[CONSUMER\] [\d.]+ ms  group=fulfil  attempt=2  acked"
+        r"  linked to the first attempt",
+        r"\n      forward orders.invoice \[PRODUCER\] [\d.]+ ms",
+        r"\n        process orders.invoice \[CONSUMER\] [\d.]+ ms  group=billing  attempt=1"
+        r"  acked",
+        r"\n          request tax.quote \[PRODUCER\] [\d.]+ ms",
+        r"\n            process tax.quote \[CONSUMER\] [\d.]+ ms  group=tax  attempt=1  acked",
+        r"\n              reply \[PRODUCER\] [\d.]+ ms",
+        r"\n        process orders.invoice \[CONSUMER\] [\d.]+ ms  group=audit  attempt=1"
+        r"  acked",
+    ],
 }
 #: examples that are apps, not scripts; tested below.
 APPS = {"fastapi_orders.py"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 
@@ -10,7 +11,7 @@ from ..middleware import deduplicate
 from ._baselines import FAN_OUT, SLIP_STAGES, WORKERS
 from ._model import Payload, Sample, Tally, counting, echoing, settle
 
-__all__ = ["bus_runners"]
+__all__ = ["Run", "bus_runners"]
 
 Run = Callable[[Sequence[Payload]], Awaitable[Sample]]
 
@@ -29,20 +30,20 @@ async def _publish_all(bus: Bus, topic: str, messages: Sequence[Payload]) -> flo
     return perf_counter() - started
 
 
-async def bus_one(messages: Sequence[Payload]) -> Sample:
+async def bus_one(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
     """One stage, one async handler (default capacity, BLOCK)."""
     tally = Tally()
-    bus = Bus()
+    bus = make_bus()
     bus.subscribe("bench.one", counting(tally))
     async with bus:
         seconds = await _publish_all(bus, "bench.one", messages)
     return Sample(seconds, len(messages), tally.n)
 
 
-async def bus_fan_out(messages: Sequence[Payload]) -> Sample:
+async def bus_fan_out(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
     """One topic, three groups: every group gets every message."""
     tally = Tally()
-    bus = Bus()
+    bus = make_bus()
     handle = counting(tally)
     for index in range(FAN_OUT):
         bus.subscribe("bench.fan", handle, group=f"group-{index}")
@@ -51,20 +52,22 @@ async def bus_fan_out(messages: Sequence[Payload]) -> Sample:
     return Sample(seconds, len(messages), tally.n)
 
 
-async def bus_work_queue(messages: Sequence[Payload]) -> Sample:
+async def bus_work_queue(
+    messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus
+) -> Sample:
     """One group, four consumers competing for the messages."""
     tally = Tally()
-    bus = Bus()
+    bus = make_bus()
     bus.subscribe("bench.work", counting(tally), group="workers", concurrency=WORKERS)
     async with bus:
         seconds = await _publish_all(bus, "bench.work", messages)
     return Sample(seconds, len(messages), tally.n)
 
 
-async def bus_slip(messages: Sequence[Payload]) -> Sample:
+async def bus_slip(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
     """A routing slip over three stages; each handler counts and returns None, the next payload."""
     tally = Tally()
-    bus = Bus()
+    bus = make_bus()
     handle = counting(tally)
     topics = [f"bench.slip.{index}" for index in range(SLIP_STAGES)]
     for topic in topics:
@@ -81,10 +84,10 @@ async def bus_slip(messages: Sequence[Payload]) -> Sample:
     return Sample(seconds, len(messages), tally.n)
 
 
-async def bus_request(messages: Sequence[Payload]) -> Sample:
+async def bus_request(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
     """``await bus.request(...)`` one after another; the handler echoes the payload."""
     tally = Tally()
-    bus = Bus()
+    bus = make_bus()
     bus.subscribe("bench.rr", echoing(tally))
     latencies: list[float] = []
     async with bus:
@@ -99,11 +102,11 @@ async def bus_request(messages: Sequence[Payload]) -> Sample:
     return Sample(seconds, len(messages), tally.n, tuple(latencies))
 
 
-async def bus_reliable(messages: Sequence[Payload]) -> Sample:
+async def bus_reliable(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
     """One stage under the reliability chain: Retry configured, ttl on every envelope,
     ``deduplicate()`` on (and the default dead_letter / routing_slip / expire layers)."""
     tally = Tally()
-    bus = Bus()
+    bus = make_bus()
     bus.subscribe(
         "bench.reliable",
         counting(tally),
@@ -121,13 +124,10 @@ async def bus_reliable(messages: Sequence[Payload]) -> Sample:
     return Sample(seconds, len(messages), tally.n)
 
 
-def bus_runners() -> dict[str, Run]:
-    """asyncbus runner per workload key."""
+def bus_runners(make_bus: Callable[[], Bus] = Bus) -> dict[str, Run]:
+    """asyncbus runner per workload key, each on a bus from ``make_bus``."""
+    runners = (bus_one, bus_fan_out, bus_work_queue, bus_slip, bus_request, bus_reliable)
     return {
-        "1": bus_one,
-        "2": bus_fan_out,
-        "3": bus_work_queue,
-        "4": bus_slip,
-        "5": bus_request,
-        "6": bus_reliable,
+        str(key): functools.partial(runner, make_bus=make_bus)
+        for key, runner in enumerate(runners, start=1)
     }

@@ -26,6 +26,7 @@ from ._report import (
     render_memory,
     render_table,
     render_targets,
+    render_tracing_cost,
     to_json,
     wrap,
     write_text,
@@ -98,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
         "--impls",
         type=_csv(IMPL_KEYS),
         default=IMPL_KEYS,
-        help=f"implementations ({', '.join(IMPL_KEYS)}); ratios need raw",
+        help=(
+            f"implementations ({', '.join(IMPL_KEYS)}); ratios need raw, the tracing cost"
+            " (otel: instrumented with the API alone, otel-sdk: a recording SDK) asyncbus"
+        ),
     )
     parser.add_argument("--rounds", type=int, help="alternating rounds (at least 3)")
     parser.add_argument("--messages", type=int, help="messages per run (peers get fewer)")
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             heading,
             render_table(measurements) + "\n\n" + render_contention(measurements, MIN_CPU_SHARE),
             render_comparisons(measurements, target_loop),
+            *filter(None, [render_tracing_cost(measurements)]),
             render_memory(memory, memory_error),
             *([render_targets(targets, target_loop)] if options.check else []),
             f"total time {elapsed:.0f} s",

@@ -103,6 +103,8 @@ class Measurement:
     ratio: float | None = None
     #: Median over rounds of (this p99 / raw p99 in the same round).
     p99_ratio: float | None = None
+    #: Traced rows: median over rounds of (this rate / untraced asyncbus's in the round).
+    bus_ratio: float | None = None
     #: Runs thrown away and run again because the process was starved of CPU.
     reruns: int = 0
 

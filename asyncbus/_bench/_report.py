@@ -29,6 +29,7 @@ __all__ = [
     "render_memory",
     "render_table",
     "render_targets",
+    "render_tracing_cost",
     "to_json",
     "wrap",
     "write_text",
@@ -223,6 +224,39 @@ def render_contention(measurements: Sequence[Measurement], floor: float) -> str:
     )
 
 
+def render_tracing_cost(measurements: Sequence[Measurement]) -> str:
+    """What tracing costs: each traced row against untraced asyncbus in the same rounds."""
+    by_place: dict[tuple[str, str], dict[str, Measurement]] = {}
+    for m in measurements:
+        by_place.setdefault((m.workload.key, m.loop), {})[m.impl.key] = m
+    header = f"{'workload':<36} {'loop':<7} {'no SDK':>22} {'recording SDK':>22}"
+    lines = [
+        "OpenTelemetry tracing: median per-round rate ratio to untraced asyncbus (1.00 = the"
+        " same), and µs added per message",
+        header,
+        "-" * len(header),
+    ]
+    for (workload, loop), row in by_place.items():
+        bus = row.get("asyncbus")
+        if bus is None or bus.status != "ok":
+            continue
+        cells = []
+        for key in ("otel", "otel-sdk"):
+            traced = row.get(key)
+            if traced is None:
+                cells.append("-")
+            elif traced.status != "ok" or traced.bus_ratio is None:
+                cells.append(traced.status)
+            else:
+                added = traced.us_per_message - bus.us_per_message
+                cells.append(f"{traced.bus_ratio:.2f}x ({added:+.2f} µs)")
+        if cells == ["-", "-"]:
+            continue
+        title = f"{workload} {bus.workload.title}"
+        lines.append(f"{title:<36} {loop:<7} {cells[0]:>22} {cells[1]:>22}")
+    return "\n".join(lines) if len(lines) > 3 else ""
+
+
 def render_memory(report: MemoryReport | None, error: str = "") -> str:
     if report is None:
         return f"memory: not measured ({error})" if error else "memory: not measured"
@@ -407,6 +441,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
             msg_per_s=m.rate,
             us_per_msg=m.us_per_message,
             ratio_to_raw=m.ratio,
+            ratio_to_asyncbus=m.bus_ratio,
             rates=[sample.rate for sample in m.samples],
             cpu_shares=[sample.cpu for sample in m.samples],
             reruns=m.reruns,

@@ -17,11 +17,13 @@ from ._asyncbus import bus_runners
 from ._baselines import fairness_floor_runners, queue_runners, raw_runners, sync_runners
 from ._model import RAW, Impl, Measurement, Sample, Workload, make_messages, median, quantile
 from ._peers import FASTSTREAM_NATS, FASTSTREAM_RABBIT, bubus_available, bubus_runners
+from ._traced import traced_runners, tracing_unavailable
 
 __all__ = [
     "FAIRNESS_FLOOR",
     "IMPL_KEYS",
     "LOOPS",
+    "TRACED",
     "WORKLOADS",
     "Plan",
     "implementations",
@@ -43,7 +45,19 @@ WORKLOADS: tuple[Workload, ...] = (
 #: Label of the fairness floor: two tasks, one yield each per message, no other work.
 FAIRNESS_FLOOR = "fairness floor: 2 yields"
 
-IMPL_KEYS = ("asyncbus", RAW, "queue", "sync", "floor", "faststream", "faststream-rabbit", "bubus")
+#: asyncbus traced with OpenTelemetry: the API alone (no SDK), and a recording SDK.
+TRACED = ("otel", "otel-sdk")
+IMPL_KEYS = (
+    "asyncbus",
+    *TRACED,
+    RAW,
+    "queue",
+    "sync",
+    "floor",
+    "faststream",
+    "faststream-rabbit",
+    "bubus",
+)
 LOOPS = ("asyncio", "uvloop", "trio")
 
 #: No single run may take longer than this (a hung peer must not hang the suite).
@@ -89,8 +103,16 @@ def implementations(
     with the reason they are not (peers outside ``include`` are not even imported)."""
     key = workload.key
     on_trio = "needs an asyncio event loop" if loop == "trio" else None
-    impls = [
-        Impl("asyncbus", "asyncbus", bus_runners()[key]),
+    impls = [Impl("asyncbus", "asyncbus", bus_runners()[key])]
+    for traced_key, label, recording in (
+        ("otel", "asyncbus traced, no SDK", False),
+        ("otel-sdk", "asyncbus traced, SDK", True),
+    ):
+        if traced_key in include:
+            why = tracing_unavailable(recording)
+            run = None if why else traced_runners(recording)[key]
+            impls.append(Impl(traced_key, label, run, why or ""))
+    impls += [
         Impl(RAW, "anyio stream (raw)", raw_runners()[key]),
         _maybe("queue", "asyncio.Queue", queue_runners()[key], on_trio),
         Impl("sync", "sync call loop (floor)", sync_runners()[key]),
@@ -215,6 +237,12 @@ def measure(
 
 
 def _ratios(measurements: Sequence[Measurement]) -> None:
+    bus = next((m for m in measurements if m.impl.key == "asyncbus" and m.status == "ok"), None)
+    if bus is not None:
+        for traced in measurements:
+            if traced.impl.key in TRACED and traced.status == "ok" and traced.samples:
+                pairs = list(zip(traced.samples, bus.samples, strict=False))
+                traced.bus_ratio = median([ours.rate / theirs.rate for ours, theirs in pairs])
     raw = next((m for m in measurements if m.impl.key == RAW and m.status == "ok"), None)
     if raw is None:
         return

@@ -301,3 +301,44 @@ async def test_metrics_are_only_served_when_asked_for() -> None:
     with anyio.fail_after(20):
         async with bus, client_of(bus) as client:
             assert (await client.get("/metrics")).status_code == 404
+
+
+async def test_the_grafana_dashboard_queries_only_metrics_the_collector_exposes() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "grafana_dashboard.json"
+    dashboard = json.loads(path.read_text())
+    panels = [panel for panel in dashboard["panels"] if panel["type"] != "row"]
+    assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+    expressions = [target["expr"] for panel in panels for target in panel["targets"]]
+    variables = dashboard["templating"]["list"]
+    expressions += [v["query"]["query"] for v in variables if isinstance(v["query"], dict)]
+    queried = {name for expr in expressions for name in re.findall(r"\basyncbus_\w+", expr)}
+
+    # Every family the collector can produce: a bus over a broker, with a dead letter.
+    transport = _HeldTransport()
+    transport.answer.set()
+    bus = Bus(transport)
+
+    async def broken(payload: Any) -> None:
+        raise RuntimeError("broken")
+
+    bus.subscribe("jobs", broken, group="w")
+    collector = BusCollector(bus)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    with anyio.fail_after(20):
+        async with bus:
+            await bus.publish("jobs", 1)
+            await bus.drain()
+            await collector.refresh_backlog()
+            exposed = set(parse(generate_latest(registry).decode()))
+    assert queried <= exposed, sorted(queried - exposed)
+    # ... and the dashboard shows every ledger column and gauge.
+    for column in (*LEDGER, *GAUGES):
+        assert any(f"asyncbus_stage_{column}" in name for name in queried), column
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert panel["description"]
