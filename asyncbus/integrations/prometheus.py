@@ -12,7 +12,10 @@ this module.
     REGISTRY.register(BusCollector(bus))
 
 or serve them from the admin app: ``admin_app(bus, metrics=True)`` answers
-``GET /metrics``. Nothing is added to the bus's hot path: every scrape reads
+``GET /metrics``. A process with several buses gives them all to one collector
+(``BusCollector(orders_bus, billing_bus)``).
+
+Nothing is added to the bus's hot path: every scrape reads
 :meth:`Bus.statistics` (the numbers the dashboard shows), the stages' latency
 histograms and the dead-letter queue's counts. Over a broker, the broker's backlog per
 stage is asked for in the background (every ``backlog_interval`` seconds, by a task
@@ -56,6 +59,7 @@ what was handled. ``asyncbus_dead_letters`` carries ``reason`` and the stage lab
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -125,53 +129,36 @@ class _Histogram:
 
 @dataclass(frozen=True, slots=True)
 class _Reading:
-    """What one scrape read on the bus's thread."""
+    """What one scrape read of one bus, on the bus's thread."""
 
+    bus: str
     statistics: BusStatistics
     #: Stage name -> (latency, wait).
     timings: dict[str, tuple[_Histogram, _Histogram]]
     dead_letters: dict[tuple[str | None, str], int]
     evicted: int
     running: bool
+    over_broker: bool
+    #: Stage name -> unsettled in the broker, as last read in the background.
+    backlog: dict[str, int]
+    backlog_refreshed: float | None
 
 
-class BusCollector(Collector):
-    """A Prometheus collector of one bus; register it with a registry.
+class _Watched:
+    """One bus of a collector, and its broker backlog as last read."""
 
-    :param bus: the bus to report (running or not).
-    :param backlog_interval: seconds between two reads of the broker's backlog (over a
-        broker; in memory there is none).
-    :param backlog_timeout: longest wait for one stage's backlog; a stage whose broker
-        does not answer in time keeps its previous value.
-    :raises ConfigurationError: for an interval or timeout that is not a positive number.
-    """
-
-    def __init__(
-        self, bus: Bus, *, backlog_interval: float = 15.0, backlog_timeout: float = 5.0
-    ) -> None:
-        for name, value in (
-            ("backlog_interval", backlog_interval),
-            ("backlog_timeout", backlog_timeout),
-        ):
-            if not isinstance(value, int | float) or not value > 0 or value == float("inf"):
-                raise ConfigurationError(f"BusCollector: {name} must be > 0, got {value!r}")
+    def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        self.backlog_interval = float(backlog_interval)
-        self.backlog_timeout = float(backlog_timeout)
-        #: Stage name -> envelopes unsettled in the broker, as last read.
         self.backlog: dict[str, int] = {}
-        #: Epoch seconds of the last backlog read (``None`` before the first).
-        self.backlog_refreshed: float | None = None
-        self._refreshing_in: anyio.abc.TaskGroup | None = None
+        self.refreshed: float | None = None
+        self.refreshing_in: anyio.abc.TaskGroup | None = None
 
-    # -- the background backlog ----------------------------------------------------
-
-    def _over_broker(self) -> bool:
+    @property
+    def over_broker(self) -> bool:
         transport = self.bus.transport
         return transport is not None and not transport.direct
 
-    async def refresh_backlog(self) -> None:
-        """Ask the broker for every stage's backlog now (what the background task does)."""
+    async def refresh(self, timeout: float) -> None:
         transport = self.bus.transport
         if transport is None or transport.direct:
             return
@@ -179,144 +166,206 @@ class BusCollector(Collector):
             if stage.topic == DEADLETTER_TOPIC:
                 continue  # announcements never leave the process
             try:
-                with anyio.fail_after(self.backlog_timeout):
+                with anyio.fail_after(timeout):
                     count = await transport.backlog(stage.topic, stage.group)
             except Exception as error:  # TimeoutError included: keep the last value
                 logger.debug("backlog of %s not read: %r", stage.name, error)
                 continue
             self.backlog[stage.name] = int(count)
-        self.backlog_refreshed = time.time()
+        self.refreshed = time.time()
 
-    async def _refresh_forever(self) -> None:
-        while True:
-            await self.refresh_backlog()
-            await anyio.sleep(self.backlog_interval)
-
-    def _start_refreshing(self) -> None:
-        # On the bus's thread. One task per run of the bus (its task group ends with it).
-        if not self._over_broker():
-            return
-        try:
-            task_group = self.bus.task_group
-        except BusClosedError:
-            return
-        if task_group is not self._refreshing_in:
-            self._refreshing_in = task_group
-            task_group.start_soon(
-                self._refresh_forever, name=f"asyncbus backlog metrics {self.bus.name}"
-            )
-
-    # -- scraping ------------------------------------------------------------------
-
-    def _read(self) -> _Reading:
-        # Runs on the bus's thread: one consistent snapshot.
+    def read(self, start_refreshing: Callable[[_Watched], None]) -> _Reading:
+        # On the bus's thread: one consistent snapshot.
         bus = self.bus
-        self._start_refreshing()
+        start_refreshing(self)
         timings = {
             name: (_Histogram.of(latency), _Histogram.of(wait))
             for name, (latency, wait) in stage_timings(bus).items()
         }
         return _Reading(
+            bus=bus.name,
             statistics=bus.statistics(),
             timings=timings,
             dead_letters=dead_letter_counts(bus),
             evicted=bus.dead_letters.evicted,
             running=bus_state(bus) == "running",
+            over_broker=self.over_broker,
+            backlog=dict(self.backlog),
+            backlog_refreshed=self.refreshed,
         )
+
+
+class BusCollector(Collector):
+    """A Prometheus collector of a bus (or of several); register it with a registry.
+
+    One registry takes one collector of a bus: for several buses in one process, give
+    them to one collector (``BusCollector(orders_bus, billing_bus)``, each with its own
+    ``name``), so every metric family is exposed once.
+
+    :param bus: the bus to report (running or not); ``more`` are reported beside it.
+    :param backlog_interval: seconds between two reads of the broker's backlog (over a
+        broker; in memory there is none).
+    :param backlog_timeout: longest wait for one stage's backlog; a stage whose broker
+        does not answer in time keeps its previous value.
+    :raises ConfigurationError: for an interval or timeout that is not a positive number,
+        or two buses of the same name.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        *more: Bus,
+        backlog_interval: float = 15.0,
+        backlog_timeout: float = 5.0,
+    ) -> None:
+        for name, value in (
+            ("backlog_interval", backlog_interval),
+            ("backlog_timeout", backlog_timeout),
+        ):
+            if not isinstance(value, int | float) or not value > 0 or value == float("inf"):
+                raise ConfigurationError(f"BusCollector: {name} must be > 0, got {value!r}")
+        buses = (bus, *more)
+        names = [each.name for each in buses]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(
+                f"BusCollector: the buses need distinct names (the 'bus' label), got {names}"
+            )
+        self.buses = buses
+        self.backlog_interval = float(backlog_interval)
+        self.backlog_timeout = float(backlog_timeout)
+        self._watched = [_Watched(each) for each in buses]
+
+    # -- the background backlog ----------------------------------------------------
+
+    async def refresh_backlog(self) -> None:
+        """Ask the broker for every stage's backlog now (what the background task does).
+
+        Await it on the event loop that runs the buses.
+        """
+        for watched in self._watched:
+            await watched.refresh(self.backlog_timeout)
+
+    async def _refresh_forever(self, watched: _Watched) -> None:
+        while True:
+            await watched.refresh(self.backlog_timeout)
+            await anyio.sleep(self.backlog_interval)
+
+    def _start_refreshing(self, watched: _Watched) -> None:
+        # On the bus's thread. One task per run of the bus (its task group ends with it).
+        if not watched.over_broker:
+            return
+        try:
+            task_group = watched.bus.task_group
+        except BusClosedError:
+            return
+        if task_group is not watched.refreshing_in:
+            watched.refreshing_in = task_group
+            task_group.start_soon(
+                self._refresh_forever,
+                watched,
+                name=f"asyncbus backlog metrics {watched.bus.name}",
+            )
+
+    # -- scraping ------------------------------------------------------------------
 
     def describe(self) -> list[Metric]:
-        """Nothing: the registry then takes the names from a first :meth:`collect`."""
-        return []
+        """Every family :meth:`collect` may yield, without values (so a registry can
+        refuse a second collector of the same names)."""
+        return list(_families([]))
 
     def collect(self) -> Iterator[Metric]:
-        """Read the bus now (on its own thread) and yield every metric family."""
-        reading = on_loop(self.bus, self._read)
-        bus = self.bus.name
-        stages = reading.statistics.stages
+        """Read every bus now (each on its own thread) and yield every metric family."""
+        readings = [
+            on_loop(watched.bus, functools.partial(watched.read, self._start_refreshing))
+            for watched in self._watched
+        ]
+        yield from _families(readings)
 
-        for column, documentation in _COUNTERS.items():
-            counter = CounterMetricFamily(
-                f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS
-            )
-            for stage in stages:
-                counter.add_metric(
-                    (bus, stage.name, stage.topic, stage.group), getattr(stage, column)
-                )
-            yield counter
 
-        for column, documentation in _GAUGES.items():
-            gauge = GaugeMetricFamily(
-                f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS
-            )
-            for stage in stages:
-                gauge.add_metric(
-                    (bus, stage.name, stage.topic, stage.group), getattr(stage, column)
-                )
-            yield gauge
-
-        latency = HistogramMetricFamily(
-            "asyncbus_stage_latency_seconds",
-            "Seconds from pick-up to settlement, over one envelope in eight.",
-            labels=_STAGE_LABELS,
+def _families(readings: list[_Reading]) -> Iterator[Metric]:
+    """The metric families of ``readings`` (without samples for none)."""
+    rows = [
+        (reading, stage, (reading.bus, stage.name, stage.topic, stage.group))
+        for reading in readings
+        for stage in reading.statistics.stages
+    ]
+    for column, documentation in _COUNTERS.items():
+        counter = CounterMetricFamily(
+            f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS
         )
-        wait = HistogramMetricFamily(
-            "asyncbus_stage_wait_seconds",
-            "Seconds from admission to pick-up (queue wait), over one envelope in eight.",
-            labels=_STAGE_LABELS,
-        )
-        for stage in stages:
-            labels = (bus, stage.name, stage.topic, stage.group)
-            timing = reading.timings.get(stage.name)
-            if timing is None:
-                continue
+        for _, stage, labels in rows:
+            counter.add_metric(labels, getattr(stage, column))
+        yield counter
+
+    for column, documentation in _GAUGES.items():
+        gauge = GaugeMetricFamily(f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS)
+        for _, stage, labels in rows:
+            gauge.add_metric(labels, getattr(stage, column))
+        yield gauge
+
+    latency = HistogramMetricFamily(
+        "asyncbus_stage_latency_seconds",
+        "Seconds from pick-up to settlement, over one envelope in eight.",
+        labels=_STAGE_LABELS,
+    )
+    wait = HistogramMetricFamily(
+        "asyncbus_stage_wait_seconds",
+        "Seconds from admission to pick-up (queue wait), over one envelope in eight.",
+        labels=_STAGE_LABELS,
+    )
+    for reading, stage, labels in rows:
+        timing = reading.timings.get(stage.name)
+        if timing is not None:
             latency.add_metric(labels, timing[0].buckets, timing[0].total)
             wait.add_metric(labels, timing[1].buckets, timing[1].total)
-        yield latency
-        yield wait
+    yield latency
+    yield wait
 
-        if self._over_broker():
-            backlog = GaugeMetricFamily(
-                "asyncbus_stage_backlog",
-                "Envelopes of the stage unsettled in the broker, as last read in the background.",
-                labels=_STAGE_LABELS,
-            )
-            for stage in stages:
-                count = self.backlog.get(stage.name)
-                if count is not None:
-                    backlog.add_metric((bus, stage.name, stage.topic, stage.group), count)
-            yield backlog
-            if self.backlog_refreshed is not None:
-                refreshed = GaugeMetricFamily(
-                    "asyncbus_backlog_refreshed_timestamp_seconds",
-                    "When the broker's backlog was last read (epoch seconds).",
-                    labels=("bus",),
-                )
-                refreshed.add_metric((bus,), self.backlog_refreshed)
-                yield refreshed
+    backlog = GaugeMetricFamily(
+        "asyncbus_stage_backlog",
+        "Envelopes of the stage unsettled in the broker, as last read in the background.",
+        labels=_STAGE_LABELS,
+    )
+    for reading, stage, labels in rows:
+        count = reading.backlog.get(stage.name)
+        if reading.over_broker and count is not None:
+            backlog.add_metric(labels, count)
+    refreshed = GaugeMetricFamily(
+        "asyncbus_backlog_refreshed_timestamp_seconds",
+        "When the broker's backlog was last read (epoch seconds).",
+        labels=("bus",),
+    )
+    for reading in readings:
+        if reading.over_broker and reading.backlog_refreshed is not None:
+            refreshed.add_metric((reading.bus,), reading.backlog_refreshed)
+    if not readings or any(reading.over_broker for reading in readings):
+        yield backlog
+        yield refreshed
 
-        dead = GaugeMetricFamily(
-            "asyncbus_dead_letters",
-            "Dead letters in the queue now, by stage and reason.",
-            labels=(*_STAGE_LABELS, "reason"),
-        )
+    dead = GaugeMetricFamily(
+        "asyncbus_dead_letters",
+        "Dead letters in the queue now, by stage and reason.",
+        labels=(*_STAGE_LABELS, "reason"),
+    )
+    evicted = CounterMetricFamily(
+        "asyncbus_dead_letters_evicted",
+        "Dead letters evicted because the queue was full.",
+        labels=("bus",),
+    )
+    running = GaugeMetricFamily(
+        "asyncbus_bus_running", "1 while the bus accepts publishes, else 0.", labels=("bus",)
+    )
+    for reading in readings:
         for (stage_name, reason), count in sorted(
             reading.dead_letters.items(), key=lambda item: (item[0][0] or "", item[0][1])
         ):
             pattern, _, group = (stage_name or "").rpartition("@")
-            dead.add_metric((bus, stage_name or "", pattern, group, reason), count)
-        yield dead
-        evicted = CounterMetricFamily(
-            "asyncbus_dead_letters_evicted",
-            "Dead letters evicted because the queue was full.",
-            labels=("bus",),
-        )
-        evicted.add_metric((bus,), reading.evicted)
-        yield evicted
-        running = GaugeMetricFamily(
-            "asyncbus_bus_running", "1 while the bus accepts publishes, else 0.", labels=("bus",)
-        )
-        running.add_metric((bus,), 1 if reading.running else 0)
-        yield running
+            dead.add_metric((reading.bus, stage_name or "", pattern, group, reason), count)
+        evicted.add_metric((reading.bus,), reading.evicted)
+        running.add_metric((reading.bus,), 1 if reading.running else 0)
+    yield dead
+    yield evicted
+    yield running
 
 
 def exposition(bus: Bus) -> Callable[[], tuple[bytes, str]]:

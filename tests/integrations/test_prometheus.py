@@ -240,12 +240,16 @@ class _HeldTransport(MemoryTransport):
     def __init__(self) -> None:
         super().__init__(direct=False)
         self.answer = anyio.Event()
+        self.answered = anyio.Event()
         self.asked = 0
 
     async def backlog(self, pattern: str, group: str) -> int:
         self.asked += 1
         await self.answer.wait()
-        return await super().backlog(pattern, group)
+        count = await super().backlog(pattern, group)
+        # (The reader stores the answer before it next yields: the waiter sees it.)
+        self.answered.set()
+        return count
 
 
 async def test_the_broker_backlog_is_read_in_the_background_never_by_a_scrape() -> None:
@@ -257,17 +261,8 @@ async def test_the_broker_backlog_is_read_in_the_background_never_by_a_scrape() 
     transport = _HeldTransport()
     bus = Bus(transport)
     bus.subscribe("jobs", held, group="w", capacity=2)
-    collector = BusCollector(bus, backlog_interval=0.01)
-    refreshed = anyio.Event()
-    refresh = collector.refresh_backlog
-
-    async def refresh_and_tell() -> None:
-        await refresh()
-        refreshed.set()
-
-    collector.refresh_backlog = refresh_and_tell  # type: ignore[method-assign]
     registry = CollectorRegistry()
-    registry.register(collector)
+    registry.register(BusCollector(bus, backlog_interval=0.01))
     with anyio.fail_after(20):
         async with bus:
             for n in range(5):
@@ -277,7 +272,7 @@ async def test_the_broker_backlog_is_read_in_the_background_never_by_a_scrape() 
             assert "asyncbus_stage_backlog" not in first
             assert "asyncbus_backlog_refreshed_timestamp_seconds" not in first
             transport.answer.set()
-            await refreshed.wait()  # the background task's first answer
+            await transport.answered.wait()  # the background task's first answer
             second = parse(generate_latest(registry).decode())
             gate.set()
             await bus.drain()
@@ -342,3 +337,36 @@ async def test_the_grafana_dashboard_queries_only_metrics_the_collector_exposes(
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert panel["description"]
+
+
+async def test_one_collector_reports_several_buses_and_a_registry_takes_one() -> None:
+    orders, billing = Bus(name="orders"), Bus(name="billing")
+
+    async def fine(payload: Any) -> None:
+        pass
+
+    orders.subscribe("orders.created", fine, group="audit")
+    billing.subscribe("invoices", fine, group="mailer")
+    registry = CollectorRegistry()
+    registry.register(BusCollector(orders, billing))
+    with pytest.raises(ValueError, match="Duplicated"):
+        registry.register(BusCollector(Bus(name="other")))
+    with pytest.raises(ConfigurationError, match="distinct names"):
+        BusCollector(Bus(), Bus())
+    with anyio.fail_after(20):
+        async with orders, billing:
+            for _ in range(3):
+                await orders.publish("orders.created", 1)
+            await billing.publish("invoices", 2)
+            await orders.drain()
+            await billing.drain()
+            samples = parse(generate_latest(registry).decode())
+    acked = {
+        (s.labels["bus"], s.labels["stage"]): s.value
+        for s in samples["asyncbus_stage_acked_total"]
+    }
+    assert acked == {("orders", "orders.created@audit"): 3, ("billing", "invoices@mailer"): 1}
+    assert {s.labels["bus"]: s.value for s in samples["asyncbus_bus_running"]} == {
+        "orders": 1,
+        "billing": 1,
+    }
