@@ -8,6 +8,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from asyncbus import Bus, ConfigurationError, DeadLetterReason, Envelope, Retry
@@ -190,6 +191,25 @@ async def test_contextvars_follow_slip_hops_retries_and_offloaded_handlers() -> 
             await bus.publish("first", 1, slip=["second"])
             await bus.drain()
     assert seen == [("first", 1, "r-9"), ("first", 2, "r-9"), ("second", 1, "r-9+first")]
+
+
+async def test_a_thread_safe_publish_carries_the_calling_thread_s_contextvars() -> None:
+    seen: list[str] = []
+
+    async def look(payload: Any) -> None:
+        seen.append(request_id.get())
+
+    def from_a_thread() -> None:
+        request_id.set("from-thread")
+        bus.publish_threadsafe("t", 1).result(timeout=5)
+
+    bus = Bus(propagate_contextvars=[request_id])
+    bus.subscribe("t", look, group="g")
+    with anyio.fail_after(10):
+        async with bus:
+            await anyio.to_thread.run_sync(from_a_thread)
+            await bus.drain()
+    assert seen == ["from-thread"]
 
 
 async def test_a_replay_carries_what_the_envelope_first_carried() -> None:
