@@ -155,15 +155,12 @@ class _Attempt:
 class _Tracing(Instrumentation):
     """The hooks that open and close the spans."""
 
-    __slots__ = ("fields", "first_attempts", "tracer")
+    __slots__ = ("first_attempts", "tracer")
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self.tracer = tracer
         #: (stage, envelope id) -> the span context of its first attempt, while retried.
         self.first_attempts: dict[tuple[str, str], SpanContext] = {}
-        # The headers the propagator writes: a hop's copy of the previous envelope's
-        # headers loses them before the new ones are injected.
-        self.fields = frozenset(propagate.get_global_textmap().fields)
 
     # -- sending -------------------------------------------------------------
 
@@ -201,16 +198,15 @@ class _Tracing(Instrumentation):
         )
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span, parent))
-        if carrier or any(field in envelope.headers for field in self.fields):
-            envelope = self._with_context(envelope, carrier)
+        # What the propagator writes: a hop's copy of the previous envelope's headers
+        # loses those before the new ones go in (no stale parent, state or baggage).
+        stale = propagate.get_global_textmap().fields
+        headers = envelope.headers
+        if carrier or any(field in headers for field in stale):
+            fields = {name: value for name, value in headers.items() if name not in stale}
+            fields.update(carrier)
+            envelope = set_headers(envelope, fields)
         return envelope, span
-
-    def _with_context(self, envelope: Envelope, carrier: dict[str, str]) -> Envelope:
-        fields = {
-            name: value for name, value in envelope.headers.items() if name not in self.fields
-        }
-        fields.update(carrier)
-        return set_headers(envelope, fields)
 
     def sent(self, token: object, receipt: Receipt | None, error: BaseException | None) -> None:
         span: Span = token  # type: ignore[assignment]
