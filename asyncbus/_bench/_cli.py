@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
         default=IMPL_KEYS,
         help=(
             f"implementations ({', '.join(IMPL_KEYS)}); ratios need raw, the tracing cost"
-            " (otel: instrumented with the API alone, otel-sdk: a recording SDK) asyncbus"
+            " (otel: instrumented with the API alone, otel-unsampled: the SDK sampling nothing,"
+            " otel-sdk: the SDK recording every span) asyncbus"
         ),
     )
     parser.add_argument("--rounds", type=int, help="alternating rounds (at least 3)")

@@ -56,6 +56,11 @@ class Sample:
         """Messages per second."""
         return self.messages / self.seconds if self.seconds > 0 else math.inf
 
+    @property
+    def cpu_us_per_message(self) -> float:
+        """CPU time of the process per message, in µs."""
+        return self.seconds * self.cpu / self.messages * 1e6 if self.messages else math.nan
+
 
 Runner = Callable[[Sequence[Payload]], Awaitable[Sample]]
 
@@ -103,7 +108,8 @@ class Measurement:
     ratio: float | None = None
     #: Median over rounds of (this p99 / raw p99 in the same round).
     p99_ratio: float | None = None
-    #: Traced rows: median over rounds of (this rate / untraced asyncbus's in the round).
+    #: Traced rows: median over rounds of (untraced asyncbus's CPU time per message /
+    #: this one's, in the same round): 1.0 costs the same, 0.5 twice as much.
     bus_ratio: float | None = None
     #: Runs thrown away and run again because the process was starved of CPU.
     reruns: int = 0
@@ -121,6 +127,12 @@ class Measurement:
     def us_per_message(self) -> float:
         rate = self.rate
         return 1e6 / rate if rate > 0 else math.nan
+
+    @property
+    def cpu_us_per_message(self) -> float:
+        """Median over the rounds of the process's CPU time per message, in µs (what
+        another process on the machine cannot add to, unlike wall time)."""
+        return median([sample.cpu_us_per_message for sample in self.samples])
 
     def latency_quantile(self, q: float) -> float:
         """Median over rounds of each round's ``q`` latency quantile, in µs."""

@@ -229,10 +229,12 @@ def render_tracing_cost(measurements: Sequence[Measurement]) -> str:
     by_place: dict[tuple[str, str], dict[str, Measurement]] = {}
     for m in measurements:
         by_place.setdefault((m.workload.key, m.loop), {})[m.impl.key] = m
-    header = f"{'workload':<36} {'loop':<7} {'no SDK':>22} {'recording SDK':>22}"
+    columns = (("otel", "no SDK"), ("otel-unsampled", "SDK, unsampled"), ("otel-sdk", "SDK"))
+    header = f"{'workload':<36} {'loop':<7}" + "".join(f" {title:>21}" for _, title in columns)
     lines = [
-        "OpenTelemetry tracing: median per-round rate ratio to untraced asyncbus (1.00 = the"
-        " same), and µs added per message",
+        "OpenTelemetry tracing, by CPU time per message: median per-round ratio of untraced"
+        " asyncbus's to the traced row's (1.00 = the same cost, 0.10 = ten times the cost),"
+        " and the CPU µs added per message",
         header,
         "-" * len(header),
     ]
@@ -241,19 +243,19 @@ def render_tracing_cost(measurements: Sequence[Measurement]) -> str:
         if bus is None or bus.status != "ok":
             continue
         cells = []
-        for key in ("otel", "otel-sdk"):
+        for key, _ in columns:
             traced = row.get(key)
             if traced is None:
                 cells.append("-")
             elif traced.status != "ok" or traced.bus_ratio is None:
                 cells.append(traced.status)
             else:
-                added = traced.us_per_message - bus.us_per_message
-                cells.append(f"{traced.bus_ratio:.2f}x ({added:+.2f} µs)")
-        if cells == ["-", "-"]:
+                added = traced.cpu_us_per_message - bus.cpu_us_per_message
+                cells.append(f"{traced.bus_ratio:.2f}x ({added:+.1f} µs)")
+        if set(cells) == {"-"}:
             continue
         title = f"{workload} {bus.workload.title}"
-        lines.append(f"{title:<36} {loop:<7} {cells[0]:>22} {cells[1]:>22}")
+        lines.append(f"{title:<36} {loop:<7}" + "".join(f" {cell:>21}" for cell in cells))
     return "\n".join(lines) if len(lines) > 3 else ""
 
 
@@ -441,7 +443,8 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
             msg_per_s=m.rate,
             us_per_msg=m.us_per_message,
             ratio_to_raw=m.ratio,
-            ratio_to_asyncbus=m.bus_ratio,
+            cpu_us_per_msg=m.cpu_us_per_message,
+            cpu_ratio_to_asyncbus=m.bus_ratio,
             rates=[sample.rate for sample in m.samples],
             cpu_shares=[sample.cpu for sample in m.samples],
             reruns=m.reruns,

@@ -1,9 +1,12 @@
 """asyncbus instrumented with OpenTelemetry: the cost of tracing, with and without an SDK.
 
-Two more implementations of every workload, the same runners as asyncbus's own:
+Three more implementations of every workload, the same runners as asyncbus's own:
 
 * ``otel``: ``instrument(bus)`` with only the API's global provider (no SDK set up),
   what a library user gets who installed the ``otel`` extra but traces nothing;
+* ``otel-unsampled``: the SDK's ``TracerProvider`` with the ``ALWAYS_OFF`` sampler:
+  the context still travels (W3C headers, current span in handlers), no span is
+  recorded: what the unsampled share of a sampled production service costs;
 * ``otel-sdk``: ``instrument(bus, tracer_provider=...)`` with the SDK's
   ``TracerProvider``, every span sampled and recorded, handed to a
   ``SimpleSpanProcessor`` whose exporter discards them: the cost of making the spans
@@ -19,55 +22,54 @@ from typing import Any
 from .. import Bus
 from ._asyncbus import Run, bus_runners
 
-__all__ = ["traced_runners", "tracing_unavailable"]
+__all__ = ["TRACED_KEYS", "traced_runners", "tracing_unavailable"]
 
-_provider: Any = None
+_providers: dict[str, Any] = {}
+
+#: Implementation key -> whether it needs the SDK.
+TRACED_KEYS = {"otel": False, "otel-unsampled": True, "otel-sdk": True}
 
 
-def tracing_unavailable(recording: bool) -> str | None:
-    """``None`` when the implementation can run here, else why not."""
+def tracing_unavailable(key: str) -> str | None:
+    """``None`` when implementation ``key`` can run here, else why not."""
     if importlib.util.find_spec("opentelemetry") is None:
         return "opentelemetry-api not installed"
-    if recording and importlib.util.find_spec("opentelemetry.sdk") is None:
+    if TRACED_KEYS[key] and importlib.util.find_spec("opentelemetry.sdk") is None:
         return "opentelemetry-sdk not installed"
     return None
 
 
-def _recording_provider() -> Any:
-    global _provider
-    if _provider is None:
+def _provider(key: str) -> Any:
+    """The tracer provider of implementation ``key`` (one per process), ``None`` for the
+    API's global one."""
+    if key == "otel":
+        return None  # no SDK is set up in the benchmark: the API's proxy
+    if key not in _providers:
         from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
         from opentelemetry.sdk.trace.export import (
             SimpleSpanProcessor,
             SpanExporter,
             SpanExportResult,
         )
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
 
         class Discard(SpanExporter):
             def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
                 return SpanExportResult.SUCCESS
 
-        _provider = TracerProvider()
-        _provider.add_span_processor(SimpleSpanProcessor(Discard()))
-    return _provider
+        provider = TracerProvider(sampler=ALWAYS_OFF if key == "otel-unsampled" else ALWAYS_ON)
+        provider.add_span_processor(SimpleSpanProcessor(Discard()))
+        _providers[key] = provider
+    return _providers[key]
 
 
-def _no_sdk_bus() -> Bus:
+def traced_runners(key: str) -> dict[str, Run]:
+    """The asyncbus runner of each workload, on a bus instrumented as ``key`` says."""
     from ..integrations.opentelemetry import instrument
 
-    bus = Bus()
-    instrument(bus)  # the API's global provider: no SDK is set up in the benchmark
-    return bus
+    def make_bus() -> Bus:
+        bus = Bus()
+        instrument(bus, tracer_provider=_provider(key))
+        return bus
 
-
-def _recording_bus() -> Bus:
-    from ..integrations.opentelemetry import instrument
-
-    bus = Bus()
-    instrument(bus, tracer_provider=_recording_provider())
-    return bus
-
-
-def traced_runners(recording: bool) -> dict[str, Run]:
-    """The asyncbus runner of each workload, on an instrumented bus."""
-    return bus_runners(_recording_bus if recording else _no_sdk_bus)
+    return bus_runners(make_bus)

@@ -155,12 +155,15 @@ class _Attempt:
 class _Tracing(Instrumentation):
     """The hooks that open and close the spans."""
 
-    __slots__ = ("first_attempts", "tracer")
+    __slots__ = ("first_attempts", "propagator", "stale", "tracer")
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self.tracer = tracer
         #: (stage, envelope id) -> the span context of its first attempt, while retried.
         self.first_attempts: dict[tuple[str, str], SpanContext] = {}
+        #: The global propagator last seen, and the header names it writes.
+        self.propagator: object = None
+        self.stale: frozenset[str] = frozenset()
 
     # -- sending -------------------------------------------------------------
 
@@ -200,7 +203,10 @@ class _Tracing(Instrumentation):
         propagate.inject(carrier, context=trace.set_span_in_context(span, parent))
         # What the propagator writes: a hop's copy of the previous envelope's headers
         # loses those before the new ones go in (no stale parent, state or baggage).
-        stale = propagate.get_global_textmap().fields
+        propagator = propagate.get_global_textmap()
+        if propagator is not self.propagator:
+            self.propagator, self.stale = propagator, frozenset(propagator.fields)
+        stale = self.stale
         headers = envelope.headers
         if carrier or any(field in headers for field in stale):
             fields = {name: value for name, value in headers.items() if name not in stale}
