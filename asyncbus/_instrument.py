@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import Context
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from ._bus import Bus
     from ._dispatch import Dispatch
     from ._envelope import Envelope, Receipt
+    from ._stage import Stage
     from ._stats import LatencyHistogram
     from ._types import Handler
 
@@ -265,19 +267,25 @@ def send_now(
     return receipt
 
 
+# What each stage is, for the hooks: the same for its life (weak: it goes with its bus).
+_consumers: weakref.WeakKeyDictionary[Stage, Consumer] = weakref.WeakKeyDictionary()
+
+
 async def dispatch(
     instrumentation: Instrumentation, chain: Handler, dispatch: Dispatch, envelope: Envelope
 ) -> None:
     """Run ``chain(envelope)`` as a consumer does, between ``enter`` and ``exit``."""
     stage = dispatch.stage
-    bus = dispatch.bus
-    consumer = Consumer(
-        stage.name,
-        stage.pattern,
-        stage.group,
-        system(bus),
-        stage.group == bus._inbox_prefix,
-    )
+    consumer = _consumers.get(stage)
+    if consumer is None:
+        bus = dispatch.bus
+        consumer = _consumers[stage] = Consumer(
+            stage.name,
+            stage.pattern,
+            stage.group,
+            system(bus),
+            stage.group == bus._inbox_prefix,
+        )
     try:
         token = instrumentation.enter(consumer, envelope)
     except Exception:  # an observer's bug must not stop the dispatch
