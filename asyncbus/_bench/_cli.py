@@ -32,6 +32,7 @@ from ._report import (
     write_text,
 )
 from ._runner import (
+    DEFAULT_IMPLS,
     IMPL_KEYS,
     LOOPS,
     MIN_CPU_SHARE,
@@ -98,11 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--impls",
         type=_csv(IMPL_KEYS),
-        default=IMPL_KEYS,
+        default=DEFAULT_IMPLS,
         help=(
-            f"implementations ({', '.join(IMPL_KEYS)}); ratios need raw, the tracing cost"
+            f"implementations ({', '.join(IMPL_KEYS)}); default all but the traced ones"
             " (otel: instrumented with the API alone, otel-unsampled: the SDK sampling nothing,"
-            " otel-sdk: the SDK recording every span) asyncbus"
+            " otel-sdk: the SDK recording every span); ratios need raw, the tracing cost"
+            " asyncbus"
         ),
     )
     parser.add_argument("--rounds", type=int, help="alternating rounds (at least 3)")

@@ -225,19 +225,21 @@ def render_contention(measurements: Sequence[Measurement], floor: float) -> str:
 
 
 def render_tracing_cost(measurements: Sequence[Measurement]) -> str:
-    """What tracing costs: each traced row against untraced asyncbus in the same rounds."""
+    """What tracing costs: each traced row against untraced asyncbus in the same rounds,
+    by CPU time per message (what other processes on the machine cannot add to)."""
     by_place: dict[tuple[str, str], dict[str, Measurement]] = {}
     for m in measurements:
         by_place.setdefault((m.workload.key, m.loop), {})[m.impl.key] = m
     columns = (("otel", "no SDK"), ("otel-unsampled", "SDK, unsampled"), ("otel-sdk", "SDK"))
-    header = f"{'workload':<36} {'loop':<7}" + "".join(f" {title:>21}" for _, title in columns)
     lines = [
-        "OpenTelemetry tracing, by CPU time per message: median per-round ratio of untraced"
-        " asyncbus's to the traced row's (1.00 = the same cost, 0.10 = ten times the cost),"
-        " and the CPU µs added per message",
-        header,
-        "-" * len(header),
+        wrap(
+            "OpenTelemetry tracing, by CPU time per message: median per-round ratio of"
+            " untraced asyncbus's to the traced row's (1.00 costs the same, 0.10 ten times"
+            " as much), and the µs it adds per message"
+        ),
+        f"  {'workload':<34} {'loop':<7}" + "".join(f" {title:>17}" for _, title in columns),
     ]
+    lines.append("  " + "-" * (len(lines[-1]) - 2))
     for (workload, loop), row in by_place.items():
         bus = row.get("asyncbus")
         if bus is None or bus.status != "ok":
@@ -251,11 +253,11 @@ def render_tracing_cost(measurements: Sequence[Measurement]) -> str:
                 cells.append(traced.status)
             else:
                 added = traced.cpu_us_per_message - bus.cpu_us_per_message
-                cells.append(f"{traced.bus_ratio:.2f}x ({added:+.1f} µs)")
+                cells.append(f"{traced.bus_ratio:.2f}x ({added:+.1f})")
         if set(cells) == {"-"}:
             continue
-        title = f"{workload} {bus.workload.title}"
-        lines.append(f"{title:<36} {loop:<7}" + "".join(f" {cell:>21}" for cell in cells))
+        title = _clip(f"{workload} {bus.workload.title}", 34)
+        lines.append(f"  {title:<34} {loop:<7}" + "".join(f" {cell:>17}" for cell in cells))
     return "\n".join(lines) if len(lines) > 3 else ""
 
 

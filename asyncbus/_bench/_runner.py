@@ -20,6 +20,7 @@ from ._peers import FASTSTREAM_NATS, FASTSTREAM_RABBIT, bubus_available, bubus_r
 from ._traced import traced_runners, tracing_unavailable
 
 __all__ = [
+    "DEFAULT_IMPLS",
     "FAIRNESS_FLOOR",
     "IMPL_KEYS",
     "LOOPS",
@@ -46,7 +47,8 @@ WORKLOADS: tuple[Workload, ...] = (
 FAIRNESS_FLOOR = "fairness floor: 2 yields"
 
 #: asyncbus traced with OpenTelemetry: the API alone (no SDK), the SDK sampling
-#: nothing, and the SDK recording every span.
+#: nothing, and the SDK recording every span. Opt-in (``--impls``): a traced run takes
+#: up to ten times as long as an untraced one.
 TRACED = ("otel", "otel-unsampled", "otel-sdk")
 IMPL_KEYS = (
     "asyncbus",
@@ -59,6 +61,8 @@ IMPL_KEYS = (
     "faststream-rabbit",
     "bubus",
 )
+#: What runs when ``--impls`` is not given: everything but the traced rows.
+DEFAULT_IMPLS = tuple(key for key in IMPL_KEYS if key not in TRACED)
 LOOPS = ("asyncio", "uvloop", "trio")
 
 #: No single run may take longer than this (a hung peer must not hang the suite).
@@ -75,7 +79,7 @@ class Plan:
     messages: int
     requests: int
     rounds: int
-    impls: tuple[str, ...] = IMPL_KEYS
+    impls: tuple[str, ...] = DEFAULT_IMPLS
     warmup: bool = True
     #: How often a CPU-starved run may be run again before its best attempt is kept.
     reruns: int = 2
@@ -98,7 +102,7 @@ def run_on(loop: str, function: Callable[[], Any]) -> Any:
 
 
 def implementations(
-    workload: Workload, loop: str, include: Sequence[str] = IMPL_KEYS
+    workload: Workload, loop: str, include: Sequence[str] = DEFAULT_IMPLS
 ) -> list[Impl]:
     """The implementations of ``workload`` on ``loop`` named in ``include``, runnable or
     with the reason they are not (peers outside ``include`` are not even imported)."""
