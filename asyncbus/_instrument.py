@@ -61,7 +61,7 @@ __all__ = [
     "with_headers",
 ]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.bus")
 T = TypeVar("T")
 
 #: Why an envelope leaves: ``publish`` (every publish call), ``request``, ``forward``

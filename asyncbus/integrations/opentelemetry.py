@@ -80,7 +80,7 @@ from .._instrument import (
 
 __all__ = ["instrument", "uninstrument"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.integrations.opentelemetry")
 
 #: ``messaging.system`` of each transport name.
 _SYSTEMS = {"memory": "asyncbus", "redis": "redis", "nats": "nats", "rabbit": "rabbitmq"}

@@ -90,7 +90,7 @@ from .._stats import BusStatistics, LatencyHistogram
 
 __all__ = ["BusCollector", "exposition"]
 
-logger = logging.getLogger("asyncbus")
+logger = logging.getLogger("asyncbus.integrations.prometheus")
 
 _STAGE_LABELS = ("bus", "stage", "pattern", "group")
 #: Ledger column -> what its counter counts.
