@@ -25,36 +25,30 @@ reads the last answer.
 Every metric is labelled ``bus`` (the bus's name), and the per-stage ones ``stage``
 (``pattern@group``), ``pattern`` and ``group``:
 
-============================================  =========  ===============================
-metric                                        type       what
-============================================  =========  ===============================
-``asyncbus_stage_published_total``            counter    admitted at the door
-``asyncbus_stage_acked_total``                counter    handled and acked
-``asyncbus_stage_failed_total``               counter    failed attempts
-``asyncbus_stage_retried_total``              counter    attempts scheduled again
-``asyncbus_stage_dead_lettered_total``        counter    dead-lettered (any reason)
-``asyncbus_stage_rejected_total``             counter    refused at the door (REJECT)
-``asyncbus_stage_dropped_total``              counter    dropped (part of dead-lettered)
-``asyncbus_stage_expired_total``              counter    expired (part of dead-lettered)
-``asyncbus_stage_abandoned_total``            counter    cancelled unsettled at shutdown
-``asyncbus_stage_depth``                      gauge      queued in the stage
-``asyncbus_stage_in_flight``                  gauge      with a consumer or a retry timer
-``asyncbus_stage_concurrency``                gauge      consumer tasks
-``asyncbus_stage_capacity``                   gauge      queue bound
-``asyncbus_stage_latency_seconds``            histogram  pick-up to settlement
-``asyncbus_stage_wait_seconds``               histogram  admission to pick-up
-``asyncbus_stage_backlog``                    gauge      unsettled in the broker
-``asyncbus_backlog_refreshed_timestamp_seconds`` gauge   when the backlog was last read
-``asyncbus_dead_letters``                     gauge      in the queue now, by ``reason``
-``asyncbus_dead_letters_evicted_total``       counter    evicted from the full queue
-``asyncbus_bus_running``                      gauge      1 while the bus accepts publishes
-============================================  =========  ===============================
+* counters, one per ledger column: ``asyncbus_stage_published_total`` (admitted at the
+  door), ``_acked_total``, ``_failed_total`` (failed attempts), ``_retried_total``
+  (attempts scheduled again), ``_dead_lettered_total`` (any reason), ``_rejected_total``
+  (refused at a full REJECT stage's door), ``_dropped_total``, ``_expired_total``,
+  ``_shed_total`` (these three are parts of dead-lettered) and ``_abandoned_total``
+  (cancelled unsettled at shutdown);
+* gauges: ``asyncbus_stage_depth`` (queued), ``_in_flight`` (with a consumer or a retry
+  timer), ``_concurrency`` (consumer tasks), ``_capacity`` (queue bound), ``_limit``
+  (consumers it should run now), ``_saturation`` (in flight / limit), ``_shedding``
+  (1 while an ``admission=`` stage sheds);
+* histograms: ``asyncbus_stage_latency_seconds`` (pick-up to settlement) and
+  ``asyncbus_stage_wait_seconds`` (admission to pick-up);
+* over a broker: ``asyncbus_stage_backlog`` (unsettled in the broker) and
+  ``asyncbus_backlog_refreshed_timestamp_seconds`` (when it was last read);
+* ``asyncbus_dead_letters`` (in the queue now, by ``reason``),
+  ``asyncbus_dead_letters_evicted_total`` (evicted from the full queue) and
+  ``asyncbus_bus_running`` (1 while the bus accepts publishes).
 
 The two histograms come from the bus's own fixed logarithmic buckets, exposed at
 every octave from 1 µs (1, 2, 4 µs … about 71 minutes), over the envelopes the bus
-samples for its timings (one in eight), so their ``_count`` is about an eighth of
-what was handled. ``asyncbus_dead_letters`` carries ``reason`` and the stage labels
-(empty for ``no_subscribers``, which reached no stage).
+times: one in eight on a plain stage (so ``_count`` is about an eighth of what was
+handled), every one on a controlled stage (``admission=`` or ``Adaptive``).
+``asyncbus_dead_letters`` carries ``reason`` and the stage labels (empty for
+``no_subscribers``, which reached no stage).
 """
 
 from __future__ import annotations
@@ -104,12 +98,16 @@ _COUNTERS = {
     "dropped": "Envelopes dropped by a full DROP_* stage (part of dead_lettered).",
     "expired": "Envelopes expired before handling (part of dead_lettered).",
     "abandoned": "Envelopes cancelled unsettled when the bus closed.",
+    "shed": "Envelopes shed under overload by an admission= stage (part of dead_lettered).",
 }
 _GAUGES = {
     "depth": "Envelopes queued in the stage.",
     "in_flight": "Envelopes with a consumer or waiting for a retry.",
-    "concurrency": "Consumer tasks of the stage.",
+    "concurrency": "Consumer tasks of the stage (alive, retiring ones included).",
     "capacity": "Most envelopes the stage queues.",
+    "limit": "Consumers the stage should run now (an Adaptive stage's current limit).",
+    "saturation": "In flight / limit: how busy the consumers are.",
+    "shedding": "1 while an admission= stage sheds stale envelopes, else 0.",
 }
 
 
@@ -300,17 +298,17 @@ def _families(readings: list[_Reading]) -> Iterator[Metric]:
     for column, documentation in _GAUGES.items():
         gauge = GaugeMetricFamily(f"asyncbus_stage_{column}", documentation, labels=_STAGE_LABELS)
         for _, stage, labels in rows:
-            gauge.add_metric(labels, getattr(stage, column))
+            gauge.add_metric(labels, float(getattr(stage, column)))
         yield gauge
 
     latency = HistogramMetricFamily(
         "asyncbus_stage_latency_seconds",
-        "Seconds from pick-up to settlement, over one envelope in eight.",
+        "Seconds from pick-up to settlement (plain stages time one envelope in eight).",
         labels=_STAGE_LABELS,
     )
     wait = HistogramMetricFamily(
         "asyncbus_stage_wait_seconds",
-        "Seconds from admission to pick-up (queue wait), over one envelope in eight.",
+        "Seconds from admission to pick-up (plain stages time one envelope in eight).",
         labels=_STAGE_LABELS,
     )
     for reading, stage, labels in rows:

@@ -35,8 +35,9 @@ LEDGER = (
     "dropped",
     "expired",
     "abandoned",
+    "shed",
 )
-GAUGES = ("depth", "in_flight", "concurrency", "capacity")
+GAUGES = ("depth", "in_flight", "concurrency", "capacity", "limit", "saturation", "shedding")
 
 
 @asynccontextmanager
