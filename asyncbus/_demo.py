@@ -243,38 +243,40 @@ async def _run_pipeline(
     orders: int, out: TextIO, listener: socket.socket | None
 ) -> BusStatistics:
     bus, seen = build_demo_bus(orders)
-    async with bus, anyio.create_task_group() as task_group:
-        dashboard = None
-        if listener is not None:
-            dashboard = await _serve_dashboard(bus, listener, task_group, out)
-        for number in range(1, orders + 1):
-            order = _order(number)
-            await bus.publish("orders.created", order)
-            await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
-            if dashboard is not None:
-                await anyio.sleep(0.003)
-            if number % 200 == 0 or number == orders:
-                out.write(_progress(bus, number, f"/{orders}"))
-                out.flush()
-        if dashboard is not None:
-            out.write(
-                f"\nthe dashboard stays live with {TRICKLE_PER_SECOND} more orders a second; "
-                "press Ctrl-C to stop\n"
-            )
-            out.flush()
-            number = orders
-            while not dashboard.is_set():
-                number += 1
+    async with bus:
+        async with anyio.create_task_group() as task_group:
+            dashboard = None
+            if listener is not None:
+                dashboard = await _serve_dashboard(bus, listener, task_group, out)
+            for number in range(1, orders + 1):
                 order = _order(number)
                 await bus.publish("orders.created", order)
                 await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
-                if number % TRICKLE_PER_SECOND == 0:
-                    out.write(_progress(bus, number, ""))
+                if dashboard is not None:
+                    await anyio.sleep(0.003)
+                if number % 200 == 0 or number == orders:
+                    out.write(_progress(bus, number, f"/{orders}"))
                     out.flush()
-                with anyio.move_on_after(1 / TRICKLE_PER_SECOND):
-                    await dashboard.wait()
-            seen["orders"] = number
-            task_group.cancel_scope.cancel()  # the signal watcher, if still waiting
+            if dashboard is not None:
+                out.write(
+                    f"\nthe dashboard stays live with {TRICKLE_PER_SECOND} more orders a second; "
+                    "press Ctrl-C to stop\n"
+                )
+                out.flush()
+                number = orders
+                while not dashboard.is_set():
+                    number += 1
+                    order = _order(number)
+                    await bus.publish("orders.created", order)
+                    await bus.publish("warehouse.pack", order, slip=["warehouse.ship"])
+                    if number % TRICKLE_PER_SECOND == 0:
+                        out.write(_progress(bus, number, ""))
+                        out.flush()
+                    with anyio.move_on_after(1 / TRICKLE_PER_SECOND):
+                        await dashboard.wait()
+                seen["orders"] = number
+                task_group.cancel_scope.cancel()  # the signal watcher, if still waiting
+        # The server and the signal watcher are stopped: drain with nothing cancelled.
         await bus.drain(timeout=60)
         out.write("\n\n")
         statistics = bus.statistics()
