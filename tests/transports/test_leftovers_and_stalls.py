@@ -281,4 +281,6 @@ async def test_nats_consumes_again_at_once_after_a_cut_connection(tmp_path: Path
                     await anyio.sleep(0.01)
         relays.cancel_scope.cancel()
     waited = handled[1] - back
-    assert waited < 1.5, f"handled {waited:.2f} s after the connection was back"
+    # An old pull request would hold it for about 5 s (its expiry); a loaded machine may
+    # take a second or two to reconnect and ask again.
+    assert waited < 3.0, f"handled {waited:.2f} s after the connection was back"
