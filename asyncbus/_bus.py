@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -26,6 +28,8 @@ from . import _instrument
 from ._adaptive import Adaptive
 from ._admission import Admission, Priority
 from ._carry import ContextVarCarrier, checked_contextvars
+from ._checks import check_count, check_headers, check_seconds, check_slip, check_wait
+from ._clock import Clock, loop_clock
 from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._dispatch import current_dispatch, describe_error, handled_envelope, short_traceback
 from ._envelope import (
@@ -41,13 +45,24 @@ from ._envelope import (
 )
 from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
 from ._logging import FailureLog, dead_letter_logger
-from ._offload import hold_switch_interval, offloaded_envelope, release_switch_interval
+from ._offload import (
+    WorkerPool,
+    hold_switch_interval,
+    offloaded_envelope,
+    release_switch_interval,
+)
 from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Backpressure, DoorOutcome, Stage
 from ._stats import BusStatistics, ShutdownReport
-from ._subscription import Subscription, adapt_handler, build_chain, make_subscription
-from ._types import Middleware
+from ._subscription import (
+    Subscription,
+    adapt_handler,
+    build_chain,
+    check_middleware,
+    make_subscription,
+)
+from ._types import Handler, Middleware
 from .middleware.retry import Retry
 from .transports.base import Transport
 
@@ -64,7 +79,7 @@ _now = time.time
 _INBOX = "_reply."
 
 F = TypeVar("F", bound=Callable[..., Any])
-_State = Literal["new", "running", "closing", "closed"]
+_State = Literal["new", "starting", "running", "closing", "closed"]
 
 
 class _PendingReply:
@@ -74,6 +89,57 @@ class _PendingReply:
         self.event = anyio.Event()
         self.value: Any = None
         self.error: BaseException | None = None
+
+
+class _DrainWaiter:
+    """One ``drain()`` waiting; ``strict`` unless it runs in a handler of the bus."""
+
+    __slots__ = ("event", "strict")
+
+    def __init__(self, strict: bool) -> None:
+        self.event = anyio.Event()
+        self.strict = strict
+
+
+class _ThreadsafePublish:
+    """One ``publish_threadsafe`` call: its future, settled exactly once, never cancelled.
+
+    It counts as a pending thread-safe publish (``drain`` waits for it) from the call
+    until it is settled: by the publish's task when it ran, or, when the bus stopped
+    before that task could run, by the portal future's callback.
+    """
+
+    __slots__ = ("bus", "future", "receipt", "settled")
+
+    def __init__(self, bus: Bus, future: concurrent.futures.Future[Receipt]) -> None:
+        self.bus = bus
+        self.future = future
+        self.settled = False
+        #: What its stages admitted so far, while it waits for room in a fan-out.
+        self.receipt: Receipt | None = None
+        with bus._threadsafe_lock:
+            bus._threadsafe_pending += 1
+
+    def settle(self, receipt: Receipt | None, error: BaseException | None = None) -> None:
+        bus = self.bus
+        with bus._threadsafe_lock:
+            if self.settled:
+                return
+            self.settled = True
+            bus._threadsafe_pending -= 1
+        future = self.future
+        # (The caller may have cancelled its future: then there is nothing to tell.)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(receipt)  # type: ignore[arg-type]
+        if bus.idle_waiters and threading.get_ident() == bus._loop_thread:
+            bus.wake_drainers()
+
+    def cut_off(self, _: concurrent.futures.Future[None]) -> None:
+        """The portal's task ended; if it never ran, the bus stopped first."""
+        self.settle(None, BusClosedError("the bus stopped before this publish was made"))
 
 
 class Bus:
@@ -91,6 +157,8 @@ class Bus:
     :param propagate_contextvars: context variables whose values a publish carries to
         the handlers of what it published (set in the handler's context while it
         handles the envelope), in memory only: over a broker nothing is carried.
+    :raises ConfigurationError: for a value that cannot work (NaN or an infinite TTL,
+        a negative size, middleware that is not a sequence of callables, ...).
     """
 
     def __init__(
@@ -109,17 +177,14 @@ class Bus:
             raise ConfigurationError(
                 f"Bus: transport must be a asyncbus.transports.Transport, got {transport!r}"
             )
-        workers = workers if workers is not None else (os.cpu_count() or 1)
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ConfigurationError(f"Bus: workers must be an int >= 1, got {workers!r}")
-        if dead_letter_ttl <= 0 or dead_letter_maxlen < 0:
-            raise ConfigurationError(
-                "Bus: dead_letter_ttl must be > 0 and dead_letter_maxlen >= 0, got "
-                f"{dead_letter_ttl!r}, {dead_letter_maxlen!r}"
-            )
-        for layer in middleware:
-            if not callable(layer):
-                raise ConfigurationError(f"Bus: middleware {layer!r} is not callable")
+        workers = check_count(
+            workers if workers is not None else (os.cpu_count() or 1), "Bus: workers", 1
+        )
+        ttl = check_seconds(dead_letter_ttl, "Bus: dead_letter_ttl")
+        maxlen = check_count(dead_letter_maxlen, "Bus: dead_letter_maxlen", 0)
+        layers = check_middleware(middleware, "Bus")
+        if not isinstance(name, str):
+            raise ConfigurationError(f"Bus: name must be a string, got {name!r}")
         carried = checked_contextvars(propagate_contextvars)
         self.name = name
         self.codec = codec
@@ -132,22 +197,26 @@ class Bus:
         if self._broker is not None and codec is not None:
             self._broker.codec = codec  # type: ignore[assignment]
         self.workers = workers
-        self._middleware = tuple(middleware)
+        self._middleware = layers
         self._router: Router[Stage] = Router()
         self._routes = self._router.cache  # topic -> stages, read directly on the hot path
         self._stages: dict[tuple[str, str], Stage] = {}
         self._stages_by_name: dict[str, Stage] = {}
+        #: The event loop's clock (see ``_clock.py``), read for every duration the bus
+        #: decides on; the running loop's own from start on.
+        self.clock: Clock = time.monotonic
         #: Dead letters of every stage, newest last.
         self.dead_letters = DeadLetterQueue(
-            ttl=dead_letter_ttl,
-            maxlen=dead_letter_maxlen,
+            ttl=ttl,
+            maxlen=maxlen,
             resend=self._resend,
             on_add=self._announce,
             on_remove=self._forget_dead_letters,
+            clock=self.clock,
         )
         self._state: _State = "new"
         self._background = 0
-        self.idle_waiters: list[anyio.Event] = []
+        self.idle_waiters: list[_DrainWaiter] = []
         self._threadsafe_lock = threading.Lock()
         self._threadsafe_pending = 0
         self._requests: dict[str, _PendingReply] = {}
@@ -155,15 +224,19 @@ class Bus:
         self.failure_log = FailureLog()
         self._task_group: TaskGroup | None = None
         self._portal: BlockingPortal | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._pool: WorkerPool | None = None
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
         self._inbox_prefix: str | None = None
         self._holds_switch_interval = False
         self._host: TaskGroup | None = None
-        self._drained = False
+        self._runner: int | None = None
+        self._started: anyio.Event | None = None
         self._stop_requested: anyio.Event | None = None
         self._stopped: anyio.Event | None = None
+        self._stop_deadline = math.inf
+        self._deadline_scope: anyio.CancelScope | None = None
+        self._drained = False
         #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
         self.yield_now: Callable[[], Awaitable[None]] = checkpoint
         #: Called with every envelope routed (publishes, slip hops, replays); for test
@@ -190,13 +263,38 @@ class Bus:
         return self._state == "running"
 
     async def __aenter__(self) -> Bus:
-        if self._state in ("running", "closing"):
+        if self._state in ("starting", "running", "closing"):
             raise RuntimeError("this Bus is already running")
+        previous = self._state
+        self._state = "starting"
+        self._started = anyio.Event()
+        try:
+            return await self._start_bus(previous)
+        finally:
+            self._started.set()
+
+    async def _start_bus(self, previous: _State) -> Bus:
+        pool = WorkerPool(self.workers)
+        try:
+            # Every middleware factory runs here, before anything starts: one that
+            # raises leaves the bus as it was, with no task to clean up.
+            chains = [
+                (stage, subscription, self._chain(subscription, pool))
+                for stage in self._stages.values()
+                for subscription in stage.subscriptions
+            ]
+        except BaseException:  # deliberate: whatever a factory raises, undo the state
+            self._state = previous
+            raise
+        self._pool = pool
         self._loop_thread = threading.get_ident()
         self.yield_now = fast_checkpoint()
-        self._limiter = anyio.CapacityLimiter(self.workers)
+        self.clock = loop_clock()
+        self.dead_letters.use_clock(self.clock)
         self._stop_requested = anyio.Event()
         self._stopped = anyio.Event()
+        self._stop_deadline = math.inf
+        self._drained = False
         self._report = None
         # The bus's own task group runs inside a runner task, so the task that entered
         # ``async with bus`` is never inside the cancel scope that stops the bus:
@@ -206,17 +304,32 @@ class Bus:
         try:
             await host.start(self._run, name=f"asyncbus {self.name}")
         except BaseException:
-            # The runner failed before it started (a broker that cannot be reached):
-            # close the empty host group and raise that error itself, unwrapped.
+            # Deliberate: the runner failed before it started (a broker that cannot be
+            # reached) or the start was cancelled: close the empty host group and
+            # raise that error itself, unwrapped.
             await host.__aexit__(None, None, None)
             raise
         self._host = host
         self._state = "running"
-        for stage in self._stages.values():
-            for subscription in stage.subscriptions:
-                self._start(stage, subscription)
-        # Over a broker, a publish made as soon as this returns must find every group.
-        await self.subscribed()
+        try:
+            built = {id(subscription) for _, subscription, _ in chains}
+            for stage, subscription, chain in chains:
+                self._start(stage, subscription, chain)
+            for stage in list(self._stages.values()):  # subscribed while it started
+                for subscription in stage.subscriptions:
+                    if id(subscription) not in built:
+                        self._start(stage, subscription, self._chain(subscription, pool))
+            # Over a broker, a publish made as soon as this returns must find every group.
+            await self.subscribed()
+        except BaseException:
+            # Deliberate: whatever interrupts the start (a cancellation included), no
+            # running bus is left behind for an ``async with`` that never began.
+            self._request_stop(-math.inf)
+            with anyio.CancelScope(shield=True):
+                await self._stopped.wait()
+            self._host = None
+            await host.__aexit__(None, None, None)
+            raise
         return self
 
     async def subscribed(self) -> None:
@@ -230,8 +343,13 @@ class Bus:
                 await stage.subscribed.wait()
 
     async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        """The runner task: owns the transport, the portal and the bus's task group."""
-        drained = False
+        """The runner task: owns the transport, the portal and the bus's task group.
+
+        It also carries out the shutdown: when a stop is requested it drains until the
+        deadline (which later requests may bring forward), then cancels the rest, so
+        the stop happens whatever becomes of the caller that asked for it.
+        """
+        self._runner = anyio.get_current_task().id
         try:
             async with AsyncExitStack() as stack:
                 broker = self._broker
@@ -250,18 +368,28 @@ class Bus:
                     task_status.started()
                     assert self._stop_requested is not None
                     await self._stop_requested.wait()
-                    drained = self._drained
-                    for pending in self._requests.values():
-                        if not pending.event.is_set():
-                            pending.error = BusClosedError("the bus closed before the reply came")
-                            pending.event.set()
-                    self._portal = None
-                    await portal.stop(cancel_remaining=True)
-                    task_group.cancel_scope.cancel()
+                    try:
+                        with anyio.CancelScope(deadline=self._stop_deadline) as deadline:
+                            self._deadline_scope = deadline
+                            await self._wait_idle(strict=True)
+                            self._drained = True
+                    finally:
+                        self._deadline_scope = None
+                        with anyio.CancelScope(shield=True):
+                            for pending in self._requests.values():
+                                if not pending.event.is_set():
+                                    pending.error = BusClosedError(
+                                        "the bus closed before the reply came"
+                                    )
+                                    pending.event.set()
+                            self._portal = None
+                            await portal.stop(cancel_remaining=True)
+                        task_group.cancel_scope.cancel()
         finally:
             self._task_group = None
             self._portal = None
-            self._finish(drained)
+            self._runner = None
+            self._finish(self._drained)
             if self._stopped is not None:
                 self._stopped.set()
 
@@ -274,8 +402,10 @@ class Bus:
         try:
             if exc_type is not None:
                 if self._state in ("running", "closing"):
-                    self._state = "closing"
-                    await self._stop(drained=False)
+                    self._request_stop(-math.inf)  # on an exception: cancel at once
+                    assert self._stopped is not None
+                    with anyio.CancelScope(shield=True):
+                        await self._stopped.wait()
             else:
                 await self.aclose()
         finally:
@@ -289,35 +419,76 @@ class Bus:
         """Stop accepting outside publishes, drain, cancel what is left, and report.
 
         Routing-slip hops, retries, replies and ``$deadletter`` keep flowing until the
-        bus is drained or ``timeout`` seconds have passed; then the rest is cancelled
-        and listed in the report's ``abandoned``. Callable from any task; a second call
-        returns the first report (a call while one runs waits for it).
+        bus is drained or ``timeout`` seconds have passed (``None``: no deadline); then
+        the rest is cancelled and listed in the report's ``abandoned``.
+
+        Callable from any task. A second call returns the first report; a call made
+        while the bus is closing waits for it, and brings the deadline forward to its
+        own if that is sooner. Called from inside the bus (a handler, or any task the
+        bus runs), it cannot wait for its own end: it requests the stop and returns a
+        provisional report (``drained`` False, nothing abandoned yet); the final one
+        comes from the ``aclose``/``async with`` exit of the task that runs the bus.
+        If the call is cancelled while it waits, the stop still happens, at once.
+
+        :raises ConfigurationError: for a timeout that is not ``None`` or a finite
+            number ``>= 0``; the bus is left as it was.
         """
+        seconds = check_wait(timeout, "aclose(timeout)")
+        if self._state == "starting":
+            assert self._started is not None
+            await self._started.wait()
         if self._state == "closed" or self._state == "new":
             if self._report is None:
                 self._report = self._make_report(drained=True, abandoned=[])
             return self._report
-        if self._state == "closing":
-            assert self._stopped is not None
-            await self._stopped.wait()
-            assert self._report is not None
-            return self._report
-        self._state = "closing"
-        drained = True
+        deadline = math.inf if seconds is None else anyio.current_time() + seconds
+        inside = self._called_from_inside()
+        self._request_stop(deadline)
+        if inside:
+            return self._make_report(drained=False, abandoned=[])
+        assert self._stopped is not None
         try:
-            await self.drain(timeout)
-        except TimeoutError:
-            drained = False
-        return await self._stop(drained)
-
-    async def _stop(self, drained: bool) -> ShutdownReport:
-        self._drained = drained
-        assert self._stop_requested is not None and self._stopped is not None
-        self._stop_requested.set()
-        with anyio.CancelScope(shield=True):
             await self._stopped.wait()
+        except BaseException:
+            # Deliberate: the caller gave up waiting (cancelled, interrupted). The stop
+            # goes on in the runner task, now, so later calls return in their own time.
+            self._request_stop(-math.inf)
+            raise
         assert self._report is not None
         return self._report
+
+    def _request_stop(self, deadline: float) -> None:
+        """Ask the runner to stop: drain until ``deadline`` (the soonest asked), then cancel."""
+        if self._state in ("running", "starting"):
+            self._state = "closing"
+        if deadline < self._stop_deadline:
+            self._stop_deadline = deadline
+            if self._deadline_scope is not None:
+                self._deadline_scope.deadline = deadline
+        assert self._stop_requested is not None
+        self._stop_requested.set()
+
+    def _called_from_inside(self) -> bool:
+        """Whether the calling task would be cancelled by this bus's stop.
+
+        True in a handler of this bus (its consumer, or code it runs through
+        ``anyio.from_thread``) and in any task descending from the runner task.
+        """
+        dispatch = current_dispatch()
+        if dispatch is not None and dispatch.bus is self:
+            return True
+        runner = self._runner
+        if runner is None:
+            return False
+        parents = {task.id: task.parent_id for task in anyio.get_running_tasks()}
+        task: int | None = anyio.get_current_task().id
+        seen: set[int] = set()
+        while task is not None and task not in seen:
+            if task == runner:
+                return True
+            seen.add(task)
+            task = parents.get(task)
+        return False
 
     def _finish(self, drained: bool = False) -> ShutdownReport:
         if self._report is not None:
@@ -335,7 +506,7 @@ class Bus:
         # so it meets BusClosedError, not the old backend's yield.
         self.yield_now = checkpoint
         for waiter in self.idle_waiters:
-            waiter.set()
+            waiter.event.set()
         self.idle_waiters.clear()
         self._report = self._make_report(drained=drained and not abandoned, abandoned=abandoned)
         return self._report
@@ -354,24 +525,49 @@ class Bus:
         """Wait until every queue is empty and nothing is in flight or waiting for a retry.
 
         Thread-safe publishes made before the call (or by handlers it waits for) are
-        waited for too.
+        waited for too. Awaited in a handler, it waits for everything but the
+        handlers that are themselves draining (it would wait for itself otherwise).
 
         :raises TimeoutError: when that has not happened within ``timeout`` seconds,
             saying what is still queued, in flight or on its way.
+        :raises ConfigurationError: for a timeout that is not ``None`` or a finite
+            number ``>= 0``.
         """
-        with anyio.move_on_after(timeout):
-            while True:
-                while not self._idle():
-                    if self._state == "closed":
-                        return
-                    waiter = anyio.Event()
-                    self.idle_waiters.append(waiter)
-                    await waiter.wait()
-                if self._broker is None or not await self._broker_backlog(self._broker):
-                    return
-                # Envelopes still in the broker for our stages: look again shortly.
-                await anyio.sleep(0.02)
+        seconds = check_wait(timeout, "drain(timeout)")
+        dispatch = current_dispatch()
+        stage = None
+        if dispatch is not None and dispatch.bus is self and dispatch.envelope is not None:
+            stage = dispatch.stage
+            stage.draining += 1
+            self.wake_drainers()  # another handler's drain may have waited for this one
+        try:
+            with anyio.move_on_after(seconds):
+                await self._wait_idle(strict=stage is None)
+                return
+        finally:
+            if stage is not None:
+                stage.draining -= 1
         raise TimeoutError(_not_drained(self, timeout))
+
+    async def _wait_idle(self, *, strict: bool) -> None:
+        while True:
+            while not self._idle(strict):
+                if self._state == "closed":
+                    return
+                waiter = _DrainWaiter(strict)
+                self.idle_waiters.append(waiter)
+                try:
+                    await waiter.event.wait()
+                finally:
+                    # Timed out or cancelled: leave nothing behind (a woken waiter was
+                    # already taken off the list).
+                    if not waiter.event.is_set():
+                        with contextlib.suppress(ValueError):
+                            self.idle_waiters.remove(waiter)
+            if self._broker is None or not await self._broker_backlog(self._broker):
+                return
+            # Envelopes still in the broker for our stages: look again shortly.
+            await anyio.sleep(0.02)
 
     async def _broker_backlog(self, broker: Transport) -> int:
         total = 0
@@ -380,22 +576,30 @@ class Bus:
                 total += await broker.backlog(stage.pattern, stage.group)
         return total
 
-    def _idle(self) -> bool:
+    def _idle(self, strict: bool = True) -> bool:
         if self._background or self._threadsafe_pending:
             return False
-        return all(stage.idle for stage in self._stages.values())
+        if strict:
+            return all(stage.idle for stage in self._stages.values())
+        return all(stage.quiet for stage in self._stages.values())
 
     def settled(self, stage: Stage) -> None:
         """An envelope of ``stage`` reached its end (called by stages)."""
-        if self.idle_waiters and stage.idle:
+        if self.idle_waiters and stage.quiet:
             self.wake_drainers()
 
     def wake_drainers(self) -> None:
-        """Release every ``drain()`` waiting, if the bus is idle now."""
-        if self._idle():
-            waiters, self.idle_waiters = self.idle_waiters, []
-            for waiter in waiters:
-                waiter.set()
+        """Release every ``drain()`` whose wait is over now."""
+        if not self.idle_waiters or not self._idle(strict=False):
+            return
+        everything = self._idle(strict=True)
+        waiting = []
+        for waiter in self.idle_waiters:
+            if everything or not waiter.strict:
+                waiter.event.set()
+            else:
+                waiting.append(waiter)
+        self.idle_waiters = waiting
 
     # -- subscribing ------------------------------------------------------------
 
@@ -488,6 +692,14 @@ class Bus:
     def _subscribe(self, subscription: Subscription) -> Subscription:
         key = (subscription.topic, subscription.group)
         stage = self._stages.get(key)
+        if stage is not None:
+            _check_joins(stage, subscription)
+        chain = None
+        if self._task_group is not None:
+            assert self._pool is not None
+            # Built before anything is registered: a middleware factory that raises
+            # leaves the bus exactly as it was.
+            chain = self._chain(subscription, self._pool)
         if stage is None:
             stage = Stage(
                 self,
@@ -503,40 +715,20 @@ class Bus:
             self._stages[key] = stage
             self._stages_by_name[stage.name] = stage
             self._router.add(subscription.topic, subscription.group, stage)
-        elif (stage.capacity, stage.backpressure) != (
-            subscription.capacity,
-            subscription.backpressure,
-        ):
-            raise ConfigurationError(
-                f"stage {stage.name!r} already has capacity={stage.capacity}, "
-                f"backpressure={stage.backpressure.name}; a subscription in the same group "
-                f"asked for capacity={subscription.capacity}, "
-                f"backpressure={subscription.backpressure.name}"
-            )
-        elif (stage.control.admission if stage.control else None) != subscription.admission:
-            raise ConfigurationError(
-                f"stage {stage.name!r} already has admission="
-                f"{stage.control.admission if stage.control else None!r}; a subscription in "
-                f"the same group asked for admission={subscription.admission!r}"
-            )
-        elif stage.control is None and isinstance(subscription.concurrency, Adaptive):
-            raise ConfigurationError(
-                f"stage {stage.name!r} runs a fixed concurrency; a subscription in the same "
-                "group cannot be Adaptive (give the group's first subscription Adaptive or "
-                "admission=)"
-            )
         stage.subscriptions.append(subscription)
-        if self._task_group is not None:
-            self._start(stage, subscription)
+        if chain is not None:
+            self._start(stage, subscription, chain)
         return subscription
 
-    def _start(self, stage: Stage, subscription: Subscription) -> None:
-        assert self._limiter is not None
+    def _chain(self, subscription: Subscription, pool: WorkerPool) -> Handler:
+        """The subscription's handler wrapped in its middleware (every factory runs here)."""
+        return build_chain(subscription, adapt_handler(subscription, pool), self._middleware)
+
+    def _start(self, stage: Stage, subscription: Subscription, chain: Handler) -> None:
         if subscription.offload == "thread" and not self._holds_switch_interval:
             self._holds_switch_interval = True
             hold_switch_interval()
-        handler = adapt_handler(subscription, self._limiter)
-        stage.start_consumers(subscription, build_chain(subscription, handler, self._middleware))
+        stage.start_consumers(subscription, chain)
         if self._broker is not None and self._over_broker(stage) and not stage.pumping:
             stage.pumping = True
             stage.subscribed = anyio.Event()
@@ -562,7 +754,7 @@ class Bus:
         payload: Any,
         headers: Mapping[str, str] | None,
         ttl: float | None,
-        slip: Iterable[str],
+        slip: Iterable[str] | str,
         key: str | None,
         id: str | None,
         reply_to: str | None = None,
@@ -571,8 +763,11 @@ class Bus:
     ) -> Envelope:
         """A new envelope to send; one sent while ``cause`` is handled continues its
         conversation (same ``correlation_id``, ``causation_id`` = its id)."""
+        if type(topic) is not str:
+            validate_topic(topic)  # a ConfigurationError, before it is used as a key
+        where = f"publish({topic!r})"
         if headers or key is not None or priority is not None:
-            fields = dict(headers or {})
+            fields = dict(check_headers(headers or {}, where))
             if key is not None:
                 fields[HEADER_KEY] = str(key)
             if priority is not None:
@@ -580,11 +775,13 @@ class Bus:
             frozen_headers: Mapping[str, str] = MappingProxyType(fields)
         else:
             frozen_headers = EMPTY_HEADERS
-        route = tuple(slip) if slip else ()
+        route = check_slip(slip, where)
         for hop in route:
             validate_topic(hop)
-        if ttl is not None and not ttl > 0:
-            raise ConfigurationError(f"publish({topic!r}): ttl must be > 0, got {ttl!r}")
+        if ttl is not None:
+            ttl = check_seconds(ttl, f"{where}: ttl")
+        if id is not None and (not isinstance(id, str) or not id):
+            raise ConfigurationError(f"{where}: id must be a non-empty string, got {id!r}")
         envelope_id = id if id is not None else new_id()
         return make_envelope(
             envelope_id,
@@ -644,12 +841,17 @@ class Bus:
         await self.yield_now()
         if self._state != "running":  # checked after the yield: aclose may have begun
             self._check_open()
+        if type(topic) is not str:
+            validate_topic(topic)  # a ConfigurationError, before it is used as a key
+        if timeout is not None:
+            timeout = check_wait(timeout, f"publish({topic!r}): timeout")
         cause = handled_envelope()  # published by a handler: continue its conversation
         if (
             headers
             or ttl is not None
             or slip
             or key is not None
+            or id is not None
             or priority is not None
             or cause is not None
         ):
@@ -657,7 +859,7 @@ class Bus:
                 topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
             )
         else:
-            envelope_id = id if id is not None else new_id()
+            envelope_id = new_id()
             envelope = make_envelope(
                 envelope_id,
                 topic,
@@ -712,6 +914,8 @@ class Bus:
         :raises BusClosedError: before start or after ``aclose`` began.
         """
         self._check_open()
+        if timeout is not None:
+            check_wait(timeout, f"publish_nowait({topic!r}): timeout")
         if self._broker is not None:
             raise anyio.WouldBlock(
                 f"publish_nowait cannot wait for {self._broker.name}'s confirmation: "
@@ -753,7 +957,9 @@ class Bus:
     ) -> concurrent.futures.Future[Receipt]:
         """Publish from any thread (worker threads included); the receipt arrives in a future.
 
-        Errors (``BusClosedError``, ``PublishTimeout``, …) are set on the future.
+        Errors (``BusClosedError``, ``PublishTimeout``, ``ConfigurationError``, ...) are
+        set on the future, which always ends with a receipt or one of them, never
+        cancelled: a publish the shutdown cuts off fails with ``BusClosedError``.
         """
         dispatch = current_dispatch()
         inside = dispatch is not None
@@ -764,8 +970,8 @@ class Bus:
         if cause is None and dispatch is not None:
             cause = dispatch.envelope
         context = contextvars.copy_context() if self._instrumentation is not None else None
-        with self._threadsafe_lock:
-            self._threadsafe_pending += 1
+        future: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
+        job = _ThreadsafePublish(self, future)
         arguments = (
             inside,
             cause,
@@ -774,41 +980,51 @@ class Bus:
             payload,
             headers,
             ttl,
-            tuple(slip),
+            slip,
             key,
             id,
             timeout,
             priority,
         )
-        portal = self._portal
         try:
-            if threading.get_ident() == self._loop_thread and self._task_group is not None:
-                future: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
-                self._task_group.start_soon(self._publish_into, future, *arguments)
+            task_group = self._task_group
+            if threading.get_ident() == self._loop_thread and task_group is not None:
+                task_group.start_soon(self._publish_into, job, *arguments)
                 return future
+            portal = self._portal
             if portal is None:
-                raise BusClosedError("the bus is not running")
-            return portal.start_task_soon(self._publish_from_thread, *arguments)
-        except BaseException as error:
-            self._threadsafe_done()
-            failed: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
-            failed.set_exception(
-                error if isinstance(error, BusClosedError) else BusClosedError(str(error))
+                raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
+            portal.start_task_soon(self._publish_into, job, *arguments).add_done_callback(
+                job.cut_off
             )
-            return failed
+        except BusClosedError as error:
+            job.settle(None, error)
+        except RuntimeError as error:  # anyio: the portal or task group stopped meanwhile
+            job.settle(None, BusClosedError(f"the bus stopped: {error}"))
+        return future
 
-    async def _publish_into(
-        self, future: concurrent.futures.Future[Receipt], *arguments: Any
-    ) -> None:
+    async def _publish_into(self, job: _ThreadsafePublish, *arguments: Any) -> None:
         try:
-            receipt = await self._publish_from_thread(*arguments)
+            receipt = await self._publish_for_thread(job, *arguments)
         except Exception as error:
-            future.set_exception(error)
+            job.settle(None, error)
+        except BaseException:
+            # Deliberate: cancelled by the stop. The future is told so (with what was
+            # admitted before it waited), then the cancellation goes on.
+            job.settle(
+                None,
+                BusClosedError(
+                    "the bus stopped before this publish was admitted everywhere",
+                    receipt=job.receipt,
+                ),
+            )
+            raise
         else:
-            future.set_result(receipt)
+            job.settle(receipt)
 
-    async def _publish_from_thread(
+    async def _publish_for_thread(
         self,
+        job: _ThreadsafePublish,
         inside: bool,
         cause: Envelope | None,
         context: contextvars.Context | None,
@@ -816,39 +1032,33 @@ class Bus:
         payload: Any,
         headers: Mapping[str, str] | None,
         ttl: float | None,
-        slip: tuple[str, ...],
+        slip: Sequence[str],
         key: str | None,
         id: str | None,
         timeout: float | None,
         priority: Priority | int | None,
     ) -> Receipt:
-        try:
-            if not (self._state == "running" or (self._state == "closing" and inside)):
-                raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
-            envelope = self._envelope(
-                topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
-            )
-            instrumentation = self._instrumentation
-            if context is None or instrumentation is None:
-                return await self._route(envelope, timeout)
-            # Observers see the send in the caller's context (a handler's, in its thread).
-            return await _instrument.send(
-                instrumentation,
-                "publish",
-                envelope,
-                _instrument.system(self),
-                self._route,
-                timeout,
-                context,
-            )
-        finally:
-            self._threadsafe_done()
-
-    def _threadsafe_done(self) -> None:
-        with self._threadsafe_lock:
-            self._threadsafe_pending -= 1
-        if self.idle_waiters and threading.get_ident() == self._loop_thread:
-            self.wake_drainers()
+        if not (self._state == "running" or (self._state == "closing" and inside)):
+            raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
+        if timeout is not None:
+            timeout = check_wait(timeout, f"publish_threadsafe({topic!r}): timeout")
+        envelope = self._envelope(
+            topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
+        )
+        route = functools.partial(self._route, progress=job)
+        instrumentation = self._instrumentation
+        if context is None or instrumentation is None:
+            return await route(envelope, timeout)
+        # Observers see the send in the caller's context (a handler's, in its thread).
+        return await _instrument.send(
+            instrumentation,
+            "publish",
+            envelope,
+            _instrument.system(self),
+            route,
+            timeout,
+            context,
+        )
 
     def _offer(self, envelope: Envelope, stages: tuple[Stage, ...]) -> tuple[Receipt, list[Stage]]:
         if not stages:
@@ -880,7 +1090,18 @@ class Bus:
                 dropped.append(stage.name)
         return Receipt(envelope.id, tuple(accepted), tuple(rejected), tuple(dropped)), blocked
 
-    async def _route(self, envelope: Envelope, timeout: float | None) -> Receipt:
+    async def _route(
+        self,
+        envelope: Envelope,
+        timeout: float | None,
+        progress: _ThreadsafePublish | None = None,
+    ) -> Receipt:
+        """Offer ``envelope`` to every stage of its topic, waiting (up to ``timeout``)
+        where a ``BLOCK`` stage is full.
+
+        :param progress: kept up to date with what is admitted so far, for a caller
+            that may be cancelled while this waits (its receipt is then still known).
+        """
         if self.observers:
             for observe in self.observers:
                 observe(envelope)
@@ -890,11 +1111,26 @@ class Bus:
         if not blocked:
             return receipt
         accepted = list(receipt.accepted)
+        if progress is not None:
+            progress.receipt = receipt
         waiting_on = blocked[0]
         with anyio.move_on_after(timeout) as scope:
             for waiting_on in blocked:
-                await waiting_on.put(envelope)
+                try:
+                    await waiting_on.put(envelope)
+                except BusClosedError as error:
+                    # The stage stopped before it had room: nothing was admitted there.
+                    raise BusClosedError(
+                        str(error),
+                        receipt=Receipt(
+                            envelope.id, tuple(accepted), receipt.rejected, receipt.dropped
+                        ),
+                    ) from None
                 accepted.append(waiting_on.name)
+                if progress is not None:
+                    progress.receipt = Receipt(
+                        envelope.id, tuple(accepted), receipt.rejected, receipt.dropped
+                    )
         receipt = Receipt(envelope.id, tuple(accepted), receipt.rejected, receipt.dropped)
         if scope.cancelled_caught:
             raise PublishTimeout(
@@ -1035,6 +1271,9 @@ class Bus:
     async def _put_later(self, stage: Stage, envelope: Envelope) -> None:
         try:
             await stage.put(envelope)
+        except BusClosedError:
+            # Never admitted, so not in any ledger: only the announcement is lost.
+            logger.warning("$deadletter announcement of %s dropped at shutdown", envelope.id)
         finally:
             self._background -= 1
             if self.idle_waiters:
@@ -1223,7 +1462,7 @@ class Bus:
         payload: Any = None,
         *,
         slip: Sequence[str] = (),
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         headers: Mapping[str, str] | None = None,
         ttl: float | None = None,
     ) -> Any:
@@ -1235,6 +1474,7 @@ class Bus:
         """
         await self.yield_now()  # first, like publish: aclose may begin meanwhile
         self._check_open()
+        seconds = check_wait(timeout, f"request({topic!r}): timeout")
         envelope_id = new_id()
         reply_to = envelope_id if self._broker is None else f"{self._inbox()}.{envelope_id}"
         if self._broker is not None:
@@ -1253,7 +1493,7 @@ class Bus:
         pending = _PendingReply()
         self._requests[reply_to] = pending
         try:
-            with anyio.fail_after(timeout):
+            with anyio.fail_after(seconds):
                 receipt = await self._send("request", envelope, None)
                 if pending.error is None and not pending.event.is_set():
                     if receipt.rejected:
@@ -1308,6 +1548,32 @@ def _priority_text(topic: str, priority: Priority | int) -> str:
 _PRIORITIES = frozenset(int(level) for level in Priority)
 
 
+def _check_joins(stage: Stage, subscription: Subscription) -> None:
+    """Raise :class:`ConfigurationError` unless ``subscription`` can join ``stage``."""
+    if (stage.capacity, stage.backpressure) != (
+        subscription.capacity,
+        subscription.backpressure,
+    ):
+        raise ConfigurationError(
+            f"stage {stage.name!r} already has capacity={stage.capacity}, "
+            f"backpressure={stage.backpressure.name}; a subscription in the same group "
+            f"asked for capacity={subscription.capacity}, "
+            f"backpressure={subscription.backpressure.name}"
+        )
+    if (stage.control.admission if stage.control else None) != subscription.admission:
+        raise ConfigurationError(
+            f"stage {stage.name!r} already has admission="
+            f"{stage.control.admission if stage.control else None!r}; a subscription in "
+            f"the same group asked for admission={subscription.admission!r}"
+        )
+    if stage.control is None and isinstance(subscription.concurrency, Adaptive):
+        raise ConfigurationError(
+            f"stage {stage.name!r} runs a fixed concurrency; a subscription in the same "
+            "group cannot be Adaptive (give the group's first subscription Adaptive or "
+            "admission=)"
+        )
+
+
 def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> HandlerError:
     """The failure a request meets when a stage of its route refuses it (REJECT, full)."""
     return HandlerError(
@@ -1332,6 +1598,8 @@ def _not_drained(bus: Bus, timeout: float | None) -> str:
             f"{queued} envelope(s) queued + {in_flight} in flight or waiting for a retry"
             f" ({named})"
         )
+        if entering := sum(stage.entering for stage in busy):
+            waiting.append(f"{entering} publish(es) waiting for room")
     if bus._threadsafe_pending:
         waiting.append(f"{bus._threadsafe_pending} thread-safe publish(es) not yet routed")
     if bus._background:

@@ -67,6 +67,7 @@ class DeadLetterQueue:
         resend: Resend,
         on_add: Callable[[DeadLetter], None] | None = None,
         on_remove: Callable[[builtins.list[str]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ttl = ttl
         self.maxlen = maxlen
@@ -75,11 +76,25 @@ class DeadLetterQueue:
         self._resend = resend
         self._on_add = on_add
         self._on_remove = on_remove
+        self._clock = clock
         self._entries: OrderedDict[int, DeadLetter] = OrderedDict()
+        # When each entry died, on ``_clock`` (``dead_at`` is the wall clock's, for
+        # people and other processes; the TTL is a duration, measured on the loop's).
+        self._died: dict[int, float] = {}
         self._by_id: dict[str, list[int]] = {}
+        # Keys of entries a replay is re-sending: a second replay of them finds none.
+        self._replaying: set[int] = set()
         self._next_key = 0
         # Entries per (stage, reason), kept as they come and go, so metrics never scan.
         self._tally: Counter[tuple[str | None, DeadLetterReason]] = Counter()
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Measure the TTL on ``clock`` from now on (the bus's loop clock, at start)."""
+        if clock is self._clock:
+            return
+        offset = clock() - self._clock()
+        self._died = {key: died + offset for key, died in self._died.items()}
+        self._clock = clock
 
     def add(self, dead_letter: DeadLetter) -> None:
         """Store ``dead_letter``, evicting the oldest entry when the queue is full."""
@@ -88,11 +103,7 @@ class DeadLetterQueue:
             self._pop_key(next(iter(self._entries)))
             self.evicted += 1
         if self.maxlen > 0:
-            key = self._next_key
-            self._next_key += 1
-            self._entries[key] = dead_letter
-            self._by_id.setdefault(dead_letter.envelope.id, []).append(key)
-            self._tally[dead_letter.stage, dead_letter.reason] += 1
+            self._store(dead_letter, self._clock())
         else:
             self.evicted += 1
         if self._on_add is not None:
@@ -100,13 +111,18 @@ class DeadLetterQueue:
 
     def restore(self, dead_letter: DeadLetter) -> None:
         """Store an entry loaded from a broker (no announcement, no eviction count)."""
-        if self.maxlen <= 0 or dead_letter.dead_at <= time.time() - self.ttl:
+        age = max(time.time() - dead_letter.dead_at, 0.0)
+        if self.maxlen <= 0 or age >= self.ttl:
             return
         while len(self._entries) >= self.maxlen:
             self._pop_key(next(iter(self._entries)))
+        self._store(dead_letter, self._clock() - age)
+
+    def _store(self, dead_letter: DeadLetter, died: float) -> None:
         key = self._next_key
         self._next_key += 1
         self._entries[key] = dead_letter
+        self._died[key] = died
         self._by_id.setdefault(dead_letter.envelope.id, []).append(key)
         self._tally[dead_letter.stage, dead_letter.reason] += 1
 
@@ -131,34 +147,47 @@ class DeadLetterQueue:
     def get(self, id: str) -> DeadLetter | None:
         """Return the oldest entry for envelope ``id``, or ``None``."""
         self._expire()
-        keys = self._by_id.get(id)
+        keys = self._by_id.get(id) if isinstance(id, str) else None
         return self._entries[keys[0]] if keys else None
 
     async def replay(self, *ids: str | DeadLetter) -> builtins.list[Receipt]:
         """Re-send the envelopes ``ids`` to the stage that dead-lettered them.
 
         Each is re-sent with ``attempt`` 1, a fresh ``timestamp`` and the header
-        ``asyncbus-replayed``, and its entry leaves the queue. An id is an envelope's
-        id (``entry.envelope.id``); an entry itself stands for its envelope's id.
+        ``asyncbus-replayed``, and its entry leaves the queue once it is on its way. An
+        entry whose re-send fails (the bus stopped while it waited for room, say) stays.
+        An id is an envelope's id (``entry.envelope.id``); an entry itself stands for
+        its envelope's id.
 
-        :raises KeyError: naming the ids that are not in the queue; nothing is replayed then.
+        :raises KeyError: naming the ids that are not in the queue, or that another
+            replay is re-sending right now; nothing is replayed then.
         """
         ids = _ids(ids, "replay")
         self._expire()
-        missing = [id for id in ids if id not in self._by_id]
+        missing = [id for id in ids if not self._free_keys(id)]
         if missing:
             raise KeyError(f"not in the dead-letter queue: {', '.join(missing)}")
+        keys = builtins.list(dict.fromkeys(key for id in ids for key in self._free_keys(id)))
+        # Claimed at once, before the first await: a concurrent replay of the same ids
+        # gets KeyError instead of sending them a second time.
+        self._replaying.update(keys)
         receipts: builtins.list[Receipt] = []
-        for id in ids:
-            for key in builtins.list(self._by_id.get(id, ())):
+        try:
+            for key in keys:
                 entry = self._entries.get(key)
                 if entry is None:
-                    continue
+                    continue  # purged or expired meanwhile
                 # Re-send first: an entry leaves the queue only once it is on its way.
                 receipts.append(await self._resend(entry))
+                self._replaying.discard(key)
                 if key in self._entries:
                     self._pop_key(key)
+        finally:
+            self._replaying.difference_update(keys)
         return receipts
+
+    def _free_keys(self, id: str) -> builtins.list[int]:
+        return [key for key in self._by_id.get(id, ()) if key not in self._replaying]
 
     def purge(self, *ids: str | DeadLetter) -> int:
         """Remove the entries of ``ids`` (all entries when none given); return how many.
@@ -170,6 +199,7 @@ class DeadLetterQueue:
             removed = len(self._entries)
             gone = builtins.list(self._by_id)
             self._entries.clear()
+            self._died.clear()
             self._by_id.clear()
             self._tally.clear()
         else:
@@ -194,17 +224,18 @@ class DeadLetterQueue:
     def _pop_key(self, key: int) -> None:
         entry = self._entries.pop(key)
         self._tally[entry.stage, entry.reason] -= 1
+        del self._died[key]
         keys = self._by_id[entry.envelope.id]
         keys.remove(key)
         if not keys:
             del self._by_id[entry.envelope.id]
 
     def _expire(self) -> None:
-        deadline = time.time() - self.ttl
-        entries = self._entries
-        while entries:
-            key = next(iter(entries))
-            if entries[key].dead_at > deadline:
+        deadline = self._clock() - self.ttl
+        died = self._died
+        while died:
+            key = next(iter(died))
+            if died[key] > deadline:
                 break
             self._pop_key(key)
 

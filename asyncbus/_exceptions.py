@@ -46,7 +46,15 @@ class ConfigurationError(AsyncbusError, ValueError):
 
 
 class BusClosedError(AsyncbusError, RuntimeError):
-    """A publish was made before the bus started or after it began to close."""
+    """A publish was made before the bus started or after it began to close.
+
+    :ivar receipt: for a publish the shutdown cut off while it waited for room, what
+        earlier stages of its fan-out had admitted; ``None`` otherwise.
+    """
+
+    def __init__(self, message: str = "", *, receipt: Receipt | None = None) -> None:
+        super().__init__(message)
+        self.receipt = receipt
 
 
 class PublishTimeout(AsyncbusError, TimeoutError):

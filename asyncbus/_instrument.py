@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ._dispatch import Outcome
+from ._dispatch import Outcome, handler_failure
 from ._envelope import make_envelope
 
 if TYPE_CHECKING:
@@ -296,9 +296,12 @@ async def dispatch(
     except Exception as error:  # the chain's outermost dead-letter layer, as in the consumer
         dispatch.fail(error)
     except BaseException as error:  # cancelled: the attempt is abandoned; close what opened
-        if token is not _FAILED:
-            _guard(instrumentation.exit, token, Result("abandoned", exception=error))
-        raise
+        failure = handler_failure(error)
+        if failure is None:  # the bus's own cancellation (else a stray one: a failure)
+            if token is not _FAILED:
+                _guard(instrumentation.exit, token, Result("abandoned", exception=error))
+            raise
+        dispatch.fail(failure)
     if token is not _FAILED:
         _guard(instrumentation.exit, token, _result(dispatch))
     dispatch.cause = None  # (it holds the failed frames: let them go)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -11,17 +12,16 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.from_thread
 import anyio.to_thread
 
 if TYPE_CHECKING:
     from ._envelope import Envelope
 
 __all__ = [
+    "WorkerPool",
     "hold_switch_interval",
     "offloaded_envelope",
     "release_switch_interval",
-    "run_in_worker",
     "run_niced",
 ]
 
@@ -34,6 +34,7 @@ _offloaded: ContextVar[Envelope | None] = ContextVar("asyncbus_offloaded", defau
 def offloaded_envelope() -> Envelope | None:
     """The envelope the offloaded handler running in this thread handles, else ``None``."""
     return _offloaded.get()
+
 
 #: How much lower than the event loop's process a CPU-bound worker process runs.
 WORKER_NICENESS = 5
@@ -56,59 +57,113 @@ def run_niced(function: Callable[[Any], Any], argument: Any) -> Any:
 
 
 class _Slot:
-    """One borrowed pool slot, released by whichever side sees the thread finish last."""
+    """One borrowed pool slot, handed back by whichever side sees the thread end last.
 
-    __slots__ = ("abandoned", "finished", "lock")
+    ``started`` and ``finished`` are set by the worker thread, ``abandoned`` by the
+    caller when it gives up (cancelled); all under ``lock``.
+    """
+
+    __slots__ = ("abandoned", "finished", "lock", "started")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.started = False
         self.finished = False
         self.abandoned = False
 
 
-async def run_in_worker(
-    function: Callable[[Any], Any],
-    argument: Any,
-    limiter: anyio.CapacityLimiter,
-    envelope: Envelope | None = None,
-) -> Any:
-    """Run ``function(argument)`` in a worker thread under the bus-wide ``limiter``.
+class WorkerPool:
+    """The bus-wide pool of ``workers`` slots shared by thread and process offload.
 
-    If the caller is cancelled (a stage timeout, shutdown) the attempt is abandoned at
-    once, but the thread runs to its end *holding its slot*: the pool never runs more
-    than ``workers`` handlers, even abandoned ones. (anyio's own ``limiter=`` would
-    free the slot when the caller gives up.)
+    Made on the event loop when the bus starts. A thread holds its slot until it
+    returns, even after its caller gave up (a stage timeout, shutdown), so the pool
+    never runs more than ``workers`` handlers, abandoned ones included.
 
-    :param envelope: the envelope being handled, for :func:`offloaded_envelope`.
+    :ivar limiter: the ``workers`` slots (also the process pool's limiter).
     """
-    slot = _Slot()
-    await limiter.acquire_on_behalf_of(slot)
 
-    def run() -> Any:
-        # (The worker runs this in a copy of the caller's context: setting it is local.)
-        _offloaded.set(envelope)
-        try:
-            return function(argument)
-        finally:
+    def __init__(self, workers: int) -> None:
+        self.limiter = anyio.CapacityLimiter(workers)
+        # The slots are the bus's own, held past a cancellation; anyio's thread call is
+        # given a limiter that never binds, so its process-wide default (40 threads)
+        # does not cap a pool larger than that.
+        self._threads = anyio.CapacityLimiter(math.inf)
+        self._call_soon = _loop_call_soon()
+
+    async def run(
+        self, function: Callable[[Any], Any], argument: Any, envelope: Envelope | None = None
+    ) -> Any:
+        """Run ``function(argument)`` in a worker thread, in one of the pool's slots.
+
+        :param envelope: the envelope being handled, for :func:`offloaded_envelope`.
+        """
+        slot = _Slot()
+        limiter = self.limiter
+        await limiter.acquire_on_behalf_of(slot)
+        call_soon = self._call_soon
+
+        def run() -> tuple[Any]:
             with slot.lock:
-                slot.finished = True
-                abandoned = slot.abandoned
-            if abandoned:
-                # (When the event loop is gone there is nothing left to free.)
-                with contextlib.suppress(RuntimeError):
-                    anyio.from_thread.run_sync(limiter.release_on_behalf_of, slot)
+                if slot.abandoned:
+                    return (None,)  # given up before it started: the caller freed the slot
+                slot.started = True
+            # (The worker runs this in a copy of the caller's context: setting it is local.)
+            _offloaded.set(envelope)
+            try:
+                # Boxed: trio refuses a thread function that returns a coroutine, and a
+                # sync wrapper of an async handler returns one (awaited on the loop).
+                return (function(argument),)
+            finally:
+                with slot.lock:
+                    slot.finished = True
+                    abandoned = slot.abandoned
+                if abandoned:
+                    # Hand the slot back without waiting for the loop: it may be
+                    # stopped (never to run this) or gone, and a worker thread must
+                    # never wait on it, or interpreter exit would wait for ever.
+                    call_soon(limiter.release_on_behalf_of, slot)
 
-    try:
-        result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
-    except BaseException:
-        with slot.lock:
-            slot.abandoned = not slot.finished
-            release_now = slot.finished
-        if release_now:
-            limiter.release_on_behalf_of(slot)
-        raise
-    limiter.release_on_behalf_of(slot)
-    return result
+        try:
+            result = await anyio.to_thread.run_sync(
+                run, abandon_on_cancel=True, limiter=self._threads
+            )
+        except BaseException:
+            # Deliberate: cancelled (a timeout, shutdown) or the handler raised. Free
+            # the slot now unless the thread still runs; then the thread frees it.
+            with slot.lock:
+                slot.abandoned = True
+                release_now = slot.finished or not slot.started
+            if release_now:
+                limiter.release_on_behalf_of(slot)
+            raise
+        limiter.release_on_behalf_of(slot)
+        return result[0]
+
+
+def _loop_call_soon() -> Callable[..., None]:
+    """A non-blocking ``call_soon_threadsafe`` into the running loop, for any thread.
+
+    Once the loop is closed (or the trio run is over) the call does nothing: a slot
+    of a bus that is gone needs no handing back.
+    """
+    from ._runtime import current_backend
+
+    schedule: Callable[..., object]
+    if current_backend() == "trio":
+        import trio
+
+        schedule = trio.lowlevel.current_trio_token().run_sync_soon
+    else:
+        import asyncio
+
+        schedule = asyncio.get_running_loop().call_soon_threadsafe
+
+    def call_soon(function: Callable[..., object], *args: Any) -> None:
+        # RuntimeError: asyncio's loop is closed, or trio's RunFinishedError.
+        with contextlib.suppress(RuntimeError):
+            schedule(function, *args)
+
+    return call_soon
 
 
 #: The GIL hand-over interval while a bus runs sync handlers in threads (GIL builds).

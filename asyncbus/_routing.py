@@ -93,6 +93,8 @@ class Router(Generic[T]):
 
     def route(self, topic: str) -> tuple[T, ...]:
         """Return the targets ``topic`` goes to: one per group, first match wins."""
+        if type(topic) is not str:
+            validate_topic(topic)  # an unhashable topic must not reach the cache
         found = self._cache.get(topic)
         if found is not None:
             return found

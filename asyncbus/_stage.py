@@ -16,8 +16,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._dead_letters import DeadLetterReason
-from ._dispatch import Dispatch, Outcome, describe_error
+from ._dispatch import Dispatch, Outcome, describe_error, handler_failure
 from ._envelope import Envelope
+from ._exceptions import BusClosedError
 from ._instrument import dispatch as instrumented_dispatch
 from ._stats import LatencyHistogram, StageStatistics
 
@@ -114,6 +115,12 @@ class Stage:
             from ._control import StageControl
 
             self.control = StageControl(self, admission)
+        #: Publishes (and replays) waiting for room or about to be admitted.
+        self.entering = 0
+        #: Consumers whose handler awaits ``bus.drain()`` (it does not wait for them).
+        self.draining = 0
+        #: No stream (not started, or stopped): nothing more may be admitted.
+        self.closed = True
 
     # -- life cycle -------------------------------------------------------------
 
@@ -136,6 +143,7 @@ class Stage:
         )
         self._push: Callable[[tuple[float, Envelope]], None] = self._send.send_nowait
         self._pop: Callable[[], tuple[float, Envelope]] = self._receive.receive_nowait
+        self.closed = False
         # The stage alone decides when there is room (``queued < capacity``) and no task
         # ever waits inside the stream, so its send_nowait/receive_nowait reduce to the
         # buffer's append/popleft: use those directly where anyio's layout allows.
@@ -161,6 +169,7 @@ class Stage:
 
         :return: ids of the abandoned envelopes.
         """
+        self.closed = True
         left: list[str] = []
         if self._receive is not None:
             while True:
@@ -218,13 +227,30 @@ class Stage:
         return DoorOutcome.ACCEPTED
 
     async def put(self, envelope: Envelope) -> None:
-        """Admit ``envelope``, waiting for room whatever the policy."""
-        await self._wait_for_room()
-        self.admit(envelope)
+        """Admit ``envelope``, waiting for room whatever the policy.
+
+        :raises BusClosedError: when the stage stops first; nothing is admitted then.
+        """
+        # Counted while it waits: drain() does not call the bus idle between the room
+        # appearing and this envelope taking it.
+        self.entering += 1
+        try:
+            await self._wait_for_room()
+            self.admit(envelope)
+        finally:
+            self.entering -= 1
+            if self.bus.idle_waiters:
+                self.bus.settled(self)
 
     async def _wait_for_room(self, bound: Callable[[], int] | None = None) -> None:
         # ``bound``: a lower ceiling than ``capacity``, read again at every wake-up.
-        while self.queued >= (self.capacity if bound is None else bound()):
+        while True:
+            if self.closed:
+                # Woken by the stop (or by room, too late): admitting now would put the
+                # envelope where no consumer will ever take it.
+                raise BusClosedError(f"stage {self.name!r} stopped before it had room")
+            if self.queued < (self.capacity if bound is None else bound()):
+                break
             waiter = anyio.Event()
             self.room_waiters.append(waiter)
             try:
@@ -253,8 +279,13 @@ class Stage:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, in flight or waiting for a retry."""
-        return not (self.queued or self.in_flight)
+        """Nothing queued, in flight, waiting for a retry or about to be admitted."""
+        return not (self.queued or self.in_flight or self.entering)
+
+    @property
+    def quiet(self) -> bool:
+        """Idle but for consumers whose handler is itself in ``bus.drain()``."""
+        return not (self.queued or self.entering) and self.in_flight <= self.draining
 
     def _drop_at_door(self, envelope: Envelope) -> DoorOutcome:
         self.published += 1
@@ -316,7 +347,10 @@ class Stage:
     async def _retry_later(self, envelope: Envelope, delay: float) -> None:
         await anyio.sleep(delay)
         again = envelope.evolve(attempt=envelope.attempt + 1)
-        await self._wait_for_room()
+        try:
+            await self._wait_for_room()
+        except BusClosedError:
+            return  # stopped: it stays in _retrying, so close() lists it as abandoned
         assert self._send is not None
         del self._retrying[id(envelope)]
         delivery = self.deliveries.pop(id(envelope), None)
@@ -378,6 +412,11 @@ class Stage:
                     await chain(envelope)
                 except Exception as error:  # the chain's outermost dead-letter layer
                     dispatch.fail(error)
+                except BaseException as error:  # deliberate: a stray cancellation is a failure
+                    failure = handler_failure(error)
+                    if failure is None:
+                        raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
+                    dispatch.fail(failure)
             else:  # the same, between the observers' enter and exit (tracing)
                 await instrumented_dispatch(instrumentation, chain, dispatch, envelope)
             outcome = dispatch.outcome
@@ -385,7 +424,7 @@ class Stage:
                 # Acked: counted here, inline, as this runs once per envelope.
                 self.acked += 1
                 self.in_flight -= 1
-                if bus.idle_waiters and not self.queued and not self.in_flight:
+                if bus.idle_waiters and not self.queued and self.in_flight <= self.draining:
                     bus.wake_drainers()
             if deliveries and outcome is not Outcome.DEFERRED:
                 await self._settle_delivery(

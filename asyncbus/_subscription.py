@@ -7,7 +7,7 @@ import inspect
 import itertools
 import pickle
 import typing
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,10 +16,12 @@ import anyio.to_process
 
 from ._adaptive import Adaptive
 from ._admission import Admission
+from ._checks import check_seconds
 from ._decoding import payload_decoder
+from ._dispatch import handler_failure
 from ._envelope import Envelope
 from ._exceptions import ConfigurationError, Reject
-from ._offload import run_in_worker, run_niced
+from ._offload import WorkerPool, run_niced
 from ._routing import compile_pattern
 from ._stage import Backpressure
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from ._types import Handler, Middleware
     from .middleware.retry import Retry
 
-__all__ = ["Offload", "Subscription", "build_chain", "default_group"]
+__all__ = ["Offload", "Subscription", "build_chain", "check_middleware", "default_group"]
 
 Offload = Literal["thread", "process", "inline"]
 _OFFLOADS = ("thread", "process", "inline")
@@ -102,6 +104,7 @@ def make_subscription(
     where = f"subscribe({topic!r})"
     if not callable(handler):
         raise ConfigurationError(f"{where}: handler must be callable, got {handler!r}")
+    _check_handler(handler, where)
     for name, value in (("concurrency", concurrency), ("capacity", capacity)):
         if name == "concurrency" and isinstance(value, Adaptive):
             continue  # validated when it was made
@@ -123,8 +126,7 @@ def make_subscription(
         ) from None
     if retry is not None and not isinstance(retry, Retry):
         raise ConfigurationError(f"{where}: retry must be a Retry or None, got {retry!r}")
-    if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
-        raise ConfigurationError(f"{where}: timeout must be a positive number, got {timeout!r}")
+    seconds = None if timeout is None else check_seconds(timeout, f"{where}: timeout")
     if offload is not None and offload not in _OFFLOADS:
         raise ConfigurationError(
             f"{where}: offload must be one of {', '.join(_OFFLOADS)} or None, got {offload!r}"
@@ -134,9 +136,7 @@ def make_subscription(
         raise ConfigurationError(f"{where}: offload={offload!r} needs a sync handler")
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigurationError(f"{where}: group must be a non-empty string, got {group!r}")
-    for layer in middleware:
-        if not callable(layer):
-            raise ConfigurationError(f"{where}: middleware {layer!r} is not callable")
+    layers = check_middleware(middleware, where)
     return Subscription(
         topic=topic,
         handler=handler,
@@ -145,19 +145,68 @@ def make_subscription(
         capacity=capacity,
         backpressure=policy,
         retry=retry,
-        timeout=float(timeout) if timeout is not None else None,
+        timeout=seconds,
         offload=None if is_async else typing.cast("Offload", offload or "thread"),
-        middleware=tuple(middleware),
+        middleware=layers,
         admission=admission,
     )
 
 
-def _is_async(handler: Any) -> bool:
+def _unwrap(handler: Any) -> Any:
     while isinstance(handler, functools.partial):
         handler = handler.func
+    return handler
+
+
+def _is_async(handler: Any) -> bool:
+    handler = _unwrap(handler)
     return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
         getattr(handler, "__call__", None)  # noqa: B004 - callable objects with async __call__
     )
+
+
+def _check_handler(handler: Any, where: str) -> None:
+    """Refuse what cannot be a handler: a generator function, or a wrong signature.
+
+    Calling a generator function only makes a generator; its body would never run,
+    and the envelope would be acked for work that was not done.
+    """
+    function = _unwrap(handler)
+    call = getattr(function, "__call__", None)  # noqa: B004 - an instance's own __call__
+    for candidate in (function, call):
+        if inspect.isasyncgenfunction(candidate) or inspect.isgeneratorfunction(candidate):
+            raise ConfigurationError(
+                f"{where}: {handler!r} is a generator function; a handler must be a "
+                "plain or async function (its body would never run)"
+            )
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        return  # a builtin or an extension callable: nothing to check
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise ConfigurationError(
+            f"{where}: handler {handler!r} must take one positional argument (the payload, "
+            f"or the envelope when annotated Envelope); its signature is {signature}"
+        ) from None
+
+
+def check_middleware(middleware: Any, where: str) -> tuple[Middleware, ...]:
+    """``middleware`` as a tuple of callables.
+
+    :raises ConfigurationError: when it is not a sequence of callables (a single
+        middleware given bare, say).
+    """
+    if callable(middleware) or not isinstance(middleware, Iterable):
+        raise ConfigurationError(
+            f"{where}: middleware must be a sequence of middleware, got {middleware!r}"
+        )
+    layers = tuple(middleware)
+    for layer in layers:
+        if not callable(layer):
+            raise ConfigurationError(f"{where}: middleware {layer!r} is not callable")
+    return layers
 
 
 def first_parameter_type(handler: Any) -> object:
@@ -197,12 +246,14 @@ def _payload(envelope: Envelope) -> Any:
     return envelope.payload
 
 
-def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) -> Handler:
+def adapt_handler(subscription: Subscription, pool: WorkerPool) -> Handler:
     """Turn the user's function into a :data:`Handler` (the innermost, offloading layer).
 
     The handler gets the envelope when its first parameter is annotated
     :class:`Envelope`, the payload decoded when annotated with a dataclass, msgspec
     Struct or pydantic model (:class:`DecodeError` otherwise), else the raw payload.
+    A sync function that returns an awaitable (an async function behind a plain
+    wrapper) has it awaited on the loop: its work runs before the envelope is acked.
     """
     function = subscription.handler
     argument = argument_of(function)
@@ -225,7 +276,7 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
     if subscription.offload == "inline":
 
         async def call_inline(env: Envelope) -> Any:
-            return function(extract(env))
+            return await _settled(function(extract(env)))
 
         return call_inline
     if subscription.offload == "process":
@@ -234,21 +285,28 @@ def adapt_handler(subscription: Subscription, limiter: anyio.CapacityLimiter) ->
             value = extract(env)
             try:
                 pickle.dumps((function, value))
-            except Exception as error:
+            except Exception as error:  # pickle raises anything a __reduce__ raises
                 raise Reject(
                     f"offload='process' needs a picklable handler and payload; pickling "
                     f"failed: {type(error).__name__}: {error}"
                 ) from error
             return await anyio.to_process.run_sync(
-                run_niced, function, value, cancellable=True, limiter=limiter
+                run_niced, function, value, cancellable=True, limiter=pool.limiter
             )
 
         return call_in_process
 
     async def call_in_thread(env: Envelope) -> Any:
-        return await run_in_worker(function, extract(env), limiter, env)
+        return await _settled(await pool.run(function, extract(env), env))
 
     return call_in_thread
+
+
+async def _settled(result: Any) -> Any:
+    """``result``, awaited first when a sync handler returned an awaitable."""
+    if inspect.isawaitable(result):
+        return await result
+    return result
 
 
 def build_chain(
@@ -276,27 +334,47 @@ def build_chain(
         # Outermost, the dead-letter layer would catch exactly what the consumer
         # catches and do the same with it (Dispatch.fail): skip the extra frame.
         layers = layers[1:]
+    if not {getattr(layer, "asyncbus_builtin", None) for layer in layers} <= _PASS_THROUGH:
+        # Retry, timeouts and the user's middleware see a stray cancellation as the
+        # failure it is (the consumer does the same for the fused chain below).
+        chain = _failing_on_stray_cancellation(handler)
+        for layer in reversed(layers):
+            chain = layer(chain)
+        return chain
     chain = handler
     for layer in reversed(layers):
         chain = layer(chain)
-    if {getattr(layer, "asyncbus_builtin", None) for layer in layers} <= _PASS_THROUGH:
-        # Only layers that do nothing for a plain envelope: test that once and call
-        # the handler directly, instead of passing through each layer in turn.
-        general = chain
-        on_payload = getattr(handler, "payload_function", None)
-        if on_payload is not None:  # an async handler of the payload: call it directly
+    # Only layers that do nothing for a plain envelope: test that once and call the
+    # handler directly, instead of passing through each layer in turn.
+    general = chain
+    on_payload = getattr(handler, "payload_function", None)
+    if on_payload is not None:  # an async handler of the payload: call it directly
 
-            def fused_payload(envelope: Envelope) -> Awaitable[Any]:
-                if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
-                    return general(envelope)
-                return on_payload(envelope.payload)  # type: ignore[no-any-return]
-
-            return fused_payload
-
-        def fused(envelope: Envelope) -> Awaitable[Any]:
+        def fused_payload(envelope: Envelope) -> Awaitable[Any]:
             if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
                 return general(envelope)
-            return handler(envelope)
+            return on_payload(envelope.payload)  # type: ignore[no-any-return]
 
-        return fused
-    return chain
+        return fused_payload
+
+    def fused(envelope: Envelope) -> Awaitable[Any]:
+        if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
+            return general(envelope)
+        return handler(envelope)
+
+    return fused
+
+
+def _failing_on_stray_cancellation(handler: Handler) -> Handler:
+    """``handler``, raising :class:`HandlerCancelled` for a cancellation that is not ours."""
+
+    async def guarded(envelope: Envelope) -> Any:
+        try:
+            return await handler(envelope)
+        except BaseException as error:  # deliberate: only a stray cancellation is changed
+            failure = handler_failure(error)
+            if failure is None or failure is error:
+                raise
+            raise failure from error
+
+    return guarded

@@ -5,10 +5,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import anyio
 import pytest
+
+from asyncbus import Bus
+
+T = TypeVar("T")
 
 
 @pytest.fixture(
@@ -46,3 +52,58 @@ def _require_service(name: str, port: int) -> None:
 def require_service() -> Callable[[str, int], None]:
     """``require_service(name, port)``: skip unless 127.0.0.1:port answers (CI: fail)."""
     return _require_service
+
+
+def _assert_settled(bus: Bus) -> None:
+    for stage in bus.statistics().stages:
+        ends = stage.acked + stage.dead_lettered + stage.abandoned
+        assert (stage.name, stage.published, stage.depth, stage.in_flight) == (
+            stage.name,
+            ends,
+            0,
+            0,
+        ), stage
+
+
+@pytest.fixture
+def assert_settled() -> Callable[[Bus], None]:
+    """A check that every stage of a stopped bus balances exactly.
+
+    ``published == acked + dead_lettered + abandoned`` per stage, nothing queued and
+    nothing in flight.
+    """
+    return _assert_settled
+
+
+@pytest.fixture
+def run_in_own_loop(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> Callable[[Callable[[], Awaitable[T]], float], T]:
+    """Run ``main()`` on the test's backend in a thread of its own, for at most ``seconds``.
+
+    For a test of a deadlock that no cancel scope can break (a shielded wait): if
+    ``main`` is still running after ``seconds`` the test fails, and the stuck event
+    loop is left behind on its daemon thread instead of hanging the suite.
+    """
+    name, options = anyio_backend
+
+    def run(main: Callable[[], Awaitable[T]], seconds: float) -> T:
+        outcome: list[Any] = []
+
+        def target() -> None:
+            try:
+                outcome.append(("ok", anyio.run(main, backend=name, backend_options=options)))
+            except BaseException as error:  # handed to the test's thread below
+                outcome.append(("error", error))
+
+        thread = threading.Thread(target=target, name="run_in_own_loop", daemon=True)
+        thread.start()
+        thread.join(seconds)
+        if thread.is_alive():
+            pytest.fail(f"deadlocked: still running after {seconds} s")
+        kind, value = outcome[0]
+        if kind == "error":
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    return run

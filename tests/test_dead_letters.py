@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import pytest
 
@@ -9,6 +11,7 @@ from asyncbus import (
     DEADLETTER_TOPIC,
     HEADER_REPLAYED,
     Bus,
+    BusClosedError,
     DeadLetter,
     DeadLetterReason,
     Envelope,
@@ -385,3 +388,110 @@ async def test_error_is_type_and_message_and_the_traceback_is_kept_beside_it() -
     assert "raise ValueError" in failed.traceback
     [rejected] = bus.dead_letters.list(reason=DeadLetterReason.REJECTED)
     assert (rejected.error, rejected.traceback) == ("Reject: refunds are closed", None)
+
+
+async def _fill_a_stage_behind_a_failure(bus: Bus, gate: anyio.Event, entered: anyio.Event) -> str:
+    """Dead-letter one envelope of stage ``jobs@g`` (capacity 1), then fill that stage.
+
+    Returns the dead envelope's id; the stage's one consumer then waits on ``gate``
+    holding one envelope, and one more waits in its queue.
+    """
+    receipt = await bus.publish("jobs", "bad")
+    await bus.drain()
+    assert bus.dead_letters.get(receipt.id) is not None
+    await bus.publish("jobs", "hold")
+    await entered.wait()
+    await bus.publish("jobs", "queued")
+    return receipt.id
+
+
+def _gated_stage(bus: Bus, gate: anyio.Event, entered: anyio.Event, seen: list[str]) -> None:
+    failed: list[str] = []
+
+    @bus.subscribe("jobs", group="g", capacity=1)
+    async def handle(payload: str) -> None:
+        seen.append(payload)
+        if payload == "bad" and not failed:
+            failed.append(payload)
+            raise ValueError("first try fails")
+        if payload == "hold":
+            entered.set()
+            await gate.wait()
+
+
+async def test_two_concurrent_replays_of_one_id_send_it_once(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    gate, entered = anyio.Event(), anyio.Event()
+    seen: list[str] = []
+    outcomes: list[object] = []
+    bus = Bus()
+    _gated_stage(bus, gate, entered, seen)
+
+    async def replay(id: str) -> None:
+        try:
+            outcomes.append(await bus.dead_letters.replay(id))
+        except KeyError as error:
+            outcomes.append(error)
+
+    with anyio.fail_after(10):
+        async with bus:
+            dead = await _fill_a_stage_behind_a_failure(bus, gate, entered)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(replay, dead)
+                tg.start_soon(replay, dead)
+                await anyio.wait_all_tasks_blocked()
+                # one is waiting for room; the other found the entry taken
+                assert len(outcomes) == 1 and isinstance(outcomes[0], KeyError)
+                assert bus.dead_letters.get(dead) is not None  # still there until sent
+                gate.set()
+            await bus.drain()
+
+    receipts = [outcome for outcome in outcomes if isinstance(outcome, list)]
+    assert len(receipts) == 1 and len(receipts[0]) == 1
+    assert seen.count("bad") == 2  # the first try, and one replay
+    assert bus.dead_letters.get(dead) is None
+    assert stage_stats(bus, "jobs@g").published == 4
+    assert_settled(bus)
+
+
+async def test_a_replay_cut_off_by_the_shutdown_keeps_its_dead_letter(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    gate, entered = anyio.Event(), anyio.Event()
+    seen: list[str] = []
+    errors: list[BusClosedError] = []
+    bus = Bus()
+    _gated_stage(bus, gate, entered, seen)
+
+    async def replay(id: str) -> None:
+        with pytest.raises(BusClosedError) as caught:
+            await bus.dead_letters.replay(id)
+        errors.append(caught.value)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            dead = await _fill_a_stage_behind_a_failure(bus, gate, entered)
+            tg.start_soon(replay, dead)
+            await anyio.wait_all_tasks_blocked()
+            report = await bus.aclose(timeout=0.05)
+
+    assert len(errors) == 1
+    letter = bus.dead_letters.get(dead)
+    assert letter is not None and letter.reason is DeadLetterReason.HANDLER_FAILED
+    assert seen.count("bad") == 1
+    stats = stage_stats(bus, "jobs@g")
+    assert (stats.published, stats.dead_lettered, stats.abandoned) == (3, 1, 2)
+    assert len(report.abandoned) == 2
+    assert_settled(bus)
+
+
+async def test_replay_and_get_of_an_id_that_is_not_a_string_find_nothing() -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            await bus.publish("nobody.home", 1)
+            assert bus.dead_letters.get(["not", "an", "id"]) is None  # type: ignore[arg-type]
+            with pytest.raises(KeyError):
+                await bus.dead_letters.replay({"id": 1})  # type: ignore[arg-type]
+            assert bus.dead_letters.purge(["x"]) == 0  # type: ignore[arg-type]
+            assert len(bus.dead_letters) == 1

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import pytest
 
-from asyncbus import Bus, BusClosedError, Envelope, StageStatistics
+from asyncbus import (
+    Bus,
+    BusClosedError,
+    ConfigurationError,
+    Envelope,
+    ShutdownReport,
+    StageStatistics,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -268,3 +279,410 @@ async def test_aclose_works_from_a_cancel_scope_opened_inside_async_with() -> No
     assert report.drained is True
     assert (report.published, report.completed, report.dead_lettered) == (1, 1, 0)
     assert handled == [1]
+
+
+# -- aclose from inside the bus ---------------------------------------------------
+
+
+def test_aclose_from_a_handler_requests_the_stop_and_returns(
+    run_in_own_loop: Callable[[Callable[[], Awaitable[Bus]], float], Bus],
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    handled: list[int] = []
+    inner: list[ShutdownReport] = []
+    outer: list[ShutdownReport] = []
+
+    async def main() -> Bus:
+        returned = anyio.Event()
+        bus = Bus()
+
+        @bus.subscribe("work", group="work")
+        async def work(n: int) -> None:
+            await anyio.lowlevel.checkpoint()
+            handled.append(n)
+
+        @bus.subscribe("stop", group="stop")
+        async def stop(_: object) -> None:
+            inner.append(await bus.aclose(timeout=5))
+            returned.set()
+
+        with anyio.fail_after(10):
+            async with bus:
+                for n in range(3):
+                    await bus.publish("work", n)
+                await bus.publish("stop")
+                await returned.wait()
+                # the stop is requested: outside publishes are refused at once
+                with pytest.raises(BusClosedError):
+                    await bus.publish("work", 99)
+                # the outside call waits for the shutdown the handler asked for
+                outer.append(await bus.aclose(timeout=5))
+        return bus
+
+    bus = run_in_own_loop(main, 20)
+    assert len(inner) == 1 and isinstance(inner[0], ShutdownReport)
+    assert inner[0].drained is False  # provisional: asked from inside, nothing verified
+    (report,) = outer
+    assert report.drained is True
+    assert (report.published, report.completed, report.dead_lettered) == (4, 4, 0)
+    assert report.abandoned == []
+    assert sorted(handled) == [0, 1, 2]
+    assert_settled(bus)
+
+
+def test_aclose_from_a_handler_stops_the_bus_without_an_outside_call(
+    run_in_own_loop: Callable[[Callable[[], Awaitable[Bus]], float], Bus],
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    async def main() -> Bus:
+        bus = Bus()
+
+        @bus.subscribe("stop", group="stop")
+        async def stop(_: object) -> None:
+            await bus.aclose(timeout=5)
+
+        with anyio.fail_after(10):
+            async with bus:
+                await bus.publish("stop")
+                # drain returns once the bus is idle or closed; it stops by itself
+                while "closed" not in repr(bus):
+                    await bus.drain()
+                    await anyio.lowlevel.checkpoint()
+                with pytest.raises(BusClosedError):
+                    await bus.publish("stop")
+        return bus
+
+    bus = run_in_own_loop(main, 20)
+    report = anyio.run(bus.aclose)
+    assert (report.drained, report.published, report.completed) == (True, 1, 1)
+    assert_settled(bus)
+
+
+def test_aclose_from_a_handler_with_a_deadline_abandons_what_hangs(
+    run_in_own_loop: Callable[[Callable[[], Awaitable[ShutdownReport]], float], ShutdownReport],
+) -> None:
+    async def main() -> ShutdownReport:
+        never = anyio.Event()
+        hung = anyio.Event()
+        bus = Bus()
+
+        @bus.subscribe("hang", group="hang")
+        async def hang(_: object) -> None:
+            hung.set()
+            await never.wait()
+
+        @bus.subscribe("stop", group="stop")
+        async def stop(_: object) -> None:
+            await bus.aclose(timeout=0.05)
+
+        with anyio.fail_after(10):
+            async with bus:
+                stuck = await bus.publish("hang")
+                await hung.wait()
+                await bus.publish("stop")
+                report = await bus.aclose(timeout=5)
+        assert report.abandoned == [stuck.id]
+        return report
+
+    report = run_in_own_loop(main, 20)
+    assert report.drained is False
+    assert (report.published, report.completed, report.dead_lettered) == (2, 1, 0)
+
+
+def test_aclose_from_an_offloaded_handler_through_from_thread_returns(
+    run_in_own_loop: Callable[[Callable[[], Awaitable[Bus]], float], Bus],
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    inner: list[ShutdownReport] = []
+    outer: list[ShutdownReport] = []
+
+    async def main() -> Bus:
+        bus = Bus()
+
+        @bus.subscribe("stop", group="stop")
+        def stop(_: object) -> None:
+            inner.append(anyio.from_thread.run(bus.aclose, 5))
+
+        with anyio.fail_after(10):
+            async with bus:
+                await bus.publish("stop")
+                outer.append(await bus.aclose(timeout=5))
+        return bus
+
+    bus = run_in_own_loop(main, 20)
+    assert len(inner) == 1
+    (report,) = outer
+    assert (report.drained, report.published, report.completed) == (True, 1, 1)
+    assert_settled(bus)
+
+
+# -- an interrupted aclose ---------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+async def test_a_cancelled_aclose_still_stops_the_bus_and_later_calls_return(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    never = anyio.Event()
+    entered = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(_: object) -> None:
+        entered.set()
+        await never.wait()
+
+    with anyio.fail_after(10):
+        async with bus:
+            stuck = await bus.publish("jobs")
+            await entered.wait()
+            with anyio.move_on_after(0.05) as scope:
+                await bus.aclose(timeout=30)
+            assert scope.cancelled_caught
+            with pytest.raises(BusClosedError):
+                await bus.publish("jobs")
+            report = await bus.aclose(timeout=5)
+
+    assert report.drained is False
+    assert report.abandoned == [stuck.id]
+    assert_settled(bus)
+
+
+@pytest.mark.timeout(20)
+async def test_a_second_aclose_honours_its_own_shorter_deadline(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    never = anyio.Event()
+    entered = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(_: object) -> None:
+        entered.set()
+        await never.wait()
+
+    reports: list[ShutdownReport] = []
+
+    async def close_slowly() -> None:
+        reports.append(await bus.aclose(timeout=60))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            stuck = await bus.publish("jobs")
+            await entered.wait()
+            tg.start_soon(close_slowly)
+            await anyio.wait_all_tasks_blocked()
+            reports.append(await bus.aclose(timeout=0.05))
+
+    assert reports[0] is reports[1]
+    assert reports[0].drained is False
+    assert reports[0].abandoned == [stuck.id]
+    assert_settled(bus)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf, -1.0, "soon", True])
+@pytest.mark.timeout(20)
+async def test_aclose_refuses_a_timeout_it_cannot_use_and_the_bus_still_stops(
+    timeout: Any, assert_settled: Callable[[Bus], None]
+) -> None:
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("jobs", 1)
+            with pytest.raises(ConfigurationError, match="timeout"):
+                await bus.aclose(timeout=timeout)
+            assert bus.running  # nothing was started by the refused call
+            await bus.publish("jobs", 2)
+            report = await bus.aclose(timeout=5)
+        # and __aexit__ (another aclose) returned at once
+
+    assert (report.drained, report.published, report.completed) == (True, 2, 2)
+    assert handled == [1, 2]
+    assert_settled(bus)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, "soon"])
+async def test_drain_refuses_a_timeout_it_cannot_use(timeout: Any) -> None:
+    with anyio.fail_after(5):
+        async with Bus() as bus:
+            with pytest.raises(ConfigurationError, match="timeout"):
+                await bus.drain(timeout=timeout)
+
+
+# -- publishes and replays cut off by the deadline ----------------------------------
+
+
+@pytest.mark.timeout(20)
+async def test_a_publish_blocked_for_room_at_the_deadline_fails_and_admits_nothing(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    never = anyio.Event()
+    entered = anyio.Event()
+    outcome: list[object] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g", capacity=1)
+    async def handle(_: object) -> None:
+        entered.set()
+        await never.wait()
+
+    async def publish_blocked() -> None:
+        try:
+            outcome.append(await bus.publish("jobs", 3))
+        except BusClosedError as error:
+            outcome.append(error)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            first = await bus.publish("jobs", 1)
+            await entered.wait()
+            second = await bus.publish("jobs", 2)  # fills the one slot
+            tg.start_soon(publish_blocked)
+            await anyio.wait_all_tasks_blocked()
+            report = await bus.aclose(timeout=0.05)
+
+    assert len(outcome) == 1 and isinstance(outcome[0], BusClosedError)
+    assert sorted(report.abandoned) == sorted([first.id, second.id])
+    stats = stage_stats(bus, "jobs@g")
+    assert (stats.published, stats.acked, stats.abandoned) == (2, 0, 2)
+    assert (report.published, report.completed, report.dead_lettered) == (2, 0, 0)
+    assert_settled(bus)
+
+
+@pytest.mark.timeout(20)
+async def test_a_fan_out_publish_cut_off_at_the_deadline_balances_every_stage(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    never = anyio.Event()
+    entered = anyio.Event()
+    errors: list[BusClosedError] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="free")
+    async def free(_: object) -> None:
+        await never.wait()
+
+    @bus.subscribe("jobs", group="full", capacity=1)
+    async def full(_: object) -> None:
+        entered.set()
+        await never.wait()
+
+    async def publish_blocked() -> None:
+        with pytest.raises(BusClosedError) as caught:
+            await bus.publish("jobs", 3)
+        errors.append(caught.value)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            await bus.publish("jobs", 1)
+            await entered.wait()
+            await bus.publish("jobs", 2)
+            tg.start_soon(publish_blocked)
+            await anyio.wait_all_tasks_blocked()
+            report = await bus.aclose(timeout=0.05)
+
+    assert len(errors) == 1
+    assert stage_stats(bus, "jobs@full").published == 2
+    # the "free" stage admitted all three before "full" blocked the third
+    assert stage_stats(bus, "jobs@free").published == 3
+    assert len(report.abandoned) == 5
+    assert_settled(bus)
+
+
+@pytest.mark.timeout(20)
+async def test_a_publish_woken_for_room_after_the_stop_admits_nothing(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    gate = anyio.Event()
+    entered = anyio.Event()
+    outcome: list[object] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g", capacity=1)
+    async def handle(_: object) -> None:
+        entered.set()
+        await gate.wait()
+
+    async def publish_blocked() -> None:
+        try:
+            outcome.append(await bus.publish("jobs", 3))
+        except BusClosedError as error:
+            outcome.append(error)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            await bus.publish("jobs", 1)
+            await entered.wait()
+            await bus.publish("jobs", 2)
+            tg.start_soon(publish_blocked)
+            await anyio.wait_all_tasks_blocked()
+            gate.set()  # room appears while the bus closes at once
+            report = await bus.aclose(timeout=0)
+
+    assert len(outcome) == 1
+    stats = stage_stats(bus, "jobs@g")
+    if isinstance(outcome[0], BusClosedError):
+        assert stats.published == 2
+    else:  # it got in before the stop: then it is accounted for like the others
+        assert stats.published == 3
+    assert report.completed + len(report.abandoned) == stats.published
+    assert_settled(bus)
+
+
+# -- drain --------------------------------------------------------------------------
+
+
+async def test_timed_out_drains_leave_no_waiter_behind() -> None:
+    never = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(_: object) -> None:
+        await never.wait()
+
+    with anyio.fail_after(30):
+        async with bus:
+            await bus.publish("jobs")
+            for _ in range(10_000):
+                with pytest.raises(TimeoutError):
+                    await bus.drain(timeout=0)
+            with anyio.move_on_after(0.01):
+                await bus.drain()  # cancelled, not timed out: the same
+            assert len(bus.idle_waiters) == 0
+            never.set()
+            await bus.drain(timeout=5)
+            assert len(bus.idle_waiters) == 0
+
+
+@pytest.mark.timeout(20)
+async def test_drain_from_a_handler_waits_for_the_rest_but_not_for_itself(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    order: list[str] = []
+    bus = Bus()
+
+    @bus.subscribe("downstream", group="down")
+    async def downstream(n: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        order.append(f"down {n}")
+
+    @bus.subscribe("upstream", group="up")
+    async def upstream(_: object) -> None:
+        for n in range(3):
+            await bus.publish("downstream", n)
+        await bus.drain()  # no timeout: must not wait for this very handler
+        order.append("drained")
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("upstream")
+            await bus.drain()
+
+    assert order == ["down 0", "down 1", "down 2", "drained"]
+    assert_settled(bus)

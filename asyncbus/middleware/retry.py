@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
 
-from .._dispatch import current_dispatch
+from .._checks import check_count, check_seconds
+from .._dispatch import current_dispatch, handler_failure
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, DecodeError, Reject
 from .._types import Handler
@@ -23,8 +25,9 @@ class Retry:
     waits the envelope sits on a timer, not in a consumer, and then re-enters its own
     stage only. ``Reject`` and exceptions outside ``retry_on`` are never retried.
 
-    :raises ConfigurationError: for ``max_attempts < 1``, a negative backoff,
-        ``multiplier < 1`` or an empty ``retry_on``.
+    :raises ConfigurationError: for ``max_attempts < 1``, a negative, NaN or infinite
+        backoff or max_backoff, a multiplier below 1 (or NaN, or infinite), or a
+        ``retry_on`` that is not exception classes.
     """
 
     max_attempts: int = 3
@@ -35,31 +38,66 @@ class Retry:
     retry_on: tuple[type[BaseException], ...] = (Exception,)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_attempts, bool)
-            or not isinstance(self.max_attempts, int)
-            or self.max_attempts < 1
-        ):
-            raise ConfigurationError(f"Retry: max_attempts must be >= 1, got {self.max_attempts!r}")
-        if self.backoff < 0 or self.max_backoff < 0:
-            raise ConfigurationError(
-                f"Retry: backoff and max_backoff must be >= 0, got {self.backoff!r}, "
-                f"{self.max_backoff!r}"
+        check_count(self.max_attempts, "Retry: max_attempts", 1)
+        for name in ("backoff", "max_backoff"):
+            object.__setattr__(
+                self, name, check_seconds(getattr(self, name), f"Retry: {name}", zero=True)
             )
-        if self.multiplier < 1:
-            raise ConfigurationError(f"Retry: multiplier must be >= 1, got {self.multiplier!r}")
+        multiplier = self.multiplier
+        if (
+            not isinstance(multiplier, int | float)
+            or isinstance(multiplier, bool)
+            or not math.isfinite(multiplier)
+            or multiplier < 1
+        ):
+            raise ConfigurationError(
+                f"Retry: multiplier must be a finite number >= 1, got {multiplier!r}"
+            )
+        object.__setattr__(self, "multiplier", float(multiplier))
+        if not isinstance(self.jitter, bool):
+            raise ConfigurationError(f"Retry: jitter must be a bool, got {self.jitter!r}")
         retry_on = self.retry_on
         if isinstance(retry_on, type):
-            object.__setattr__(self, "retry_on", (retry_on,))
-        elif not retry_on:
-            raise ConfigurationError("Retry: retry_on must name at least one exception type")
+            retry_on = (retry_on,)
+        elif isinstance(retry_on, list):
+            retry_on = tuple(retry_on)
+        if (
+            not isinstance(retry_on, tuple)
+            or not retry_on
+            or not all(
+                isinstance(kind, type) and issubclass(kind, BaseException) for kind in retry_on
+            )
+        ):
+            raise ConfigurationError(
+                "Retry: retry_on must be an exception class or a non-empty tuple of them, "
+                f"got {self.retry_on!r}"
+            )
+        object.__setattr__(self, "retry_on", retry_on)
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt ``attempt`` before the next one."""
-        base = min(self.backoff * self.multiplier ** (attempt - 1), self.max_backoff)
+        """Seconds to wait after failed attempt ``attempt`` before the next one.
+
+        ``min(backoff * multiplier**(attempt-1), max_backoff)``, computed so that no
+        attempt count or multiplier overflows: past ``max_backoff`` it is ``max_backoff``.
+        """
+        base = self._capped(max(attempt, 1) - 1)
         if self.jitter:
             return base * (0.5 + random.random() / 2)  # jitter, not cryptography
         return base
+
+    def _capped(self, exponent: int) -> float:
+        backoff, multiplier, cap = self.backoff, self.multiplier, self.max_backoff
+        if backoff == 0 or cap == 0:
+            return 0.0
+        if backoff >= cap:
+            return cap
+        if exponent == 0 or multiplier == 1:
+            return backoff
+        # backoff * multiplier**exponent >= cap  <=>  exponent >= log(cap/backoff)/log(m):
+        # decided on logarithms, so a huge exponent never builds a huge number.
+        if exponent >= math.log(cap / backoff) / math.log(multiplier):
+            return cap
+        return min(backoff * multiplier**exponent, cap)
 
     @property
     def asyncbus_builtin(self) -> str:
@@ -81,6 +119,8 @@ class Retry:
                 dispatch = current_dispatch()
                 if dispatch is None or envelope.attempt >= max_attempts:
                     raise
+                if handler_failure(error) is None:
+                    raise  # the bus's own cancellation (retry_on=BaseException): not a failure
                 dispatch.retry(delay(envelope.attempt), error)
                 return None
 

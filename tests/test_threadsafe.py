@@ -1,0 +1,116 @@
+"""publish_threadsafe at the edges: its future always ends, with a receipt or an error."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from collections.abc import Callable
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from asyncbus import Bus, BusClosedError, ConfigurationError, Receipt
+
+pytestmark = pytest.mark.anyio
+
+
+def _full_stage(bus: Bus, never: anyio.Event, entered: anyio.Event) -> None:
+    @bus.subscribe("jobs", group="g", capacity=1)
+    async def handle(_: object) -> None:
+        entered.set()
+        await never.wait()
+
+
+async def _outcome(future: concurrent.futures.Future[Receipt]) -> BaseException | None:
+    """The future's exception, waited for off the loop (at most 5 s)."""
+    return await anyio.to_thread.run_sync(lambda: future.exception(timeout=5))
+
+
+async def test_a_loop_thread_publish_cut_off_by_the_shutdown_fails_with_bus_closed(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    never, entered = anyio.Event(), anyio.Event()
+    bus = Bus()
+    _full_stage(bus, never, entered)
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("jobs", 1)
+            await entered.wait()
+            await bus.publish("jobs", 2)
+            future = bus.publish_threadsafe("jobs", 3)  # on the loop's own thread
+            await anyio.wait_all_tasks_blocked()
+            assert not future.done()  # waiting for room
+            report = await bus.aclose(timeout=0.05)
+        assert future.done() and not future.cancelled()
+        assert isinstance(future.exception(timeout=0), BusClosedError)
+
+    assert len(report.abandoned) == 2
+    assert_settled(bus)
+
+
+async def test_a_publish_from_another_thread_cut_off_by_the_shutdown_fails_with_bus_closed(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    never, entered = anyio.Event(), anyio.Event()
+    bus = Bus()
+    _full_stage(bus, never, entered)
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("jobs", 1)
+            await entered.wait()
+            await bus.publish("jobs", 2)
+            future = await anyio.to_thread.run_sync(bus.publish_threadsafe, "jobs", 3)
+            await anyio.wait_all_tasks_blocked()
+            await bus.aclose(timeout=0.05)
+        error = await _outcome(future)
+        assert not future.cancelled()
+        assert isinstance(error, BusClosedError)
+
+    assert_settled(bus)
+
+
+async def test_loop_thread_publishes_made_as_the_bus_stops_all_resolve(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(_: object) -> None:
+        await anyio.lowlevel.checkpoint()
+
+    futures: list[concurrent.futures.Future[Receipt]] = []
+    with anyio.fail_after(10):
+        async with bus:
+            futures += [bus.publish_threadsafe("jobs", n) for n in range(20)]
+            # __aexit__ at once: the tasks of those publishes may not have run yet
+        futures += [bus.publish_threadsafe("jobs", n) for n in range(3)]
+
+    for future in futures:
+        assert future.done() and not future.cancelled()
+        error = future.exception(timeout=0)
+        assert error is None or isinstance(error, BusClosedError)
+    accepted = sum(1 for future in futures if future.exception(timeout=0) is None)
+    assert bus.statistics().published == accepted
+    assert_settled(bus)
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0])
+async def test_publish_threadsafe_reports_a_bad_timeout_through_its_future(
+    timeout: float,
+) -> None:
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(_: object) -> None:
+        return None
+
+    with anyio.fail_after(10):
+        async with bus:
+            future = await anyio.to_thread.run_sync(
+                lambda: bus.publish_threadsafe("jobs", 1, timeout=timeout)
+            )
+            assert isinstance(await _outcome(future), ConfigurationError)
+            assert bus.statistics().published == 0
