@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -20,7 +21,7 @@ import pytest
 from anyio.abc import TaskStatus
 
 import asyncbus
-from asyncbus import Bus, DeadLetterReason, Envelope, Receipt
+from asyncbus import Bus, DeadLetterReason, Envelope, Handler, Receipt, middleware
 
 pytestmark = pytest.mark.anyio
 
@@ -398,3 +399,155 @@ async def test_thread_stages_shorten_the_gil_switch_interval_while_the_bus_runs(
         else:
             assert sys.getswitchinterval() == min(before, 0.0005)
     assert sys.getswitchinterval() == before
+
+
+@middleware
+async def cancel_once_the_slot_is_taken(env: Envelope, call_next: Handler) -> Any:
+    """Cancel the handler at its first yield: just after it took a worker slot.
+
+    The pool takes the slot, then yields once before it hands the call to a thread;
+    a helper task started here runs at that yield and cancels, so the cancellation
+    lands after the slot is taken and before any thread started.
+    """
+
+    async def cancel(scope: anyio.CancelScope) -> None:
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancel, tg.cancel_scope)
+        return await call_next(env)
+
+
+async def test_a_cancellation_before_the_thread_starts_hands_the_slot_back(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    ran: list[int] = []
+    probed: list[int] = []
+    bus = Bus(workers=1)
+
+    @bus.subscribe("work", group="g", middleware=[cancel_once_the_slot_is_taken])
+    def work(n: int) -> None:
+        ran.append(n)
+
+    @bus.subscribe("probe", group="probe")
+    def probe(n: int) -> None:
+        probed.append(n)
+
+    with anyio.fail_after(20):
+        async with bus:
+            for n in range(20):
+                await bus.publish("work", n)
+            await bus.drain(timeout=10)
+            # the one slot is free: a sync handler still runs
+            await bus.publish("probe", 1)
+            await bus.drain(timeout=10)
+    assert probed == [1]
+    if anyio_backend[0] == "asyncio":
+        # (trio may run the two tasks of that yield in either order: some threads start)
+        assert ran == []  # each attempt was given up before its thread started
+
+
+async def test_many_timeouts_on_one_worker_never_leak_its_slot() -> None:
+    gauge = ConcurrencyGauge()
+    probed: list[int] = []
+    bus = Bus(workers=1)
+
+    @bus.subscribe("slow", group="slow", concurrency=4, timeout=0.002)
+    def slow(n: int) -> None:
+        with gauge:
+            time.sleep(0.005)
+
+    @bus.subscribe("probe", group="probe")
+    def probe(n: int) -> None:
+        probed.append(n)
+
+    with anyio.fail_after(40):
+        async with bus:
+            for n in range(200):
+                await bus.publish("slow", n)
+            await bus.drain(timeout=30)
+            await bus.publish("probe", 1)
+            await bus.drain(timeout=10)
+            stats = bus.statistics().stage("slow@slow")
+            assert stats.acked + stats.dead_lettered == 200
+    assert probed == [1]
+    assert gauge.most == 1  # abandoned threads kept their slot while they ran
+
+
+async def test_a_pool_larger_than_anyios_default_runs_every_worker_at_once() -> None:
+    workers = 50  # anyio's process-wide default thread limiter has 40 tokens
+    barrier = threading.Barrier(workers, timeout=15)
+    bus = Bus(workers=workers)
+
+    @bus.subscribe("wide", group="g", concurrency=workers)
+    def wide(n: int) -> None:
+        barrier.wait()  # passes only once all of them run at the same time
+
+    with anyio.fail_after(40):
+        async with bus:
+            for n in range(workers):
+                await bus.publish("wide", n)
+            await bus.drain(timeout=30)
+            stats = bus.statistics().stage("wide@g")
+            assert (stats.acked, stats.dead_lettered) == (workers, 0)
+
+
+_ABANDONED_THREAD_SCRIPT = """
+import sys, threading, time
+from asyncbus import Bus
+
+started = threading.Event()
+
+
+async def main():
+    bus = Bus(workers=1)
+
+    @bus.subscribe("slow", group="g", timeout=0.05)
+    def slow(_):
+        started.set()
+        time.sleep(1.0)  # still running when the bus has closed
+
+    async with bus:
+        await bus.publish("slow")
+        await bus.drain(timeout=10)  # the attempt timed out: dead-lettered
+    assert started.is_set()
+    print("closed", flush=True)
+
+
+backend = sys.argv[1]
+if backend == "trio":
+    import trio
+
+    trio.run(main)
+else:
+    import asyncio
+
+    if backend == "uvloop":
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    loop.run_until_complete(main())
+    # The loop is stopped but, as some hosts leave it, never closed.
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_abandoned_worker_thread_never_blocks_interpreter_exit(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    name, options = anyio_backend
+    backend = "uvloop" if options.get("use_uvloop") else name
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _ABANDONED_THREAD_SCRIPT, backend],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: a worker thread blocked interpreter exit")
+    assert (done.returncode, done.stdout.strip()) == (0, "closed"), done.stderr
+    assert time.monotonic() - started < 45
