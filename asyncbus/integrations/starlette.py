@@ -66,6 +66,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
     ) from error
 
 from .._bus import DEADLETTER_TOPIC, Bus
+from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import ConfigurationError
 from .._instrument import bus_state, stages_subscribed
@@ -102,7 +103,10 @@ def lifespan(
     envelopes were abandoned). If the app fails, the bus is cancelled at once instead.
 
     :param timeout: seconds to drain at shutdown (``None``: wait as long as it takes).
+    :raises ConfigurationError: for a timeout that is not ``None`` or a finite number
+        ``>= 0`` (here, not at shutdown).
     """
+    check_wait(timeout, "lifespan(timeout)")
 
     @contextlib.asynccontextmanager
     async def bus_lifespan(app: Starlette) -> AsyncIterator[None]:

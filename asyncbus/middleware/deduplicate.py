@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Any
 
+import anyio
+
+from .._checks import check_count, check_seconds
 from .._dispatch import current_dispatch
 from .._envelope import HEADER_REPLAYED, Envelope
-from .._exceptions import ConfigurationError
 from .._types import Handler, Middleware
 from ._builtin import mark_builtin
 
@@ -23,18 +24,17 @@ def deduplicate(*, window: float = 300.0, maxlen: int = 100_000) -> Middleware:
     (header ``asyncbus-replayed``) always go through. A skipped duplicate is not
     forwarded along its routing slip again.
 
-    :raises ConfigurationError: for a window or maxlen that is not positive.
+    :raises ConfigurationError: for a window that is not a finite number > 0, or a
+        maxlen that is not an int >= 1.
     """
-    if window <= 0 or maxlen < 1:
-        raise ConfigurationError(
-            f"deduplicate: window must be > 0 and maxlen >= 1, got {window!r}, {maxlen!r}"
-        )
+    window = check_seconds(window, "deduplicate: window")
+    check_count(maxlen, "deduplicate: maxlen", 1)
 
     def wrap(call_next: Handler) -> Handler:
         seen: OrderedDict[str, float] = OrderedDict()
 
         async def handle(envelope: Envelope) -> Any:
-            now = time.monotonic()
+            now = anyio.current_time()  # the loop's clock: a test's MockClock drives it
             horizon = now - window
             while seen:
                 oldest = next(iter(seen))

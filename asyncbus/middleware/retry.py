@@ -95,7 +95,7 @@ class Retry:
             return backoff
         # backoff * multiplier**exponent >= cap  <=>  exponent >= log(cap/backoff)/log(m):
         # decided on logarithms, so a huge exponent never builds a huge number.
-        if exponent >= math.log(cap / backoff) / math.log(multiplier):
+        if exponent >= (math.log(cap) - math.log(backoff)) / math.log(multiplier):
             return cap
         return min(backoff * multiplier**exponent, cap)
 

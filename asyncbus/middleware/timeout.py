@@ -6,6 +6,7 @@ from typing import Any
 
 import anyio
 
+from .._checks import check_seconds
 from .._envelope import Envelope
 from .._types import Handler, Middleware
 from ._builtin import mark_builtin
@@ -22,7 +23,11 @@ def timeout(seconds: float) -> Middleware:
 
     Placed inside ``retry``, so a timed-out attempt can be retried; an offloaded
     handler's thread is abandoned (it runs to its end, its result discarded).
+
+    :raises ConfigurationError: unless ``seconds`` is a finite number > 0.
     """
+
+    seconds = check_seconds(seconds, "timeout: seconds")
 
     def wrap(call_next: Handler) -> Handler:
         async def handle(envelope: Envelope) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any, overload
 import anyio
 
 from .._bus import Bus
+from .._checks import check_wait
 from .._envelope import Envelope
 from .._routing import compile_pattern
 
@@ -96,6 +96,8 @@ class Captured:
         :raises TimeoutError: when fewer than ``count`` matched within ``timeout`` seconds.
         """
 
+        seconds = check_wait(timeout, "wait_for(timeout)")
+
         def done() -> bool:
             return len(self.select(topic)) >= count
 
@@ -104,7 +106,7 @@ class Captured:
             waiter = (done, event)
             self._waiters.append(waiter)
             try:
-                with anyio.fail_after(math.inf if timeout is None else timeout):
+                with anyio.fail_after(seconds):
                     await event.wait()
             except TimeoutError:
                 got = len(self.select(topic))

@@ -1,0 +1,348 @@
+"""Configuration at the door: what cannot work fails where it is given, as ConfigurationError."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from asyncbus import Bus, ConfigurationError, DeadLetterReason, Envelope, Retry
+from asyncbus.middleware import deduplicate, timeout
+from asyncbus.testing import capture
+
+pytestmark = pytest.mark.anyio
+
+#: Not a finite positive number of seconds, each for its own reason.
+NOT_SECONDS = [math.nan, math.inf, -math.inf, -1.0, "1", True, None]
+NOT_COUNTS = [math.nan, math.inf, 1.5, -1, "2", True, None]
+
+
+async def handler(_: object) -> None:
+    return None
+
+
+# -- numbers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [*NOT_SECONDS, 0])
+def test_bus_dead_letter_ttl_must_be_finite_and_positive(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="dead_letter_ttl"):
+        Bus(dead_letter_ttl=value)
+
+
+@pytest.mark.parametrize("value", NOT_COUNTS)
+def test_bus_dead_letter_maxlen_must_be_an_int(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="dead_letter_maxlen"):
+        Bus(dead_letter_maxlen=value)
+
+
+@pytest.mark.parametrize("value", [0, *(v for v in NOT_COUNTS if v is not None)])
+def test_bus_workers_must_be_a_positive_int(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="workers"):
+        Bus(workers=value)
+
+
+def test_bus_name_must_be_a_string() -> None:
+    with pytest.raises(ConfigurationError, match="name"):
+        Bus(name=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [*(v for v in NOT_SECONDS if v is not None), 0])
+def test_subscribe_timeout_must_be_finite_and_positive(value: Any) -> None:
+    bus = Bus()
+    with pytest.raises(ConfigurationError, match="timeout"):
+        bus.subscribe("jobs", handler, timeout=value)
+    assert bus.statistics().stages == ()
+
+
+@pytest.mark.parametrize("name", ["concurrency", "capacity"])
+@pytest.mark.parametrize("value", [0, *(v for v in NOT_COUNTS if v is not None)])
+def test_subscribe_concurrency_and_capacity_must_be_positive_ints(name: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=name):
+        Bus().subscribe("jobs", handler, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["backoff", "max_backoff"])
+@pytest.mark.parametrize("value", [v for v in NOT_SECONDS if v is not None])
+def test_retry_backoffs_must_be_finite_and_not_negative(name: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=name):
+        Retry(**{name: value})
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.5, 0, -2.0, "2", True])
+def test_retry_multiplier_must_be_finite_and_at_least_one(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="multiplier"):
+        Retry(multiplier=value)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True, math.nan, "3"])
+def test_retry_max_attempts_must_be_a_positive_int(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="max_attempts"):
+        Retry(max_attempts=value)
+
+
+@pytest.mark.parametrize(
+    "value", [(), ("ValueError",), (ValueError, 1), 1, ValueError(), (object,), object]
+)
+def test_retry_on_must_be_exception_classes(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="retry_on"):
+        Retry(retry_on=value)
+
+
+def test_retry_on_takes_one_class_a_tuple_or_a_list() -> None:
+    assert Retry(retry_on=KeyError).retry_on == (KeyError,)
+    assert Retry(retry_on=(KeyError, OSError)).retry_on == (KeyError, OSError)
+    assert Retry(retry_on=[KeyError]).retry_on == (KeyError,)  # type: ignore[arg-type]
+
+
+def test_retry_delay_follows_the_formula_and_caps_at_max_backoff() -> None:
+    retry = Retry(backoff=0.1, multiplier=2.0, max_backoff=30.0, jitter=False)
+    for attempt in range(1, 40):
+        assert retry.delay(attempt) == min(0.1 * 2.0 ** (attempt - 1), 30.0)
+    assert Retry(backoff=0, jitter=False).delay(5) == 0
+    assert Retry(backoff=5, max_backoff=1, jitter=False).delay(1) == 1
+    assert Retry(multiplier=1, backoff=0.5, jitter=False).delay(10**9) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("options", "attempt"),
+    [
+        ({"multiplier": 2.0}, 2_000),
+        ({"multiplier": 2.0}, 10**400),
+        ({"multiplier": 1e308}, 3),
+        ({"multiplier": 10, "backoff": 1e-300, "max_backoff": 1e300}, 10**9),
+        ({"multiplier": 1.0000001, "max_backoff": 5.0}, 10**12),
+    ],
+)
+def test_retry_delay_never_overflows(options: dict[str, Any], attempt: int) -> None:
+    retry = Retry(jitter=False, **options)
+    assert retry.delay(attempt) == retry.max_backoff
+    jittered = Retry(jitter=True, **options).delay(attempt)
+    assert retry.max_backoff / 2 <= jittered <= retry.max_backoff
+
+
+@pytest.mark.parametrize("value", [*(v for v in NOT_SECONDS if v is not None), 0])
+def test_deduplicate_window_must_be_finite_and_positive(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="window"):
+        deduplicate(window=value)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, math.nan, True])
+def test_deduplicate_maxlen_must_be_a_positive_int(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="maxlen"):
+        deduplicate(maxlen=value)
+
+
+@pytest.mark.parametrize("value", [*(v for v in NOT_SECONDS if v is not None), 0])
+def test_the_timeout_middleware_needs_finite_positive_seconds(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="seconds"):
+        timeout(value)
+
+
+@pytest.fixture
+async def running_bus() -> AsyncIterator[Bus]:
+    bus = Bus()
+    bus.subscribe("jobs", handler, group="g")
+    with anyio.fail_after(10):
+        async with bus:
+            yield bus
+
+
+@pytest.mark.parametrize("value", [*(v for v in NOT_SECONDS if v is not None), 0])
+async def test_publish_ttl_must_be_finite_and_positive(running_bus: Bus, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="ttl"):
+        await running_bus.publish("jobs", 1, ttl=value)
+    with pytest.raises(ConfigurationError, match="ttl"):
+        running_bus.publish_nowait("jobs", 1, ttl=value)
+    with pytest.raises(ConfigurationError, match="ttl"):
+        await running_bus.request("jobs", 1, ttl=value)
+    assert running_bus.statistics().published == 0
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, "1", True])
+async def test_publish_and_request_timeouts_must_be_finite_and_not_negative(
+    running_bus: Bus, value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match="timeout"):
+        await running_bus.publish("jobs", 1, timeout=value)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        running_bus.publish_nowait("jobs", 1, timeout=value)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        await running_bus.request("jobs", 1, timeout=value)
+    assert running_bus.statistics().published == 0
+
+
+async def test_capture_wait_for_refuses_a_nan_timeout(running_bus: Bus) -> None:
+    with capture(running_bus) as captured, pytest.raises(ConfigurationError, match="timeout"):
+        await captured.wait_for(1, timeout=math.nan)
+
+
+# -- topics, slips, headers, ids ------------------------------------------------------
+
+
+UNUSABLE_TOPICS = [["jobs"], {"jobs": 1}, {"jobs"}, 5, None, b"jobs", ""]
+
+
+@pytest.mark.parametrize("topic", UNUSABLE_TOPICS, ids=repr)
+async def test_a_topic_that_is_not_a_string_is_a_configuration_error(
+    running_bus: Bus, topic: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match="topic"):
+        await running_bus.publish(topic, 1)
+    with pytest.raises(ConfigurationError, match="topic"):
+        running_bus.publish_nowait(topic, 1)
+    with pytest.raises(ConfigurationError, match="topic"):
+        await running_bus.request(topic, 1, timeout=1)
+    future = running_bus.publish_threadsafe(topic, 1)
+    await running_bus.drain()
+    assert isinstance(future.exception(timeout=0), ConfigurationError)
+    with pytest.raises(ConfigurationError):
+        running_bus.subscribe(topic, handler)
+    assert running_bus.statistics().published == 0
+
+
+async def test_a_bare_string_slip_is_one_hop(assert_settled: Callable[[Bus], None]) -> None:
+    sunk: list[Envelope] = []
+    bus = Bus()
+
+    @bus.subscribe("ingest", group="ingest")
+    async def ingest(n: int) -> int:
+        return n + 1
+
+    @bus.subscribe("sink", group="sink")
+    async def sink(env: Envelope) -> None:
+        sunk.append(env)
+
+    with anyio.fail_after(10):
+        async with bus:
+            with capture(bus) as captured:
+                await bus.publish("ingest", 1, slip="sink")
+                await bus.drain()
+            assert await bus.request("ingest", 41, slip="ingest") == 43
+            await bus.drain()
+
+    assert [env.payload for env in sunk] == [2]
+    assert [record.topic for record in captured] == ["ingest", "sink"]
+    assert len(bus.dead_letters) == 0  # no hop went to "s", "i", "n" or "k"
+    assert_settled(bus)
+
+
+@pytest.mark.parametrize("slip", [5, ["sink", ["nested"]], ["sink", 5], ["sink", "a.*"]], ids=repr)
+async def test_a_slip_that_is_not_topics_is_a_configuration_error(
+    running_bus: Bus, slip: Any
+) -> None:
+    with pytest.raises(ConfigurationError):
+        await running_bus.publish("jobs", 1, slip=slip)
+    assert running_bus.statistics().published == 0
+
+
+@pytest.mark.parametrize("headers", [{"k": 1}, {1: "v"}, ["k", "v"], "k=v"], ids=repr)
+async def test_headers_must_map_strings_to_strings(running_bus: Bus, headers: Any) -> None:
+    with pytest.raises(ConfigurationError, match="header"):
+        await running_bus.publish("jobs", 1, headers=headers)
+    assert running_bus.statistics().published == 0
+
+
+@pytest.mark.parametrize("id", [5, ["x"], ""], ids=repr)
+async def test_an_envelope_id_must_be_a_non_empty_string(running_bus: Bus, id: Any) -> None:
+    with pytest.raises(ConfigurationError, match="id"):
+        await running_bus.publish("jobs", 1, id=id)
+    assert running_bus.statistics().published == 0
+
+
+# -- handlers -------------------------------------------------------------------------
+
+
+async def agen_handler(_: object) -> AsyncIterator[None]:
+    yield None
+
+
+def gen_handler(_: object) -> Iterator[None]:
+    yield None
+
+
+class AsyncGenCallable:
+    async def __call__(self, _: object) -> AsyncIterator[None]:
+        yield None
+
+
+async def no_arguments() -> None:
+    return None
+
+
+async def two_arguments(a: object, b: object) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        agen_handler,
+        gen_handler,
+        AsyncGenCallable(),
+        functools.partial(agen_handler),
+        no_arguments,
+        two_arguments,
+    ],
+    ids=["async generator", "generator", "async generator __call__", "partial", "no args", "two"],
+)
+def test_what_cannot_be_a_handler_is_refused_at_subscribe(bad: Any) -> None:
+    bus = Bus()
+    with pytest.raises(ConfigurationError, match=r"handler|generator"):
+        bus.subscribe("jobs", bad)
+    with pytest.raises(ConfigurationError, match=r"handler|generator"):
+        bus.subscribe("jobs")(bad)
+    assert bus.statistics().stages == ()
+
+
+def test_handlers_with_optional_extra_parameters_are_fine() -> None:
+    async def extra(payload: object, flag: bool = False, *rest: object, **options: object) -> None:
+        return None
+
+    Bus().subscribe("jobs", extra)
+
+
+def returns_the_coroutine(function: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Any]:
+    """A decorator that hides an async function behind a plain one (it returns the coroutine)."""
+
+    def wrapper(payload: Any) -> Any:
+        return function(payload)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("offload", [None, "thread", "inline"])
+async def test_a_sync_handler_returning_a_coroutine_has_it_awaited_before_the_ack(
+    offload: Any, assert_settled: Callable[[Bus], None]
+) -> None:
+    done: list[int] = []
+    bus = Bus()
+
+    @returns_the_coroutine
+    async def work(n: int) -> int:
+        await anyio.lowlevel.checkpoint()
+        if n < 0:
+            raise ValueError("negative")
+        done.append(n)
+        return n * 10
+
+    bus.subscribe("jobs", work, group="g", offload=offload)
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("jobs", 1)
+            failed = await bus.publish("jobs", -1)
+            assert await bus.request("jobs", 2) == 20
+            await bus.drain()
+
+    assert sorted(done) == [1, 2]
+    letter = bus.dead_letters.get(failed.id)
+    assert letter is not None and letter.reason is DeadLetterReason.HANDLER_FAILED
+    assert letter.error == "ValueError: negative"
+    stats = bus.statistics().stage("jobs@g")
+    assert (stats.published, stats.acked, stats.dead_lettered) == (3, 2, 1)
+    assert_settled(bus)
