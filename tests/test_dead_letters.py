@@ -486,12 +486,10 @@ async def test_a_replay_cut_off_by_the_shutdown_keeps_its_dead_letter(
     assert_settled(bus)
 
 
-async def test_replay_and_get_of_an_id_that_is_not_a_string_find_nothing() -> None:
+async def test_get_of_an_id_that_is_not_a_string_finds_nothing() -> None:
     with anyio.fail_after(5):
         async with Bus() as bus:
             await bus.publish("nobody.home", 1)
             assert bus.dead_letters.get(["not", "an", "id"]) is None  # type: ignore[arg-type]
-            with pytest.raises(KeyError):
-                await bus.dead_letters.replay({"id": 1})  # type: ignore[arg-type]
-            assert bus.dead_letters.purge(["x"]) == 0  # type: ignore[arg-type]
+            assert bus.dead_letters.get({"id": 1}) is None  # type: ignore[arg-type]
             assert len(bus.dead_letters) == 1
