@@ -1315,7 +1315,7 @@ class Bus:
                         await broker.publish_to_group(stage.pattern, stage.group, [envelope])
                     else:
                         await broker.publish(envelope.topic, [envelope])
-                except BaseException:
+                except BaseException:  # deliberate: whatever stopped the re-send, keep it
                     await broker.add_dead_letter(entry)  # not re-sent: keep it stored
                     raise
             return make_receipt(envelope.id, (stage.name,) if stage else ())

@@ -16,7 +16,6 @@ they decide nothing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 __all__ = ["Clock", "loop_clock"]
@@ -31,15 +30,12 @@ def loop_clock() -> Clock:
     Unlike ``anyio.current_time`` it keeps working after the loop stopped (a closed
     bus still expires its dead letters), and from other threads.
     """
-    import sniffio
+    from ._runtime import current_backend
 
-    library = sniffio.current_async_library()
-    if library == "asyncio":
-        import asyncio
-
-        return asyncio.get_running_loop().time
-    if library == "trio":
+    if current_backend() == "trio":
         import trio
 
         return trio.lowlevel.current_clock().current_time
-    return time.monotonic  # pragma: no cover - another backend
+    import asyncio
+
+    return asyncio.get_running_loop().time

@@ -14,10 +14,10 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import anyio
-import sniffio
 
 from ._dead_letters import DeadLetter, DeadLetterReason
 from ._exceptions import DecodeError, Reject
+from ._runtime import current_backend
 
 if TYPE_CHECKING:
     from ._bus import Bus
@@ -99,7 +99,7 @@ def handler_failure(error: BaseException) -> Exception | None:
         return None
     if anyio.current_effective_deadline() == -math.inf:
         return None  # a scope around us was cancelled: this is ours
-    if sniffio.current_async_library() == "asyncio":
+    if current_backend() == "asyncio":
         import asyncio
 
         task = asyncio.current_task()

@@ -255,7 +255,7 @@ class Stage:
             self.room_waiters.append(waiter)
             try:
                 await waiter.wait()
-            except BaseException:
+            except BaseException:  # deliberate: however the wait ends, no waiter is lost
                 try:
                     self.room_waiters.remove(waiter)
                 except ValueError:
@@ -388,7 +388,7 @@ class Stage:
                 waiters.append(waiter)
                 try:
                     await waiter.wait()  # the yield, when the stage was empty
-                except BaseException:
+                except BaseException:  # deliberate: however the wait ends, no wake-up is lost
                     if waiter in waiters:
                         waiters.remove(waiter)
                     elif self.queued:

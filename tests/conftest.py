@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import anyio
 import pytest
+import sniffio
 
 from asyncbus import Bus
 
@@ -107,3 +108,38 @@ def run_in_own_loop(
         return value  # type: ignore[no-any-return]
 
     return run
+
+
+async def _cancelled_elsewhere() -> None:
+    """Raise the backend's cancellation exception without the caller being cancelled.
+
+    On asyncio: await a task that someone else cancelled (what the issue reproduced).
+    On trio, where that cannot happen, a cancellation caught inside its own cancelled
+    scope and raised again after the scope ended.
+    """
+    if sniffio.current_async_library() == "asyncio":
+        import asyncio
+
+        task = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+        await asyncio.sleep(0)
+        task.cancel()
+        await task
+        return
+    caught: BaseException | None = None
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await anyio.sleep(1)
+        except anyio.get_cancelled_exc_class() as error:
+            caught = error
+    assert caught is not None
+    raise caught
+
+
+@pytest.fixture
+def cancelled_elsewhere() -> Callable[[], Awaitable[None]]:
+    """``await cancelled_elsewhere()`` raises a cancellation its caller did not get.
+
+    What a handler meets when something it awaits was cancelled by someone else.
+    """
+    return _cancelled_elsewhere

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.lowlevel
 import pytest
-import sniffio
 
 from asyncbus import Bus, DeadLetterReason, Envelope, Retry, StageStatistics
 from asyncbus.middleware import middleware
@@ -21,33 +20,8 @@ def stage_stats(bus: Bus, name: str) -> StageStatistics:
     return stats
 
 
-async def cancelled_elsewhere() -> None:
-    """Raise the backend's cancellation exception without the caller being cancelled.
-
-    On asyncio: await a task that someone else cancelled (what the issue reproduced).
-    On trio, where that cannot happen, a cancellation caught inside its own cancelled
-    scope and raised again after the scope ended.
-    """
-    if sniffio.current_async_library() == "asyncio":
-        import asyncio
-
-        task = asyncio.get_running_loop().create_task(asyncio.sleep(10))
-        await asyncio.sleep(0)
-        task.cancel()
-        await task
-        return
-    caught: BaseException | None = None
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        try:
-            await anyio.sleep(1)
-        except anyio.get_cancelled_exc_class() as error:
-            caught = error
-    assert caught is not None
-    raise caught
-
-
 async def test_a_stray_cancellation_in_a_handler_is_dead_lettered_and_the_bus_keeps_going(
+    cancelled_elsewhere: Callable[[], Awaitable[None]],
     assert_settled: Callable[[Bus], None],
 ) -> None:
     handled: list[int] = []
@@ -84,6 +58,7 @@ async def test_a_stray_cancellation_in_a_handler_is_dead_lettered_and_the_bus_ke
 
 
 async def test_a_stray_cancellation_is_retried_like_any_failure(
+    cancelled_elsewhere: Callable[[], Awaitable[None]],
     assert_settled: Callable[[Bus], None],
 ) -> None:
     attempts: list[int] = []
@@ -107,6 +82,7 @@ async def test_a_stray_cancellation_is_retried_like_any_failure(
 
 
 async def test_a_stray_cancellation_in_a_middleware_is_a_failure_too(
+    cancelled_elsewhere: Callable[[], Awaitable[None]],
     assert_settled: Callable[[Bus], None],
 ) -> None:
     @middleware

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._dispatch import current_dispatch
+from .._dispatch import current_dispatch, handler_failure
 from .._envelope import Envelope
 from .._types import Handler, Middleware
 from ._builtin import mark_builtin
@@ -24,11 +24,12 @@ def dead_letter() -> Middleware:
         async def handle(envelope: Envelope) -> Any:
             try:
                 return await call_next(envelope)
-            except Exception as error:
+            except BaseException as error:  # deliberate: a stray cancellation fails too
                 dispatch = current_dispatch()
-                if dispatch is None:
-                    raise
-                dispatch.fail(error)
+                failure = handler_failure(error)
+                if dispatch is None or failure is None:
+                    raise  # outside a bus, or the bus's own cancellation
+                dispatch.fail(failure)
                 return None
 
         return handle

@@ -87,7 +87,7 @@ class Coalescer(Generic[T]):
         batch.size += size
         try:
             await batch.done.wait()
-        except BaseException:
+        except BaseException:  # deliberate: a caller that gives up takes its item back
             if batch in self._waiting:  # not taken by the writer yet: take the item back
                 for index, queued in enumerate(batch.items):
                     if queued is item:

@@ -101,7 +101,7 @@ class DeadLetterScan:
                 return channel
             except aiormq.exceptions.ChannelLockedResource:
                 pass  # the broker closed the channel
-            except BaseException:
+            except BaseException:  # deliberate: close the channel on any way out, re-raise
                 with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
                     if not channel.is_closed:
                         await channel.close()

@@ -664,7 +664,7 @@ class NatsTransport(Transport):
         try:
             await self._ensure_streams(js)
             await publisher.start()
-        except BaseException as error:
+        except BaseException as error:  # deliberate: close the connection on any way out
             with anyio.CancelScope(shield=True):
                 await nc.close()
             if isinstance(error, TransportError) and not isinstance(error, ConnectError):

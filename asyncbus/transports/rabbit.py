@@ -448,7 +448,7 @@ class RabbitTransport(Transport):
                 channel = await opened[0].channel(publisher_confirms=True)
                 link = _Link(opened[0], opened[1], channel, self._link_lost)
                 await self._declare_fixed(link)
-        except BaseException:
+        except BaseException:  # deliberate: close what was opened on any way out
             with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
                 for connection in opened:
                     try:
@@ -948,7 +948,7 @@ class RabbitTransport(Transport):
                 await self._call(f"delaying a retry of {queue!r}", send)
             else:
                 await self._publish_one("", queue, body, properties)
-        except BaseException:
+        except BaseException:  # deliberate: not re-sent, so the broker keeps it; re-raise
             with anyio.CancelScope(shield=True):
                 await delivery._consumer.give_back([delivery._tag])
             raise
@@ -959,7 +959,7 @@ class RabbitTransport(Transport):
         try:
             document = dead_letter_to_wire(entry, _Verbatim(delivery._body))
             await self._publish_dead(entry.envelope.id, document)
-        except BaseException:
+        except BaseException:  # deliberate: not buried, so the broker keeps it; re-raise
             with anyio.CancelScope(shield=True):
                 await delivery._consumer.give_back([delivery._tag])
             raise

@@ -839,7 +839,7 @@ class RedisTransport(Transport):
                 pipe.xdel(stream, *entries)
             try:
                 await pipe.execute()
-            except BaseException:
+            except BaseException:  # deliberate: cancelled or failed, keep the acks, re-raise
                 for key, entries in acks.items():  # idempotent: try again next time
                     self._acks[key] = entries + self._acks.get(key, [])
                 raise
