@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import pytest
 
@@ -281,3 +283,35 @@ async def test_publish_nowait_on_a_full_block_stage_raises_would_block() -> None
                 0,
             )
             assert len(bus.dead_letters) == 0
+
+
+async def test_a_publish_cancelled_while_it_waits_for_room_admits_nothing_there(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    release = anyio.Event()
+    entered = anyio.Event()
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g", capacity=1)
+    async def handle(n: int) -> None:
+        entered.set()
+        await release.wait()
+        handled.append(n)
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("jobs", 1)
+            await entered.wait()
+            await bus.publish("jobs", 2)
+            with anyio.move_on_after(0.01) as scope:
+                await bus.publish("jobs", 3)  # waits for room, then is cancelled
+            assert scope.cancelled_caught
+            release.set()
+            await bus.drain(timeout=5)  # nothing is left waiting to be admitted
+            await bus.publish("jobs", 4)  # and the room it waited for is handed on
+            await bus.drain(timeout=5)
+
+    assert handled == [1, 2, 4]
+    assert stage_stats(bus, "jobs@g").published == 3
+    assert_settled(bus)

@@ -493,3 +493,28 @@ async def test_get_of_an_id_that_is_not_a_string_finds_nothing() -> None:
             assert bus.dead_letters.get(["not", "an", "id"]) is None  # type: ignore[arg-type]
             assert bus.dead_letters.get({"id": 1}) is None  # type: ignore[arg-type]
             assert len(bus.dead_letters) == 1
+
+
+async def test_a_cancelled_replay_keeps_its_dead_letter_for_the_next_one(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    gate, entered = anyio.Event(), anyio.Event()
+    seen: list[str] = []
+    bus = Bus()
+    _gated_stage(bus, gate, entered, seen)
+
+    with anyio.fail_after(10):
+        async with bus:
+            dead = await _fill_a_stage_behind_a_failure(bus, gate, entered)
+            with anyio.move_on_after(0.01) as scope:
+                await bus.dead_letters.replay(dead)  # waits for room, then is cancelled
+            assert scope.cancelled_caught
+            assert bus.dead_letters.get(dead) is not None
+            gate.set()
+            (receipt,) = await bus.dead_letters.replay(dead)  # no longer claimed
+            await bus.drain()
+
+    assert receipt.accepted == ("jobs@g",)
+    assert seen.count("bad") == 2
+    assert bus.dead_letters.get(dead) is None
+    assert_settled(bus)
