@@ -19,7 +19,7 @@ import anyio
 from ._adaptive import Adaptive, ConcurrencyLimit
 from ._admission import Admission, SojournShedder
 from ._dead_letters import DeadLetterReason
-from ._dispatch import Dispatch, Outcome
+from ._dispatch import Dispatch, Outcome, handler_failure
 from ._instrument import dispatch as instrumented_dispatch
 from ._lanes import Lanes
 from ._stage import reject_delivery
@@ -197,7 +197,7 @@ class StageControl:
                 crew.parked.append(waiter)
                 try:
                     await waiter.wait()
-                except BaseException:
+                except BaseException:  # deliberate: however the wait ends, no wake-up is lost
                     if waiter in waiters:
                         waiters.remove(waiter)
                     elif stage.queued:
@@ -233,6 +233,11 @@ class StageControl:
                     await chain(envelope)
                 except Exception as error:  # the chain's outermost dead-letter layer
                     dispatch.fail(error)
+                except BaseException as error:  # deliberate: a stray cancellation is a failure
+                    failure = handler_failure(error)
+                    if failure is None:
+                        raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
+                    dispatch.fail(failure)
             else:  # the same, between the observers' enter and exit (tracing)
                 await instrumented_dispatch(instrumentation, chain, dispatch, envelope)
             crew.in_flight -= 1
@@ -240,7 +245,7 @@ class StageControl:
             if outcome is None or outcome is Outcome.SKIPPED:
                 stage.acked += 1
                 stage.in_flight -= 1
-                if bus.idle_waiters and not stage.queued and not stage.in_flight:
+                if bus.idle_waiters and not stage.queued and stage.in_flight <= stage.draining:
                     bus.wake_drainers()
             if deliveries and outcome is not Outcome.DEFERRED:
                 await stage._settle_delivery(

@@ -8,7 +8,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from asyncbus import Bus, DeadLetterReason, Envelope, Retry, StageStatistics
+from asyncbus import Adaptive, Bus, DeadLetterReason, Envelope, Retry, StageStatistics
 from asyncbus.middleware import middleware
 
 pytestmark = pytest.mark.anyio
@@ -20,14 +20,16 @@ def stage_stats(bus: Bus, name: str) -> StageStatistics:
     return stats
 
 
+@pytest.mark.parametrize("concurrency", [1, Adaptive(min=1, max=2)], ids=["static", "adaptive"])
 async def test_a_stray_cancellation_in_a_handler_is_dead_lettered_and_the_bus_keeps_going(
+    concurrency: int | Adaptive,
     cancelled_elsewhere: Callable[[], Awaitable[None]],
     assert_settled: Callable[[Bus], None],
 ) -> None:
     handled: list[int] = []
     bus = Bus()
 
-    @bus.subscribe("jobs", group="g")
+    @bus.subscribe("jobs", group="g", concurrency=concurrency)
     async def handle(n: int) -> None:
         if n == 1:
             await cancelled_elsewhere()

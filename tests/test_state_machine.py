@@ -42,6 +42,8 @@ from hypothesis.stateful import (
 )
 
 from asyncbus import (
+    Adaptive,
+    Admission,
     Backpressure,
     Bus,
     BusClosedError,
@@ -77,7 +79,7 @@ DEADLETTER_STAGE = "$deadletter@"
 #: Longest a single step may take before the machine calls it a deadlock.
 STEP_LIMIT = 30
 
-#: pattern, group, concurrency, capacity, policy, attempts, timeout, offload
+#: pattern, group, concurrency, capacity, policy, attempts, timeout, offload, control
 SUBSCRIPTIONS = st.tuples(
     st.sampled_from(PATTERNS),
     st.sampled_from(GROUPS),
@@ -87,7 +89,10 @@ SUBSCRIPTIONS = st.tuples(
     st.integers(1, 3),
     st.sampled_from([None, None, 0.02]),
     st.sampled_from([None, None, "thread"]),
+    st.sampled_from([None, None, "adaptive", "admission"]),
 )
+#: The shedding a controlled stage does: quick to start, so it happens in a short run.
+SHEDDING = Admission(target_wait=0.002, interval=0.005)
 #: Handler outcomes for a batch of publishes.
 BATCHES = st.lists(st.sampled_from(OUTCOMES), min_size=1, max_size=6)
 
@@ -115,7 +120,7 @@ class BusMachine(RuleBasedStateMachine):
         self.background: list[concurrent.futures.Future[None]] = []
         self.thread_gate = threading.Event()
         self.gate: anyio.Event = self._call(self._new_gate)
-        self.stages: dict[str, tuple[int, Backpressure]] = {}
+        self.stages: dict[str, tuple[int, Backpressure, Admission | None, bool]] = {}
         self._bus_cm: Any = None
         self.steps = 0
 
@@ -230,33 +235,42 @@ class BusMachine(RuleBasedStateMachine):
         attempts: int,
         timeout: float | None,
         offload: str | None,
+        control: str | None,
     ) -> None:
         name = f"{pattern}@{group}"
         handler: Callable[..., Any]
         if pattern == "$deadletter":
-            handler, offload, layers = self._announced, None, []
+            handler, offload, layers, control = self._announced, None, [], None
         else:
             handler = self._handle_sync if offload == "thread" else self._handle
             layers = [self._recorder(name)]
-        known = self.stages.get(name)
+        admission = SHEDDING if control == "admission" else None
+        adaptive = control == "adaptive"
         options = {
             "group": group,
-            "concurrency": concurrency,
+            "concurrency": Adaptive(min=1, max=4) if adaptive else concurrency,
             "capacity": capacity,
             "backpressure": policy,
             "retry": Retry(max_attempts=attempts, backoff=0.001, jitter=False),
             "timeout": timeout,
             "offload": offload,
             "middleware": layers,
+            "admission": admission,
         }
-        if known is not None and known != (capacity, policy):
-            before = self.bus.statistics().stage(name).concurrency
-            with pytest.raises(ConfigurationError):
-                self.bus.subscribe(pattern, handler, **options)
-            assert self.bus.statistics().stage(name).concurrency == before
-            return
+        known = self.stages.get(name)
+        if known is not None:
+            (capacity_was, policy_was, admission_was, controlled) = known
+            if (capacity_was, policy_was, admission_was) != (capacity, policy, admission) or (
+                adaptive and not controlled
+            ):
+                before = self.bus.statistics().stage(name).concurrency
+                with pytest.raises(ConfigurationError):
+                    self.bus.subscribe(pattern, handler, **options)
+                assert self.bus.statistics().stage(name).concurrency == before
+                return
         self.bus.subscribe(pattern, handler, **options)
-        self.stages[name] = (capacity, policy)
+        if known is None:
+            self.stages[name] = (capacity, policy, admission, adaptive or admission is not None)
 
     @rule(
         topic=st.sampled_from(TOPICS),
