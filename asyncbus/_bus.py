@@ -43,7 +43,13 @@ from ._envelope import (
     make_receipt,
     new_id,
 )
-from ._exceptions import BusClosedError, ConfigurationError, HandlerError, PublishTimeout
+from ._exceptions import (
+    BusClosedError,
+    ConfigurationError,
+    HandlerError,
+    PublishTimeout,
+    TransportError,
+)
 from ._logging import FailureLog, dead_letter_logger
 from ._offload import (
     WorkerPool,
@@ -77,6 +83,10 @@ _now = time.time
 
 #: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
 _INBOX = "_reply."
+
+#: Seconds at the end of an ``aclose`` deadline kept for closing with a broker
+#: (settling, releasing deliveries, closing connections); at most a quarter of it.
+_CLOSE_GRACE = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 _State = Literal["new", "starting", "running", "closing", "closed"]
@@ -354,6 +364,7 @@ class Bus:
             async with AsyncExitStack() as stack:
                 broker = self._broker
                 if broker is not None:
+                    broker.close_deadline = math.inf  # a new life: no deadline yet
                     broker.dead_letter_ttl = self.dead_letters.ttl
                     broker.dead_letter_maxlen = self.dead_letters.maxlen
                     await stack.enter_async_context(broker)
@@ -371,8 +382,18 @@ class Bus:
                     try:
                         with anyio.CancelScope(deadline=self._stop_deadline) as deadline:
                             self._deadline_scope = deadline
-                            await self._wait_idle(strict=True)
-                            self._drained = True
+                            try:
+                                await self._wait_idle(strict=True)
+                            except TransportError as error:
+                                # The broker cannot tell what it still holds (it is
+                                # unreachable): close anyway; what this process holds
+                                # is listed as abandoned, and the broker delivers it
+                                # again once it is back.
+                                logger.warning(
+                                    "closing without knowing the broker's backlog: %s", error
+                                )
+                            else:
+                                self._drained = True
                     finally:
                         self._deadline_scope = None
                         with anyio.CancelScope(shield=True):
@@ -461,6 +482,18 @@ class Bus:
         """Ask the runner to stop: drain until ``deadline`` (the soonest asked), then cancel."""
         if self._state in ("running", "starting"):
             self._state = "closing"
+        if self._broker is not None:
+            # Over a broker, the end of the deadline is kept for closing with it
+            # (settling, releasing deliveries, closing connections), however silent it
+            # is: what it could not settle it delivers again later. (``close_by`` only
+            # ever brings the transport's deadline forward.)
+            now = anyio.current_time()
+            if deadline == -math.inf:  # cancel at once: a short grace to close
+                self._broker.close_by(now + _CLOSE_GRACE)
+            else:
+                self._broker.close_by(max(deadline, now + _CLOSE_GRACE / 4))
+                if deadline < math.inf:
+                    deadline -= min(_CLOSE_GRACE, max(deadline - now, 0.0) / 4)
         if deadline < self._stop_deadline:
             self._stop_deadline = deadline
             if self._deadline_scope is not None:
@@ -1214,7 +1247,7 @@ class Bus:
 
     async def _store_dead_letter(self, broker: Transport, entry: DeadLetter) -> None:
         try:
-            with anyio.CancelScope(shield=True):
+            with broker.cleanup_scope():
                 await broker.add_dead_letter(entry)
         except Exception:
             dead_letter_logger.warning(
@@ -1233,7 +1266,7 @@ class Bus:
 
     async def _remove_dead_letters(self, broker: Transport, ids: list[str]) -> None:
         try:
-            with anyio.CancelScope(shield=True):
+            with broker.cleanup_scope():
                 await broker.remove_dead_letters(ids)
         except Exception:
             dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)

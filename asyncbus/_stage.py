@@ -109,6 +109,8 @@ class Stage:
         #: Set once the pump's broker subscription exists (its group receives publishes).
         self.subscribed: anyio.Event | None = None
         self._consumer_waiters: deque[anyio.Event] = deque()
+        #: Ids of envelopes handled here whose settle the broker did not take (abandoned).
+        self.unsettled: list[str] = []
         #: Adaptive concurrency and shedding; ``None`` for a static stage.
         self.control: StageControl | None = None
         if controlled or admission is not None:
@@ -190,6 +192,8 @@ class Stage:
         self.pumping = False
         self.abandoned += len(left)
         self.bus.failure_log.abandoned(self.name, left)
+        left = self.unsettled + left  # (counted, and logged, when their settle failed)
+        self.unsettled = []
         self.queued = self.in_flight = 0
         for waiter in self.room_waiters:
             waiter.set()
@@ -438,21 +442,44 @@ class Stage:
         delivery = self.deliveries.pop(id(envelope), None)
         if delivery is None:
             return
+        broker = self.bus.transport
+        assert broker is not None  # deliveries come from a broker
         try:
             if dead is None and (ack_nowait := getattr(delivery, "ack_nowait", None)):
                 ack_nowait()  # only queued for the transport's writer: nothing to shield
                 return
-            with anyio.CancelScope(shield=True):
+            # Shielded (a settle is not skipped because the bus is closing), bounded by
+            # the bus's close deadline.
+            with broker.cleanup_scope() as scope:
                 if dead is None:
                     await delivery.ack()
                 else:
                     await reject_delivery(
                         delivery, dead.reason.value, dead.error, self.name, dead.attempts
                     )
+            if not scope.cancelled_caught:
+                return
+            logger.warning("could not settle %s with the broker before closing", envelope.id)
         except Exception:
-            # The broker will deliver it again (at-least-once); the local ledger
-            # already counts what the handler did.
             logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
+        self._unsettled(envelope, dead)
+
+    def _unsettled(self, envelope: Envelope, dead: DeadLetter | None) -> None:
+        """The broker did not take the settle: it delivers the envelope again (at-least-once).
+
+        So it ends here as abandoned, not as acked or dead-lettered (the dead-letter
+        queue keeps the entry the bus recorded).
+        """
+        if dead is None:
+            self.acked -= 1
+        else:
+            self.dead_lettered -= 1
+            if dead.reason is DeadLetterReason.DROPPED:
+                self.dropped -= 1
+            elif dead.reason is DeadLetterReason.EXPIRED:
+                self.expired -= 1
+        self.abandoned += 1
+        self.unsettled.append(envelope.id)
 
     async def pump(self, transport: Transport) -> None:
         """Feed this stage from the broker: at most ``capacity`` deliveries held here.

@@ -503,7 +503,7 @@ class Subscription:
         if consumer is None or consumer.channel.is_closed:
             return
         channel = consumer.channel
-        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT) as scope:
+        with transport.cleanup_scope(RELEASE_TIMEOUT) as scope:
             try:
                 if consumer.consuming:
                     consumer.consuming = False

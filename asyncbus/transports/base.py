@@ -8,12 +8,14 @@ timeouts, slips, requests, statistics) is the bus's, written once.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager
+import math
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import ClassVar, Protocol, Self, runtime_checkable
 
+import anyio
 from anyio.abc import AsyncResource
 
 from .._dead_letters import DeadLetter, DeadLetterReason
@@ -181,11 +183,44 @@ class Transport(AsyncResource, abc.ABC):
     #: streams (the in-process transport); brokers are always gone through.
     direct: bool = False
 
+    #: When clean-up with the broker gives up (anyio clock), set by :meth:`close_by`.
+    close_deadline: float = math.inf
+
     def __init__(self, *, codec: Codec | None = None) -> None:
         self.codec = codec if codec is not None else default_codec()
         #: Seconds a dead letter is kept, and how many at most (set by the bus).
         self.dead_letter_ttl: float = 7 * 24 * 3600
         self.dead_letter_maxlen: int = 100_000
+
+    @contextmanager
+    def cleanup_scope(self, timeout: float = math.inf) -> Iterator[anyio.CancelScope]:
+        """A scope for clean-up with the broker (settling, releasing, writing acks, closing).
+
+        Shielded from cancellation, so clean-up is not skipped when its task is
+        cancelled, yet bounded: it ends after ``timeout`` seconds or at
+        :attr:`close_deadline`, whichever comes first (check ``cancelled_caught``), so a
+        broker that stopped answering never holds a close up for ever.
+        """
+        deadline = min(anyio.current_time() + timeout, self.close_deadline)
+        scope = anyio.CancelScope(shield=True, deadline=deadline)
+        cleanups = self.__dict__.setdefault("_cleanups", set())
+        cleanups.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            cleanups.discard(scope)
+
+    def close_by(self, deadline: float) -> None:
+        """Give up every clean-up with the broker at ``deadline`` (anyio clock), running or not.
+
+        The bus calls this when it closes, so that releasing deliveries, writing acks
+        and closing connections end within its own deadline even when the broker does
+        not answer (what is left unsettled the broker delivers again later).
+        """
+        self.close_deadline = min(self.close_deadline, deadline)
+        for scope in self.__dict__.get("_cleanups", ()):
+            scope.deadline = min(scope.deadline, deadline)
 
     async def __aenter__(self) -> Self:
         await self.connect()

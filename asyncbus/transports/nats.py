@@ -133,6 +133,8 @@ _PUBLISH_WINDOW = 256
 _PULL_PAUSE = 0.25
 #: Longest wait between two attempts to make a vanished stream or consumer again.
 _RESTORE_BACKOFF_MAX = 2.0
+#: Seconds closing the connection may take (past the close deadline too: it is local).
+_CLOSE_TIMEOUT = 0.5
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -476,9 +478,9 @@ class _PullConsumer:
                     wakeup = self.wakeup = anyio.Event()
                     await wakeup.wait()
         finally:
-            with anyio.CancelScope(shield=True):
+            with self.transport.cleanup_scope():
                 await self._unsubscribe(subscription)
-                self.transport._consumers.discard(self)
+            self.transport._consumers.discard(self)
 
     async def _unsubscribe(self, subscription: Subscription) -> None:
         """Unsubscribe; messages the server sent before it saw that are given back too."""
@@ -522,8 +524,10 @@ class NatsTransport(Transport):
         stopped answering (crashed) before the group gets it again (``ack_wait``).
     :param codec: how payloads become bytes.
     :param connect_timeout: seconds to wait for the first connection.
-    :param request_timeout: seconds to wait for the server to confirm a publish or
-        answer an API request.
+    :param request_timeout: seconds to wait for the server to answer an API request.
+    :param publish_timeout: longest a ``publish`` waits for the stream's ack before
+        raising :class:`TransportError` (default: ``request_timeout``); a publish that
+        timed out may or may not be stored.
     :param dedup_window: seconds the stream remembers envelope ids to drop duplicates.
     :param max_age: seconds after which the stream discards envelopes still unsettled
         (``None``: keep them until every group settled them).
@@ -567,8 +571,11 @@ class NatsTransport(Transport):
         keep_alive: bool = True,
         reconnect_wait: float = 0.5,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        publish_timeout: float | None = None,
     ) -> None:
         super().__init__(codec=codec)
+        if publish_timeout is None:
+            publish_timeout = request_timeout
         validate_topic(prefix)
         _check_subject_text("prefix", prefix)
         for label, value in (
@@ -577,6 +584,7 @@ class NatsTransport(Transport):
             ("request_timeout", request_timeout),
             ("dedup_window", dedup_window),
             ("reconnect_wait", reconnect_wait),
+            ("publish_timeout", publish_timeout),
         ):
             if not value > 0:
                 raise ConfigurationError(f"NatsTransport: {label} must be > 0, got {value!r}")
@@ -587,6 +595,7 @@ class NatsTransport(Transport):
         self.ack_timeout = float(ack_timeout)
         self.connect_timeout = float(connect_timeout)
         self.request_timeout = float(request_timeout)
+        self.publish_timeout = float(publish_timeout)
         self.dedup_window = float(dedup_window)
         self.max_age = max_age
         self.keep_alive = keep_alive
@@ -660,7 +669,7 @@ class NatsTransport(Transport):
         nc.options["max_reconnect_attempts"] = -1
         self._server = _server_id(nc)
         js = nc.jetstream(timeout=self.request_timeout)
-        publisher = JetStreamPublisher(nc, self.request_timeout)
+        publisher = JetStreamPublisher(nc, self.publish_timeout)
         try:
             await self._ensure_streams(js)
             await publisher.start()
@@ -748,7 +757,7 @@ class NatsTransport(Transport):
         publisher, self._publishes = self._publishes, None
         if nc is None:
             return
-        with anyio.CancelScope(shield=True):
+        with self.cleanup_scope():
             lingering, self._lingering = list(self._lingering), set()
             for consumer in list(self._consumers):
                 if consumer.closed:  # lingering: stop waiting, unsubscribe now
@@ -760,12 +769,19 @@ class NatsTransport(Transport):
                     await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
             except Exception:
                 logger.debug("flush before close failed", exc_info=True)
+        with anyio.CancelScope(shield=True):
+            for task in lingering:  # cut short by the close deadline: stop them
+                task.cancel()
+            await asyncio.gather(*lingering, return_exceptions=True)
             if publisher is not None:
                 await publisher.stop()
-            try:
-                await nc.close()
-            except Exception:
-                logger.debug("close failed", exc_info=True)
+            # Closing the socket is local and quick; it runs even past the deadline,
+            # bounded, so no connection is left open.
+            with anyio.move_on_after(_CLOSE_TIMEOUT):
+                try:
+                    await nc.close()
+                except Exception:
+                    logger.debug("close failed", exc_info=True)
             for consumer in list(self._consumers):
                 consumer.wake()
 
@@ -951,7 +967,7 @@ class NatsTransport(Transport):
                 finally:
                     task_group.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
+            with self.cleanup_scope():
                 if _is_inbox(group):
                     await self._drop_inbox(consumer, subscription)
                 elif await consumer.release(subscription):

@@ -176,6 +176,8 @@ _CATALOG_MAX = 100_000
 _INBOX_EXPIRES_MS = 5 * 60 * 1000
 #: The largest x-message-ttl RabbitMQ accepts (about 49 days).
 _TTL_MAX_MS = 2**32 - 1
+#: Seconds closing the connections gets at least, even past the close deadline.
+_CLOSE_MIN = 0.5
 
 
 class _Verbatim:
@@ -226,9 +228,9 @@ class _Link:
             self.lost.set()
             self._on_lost(self)
 
-    async def close(self) -> None:
-        """Close both connections (shielded, bounded)."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+    async def close(self, timeout: float = RELEASE_TIMEOUT) -> None:
+        """Close both connections (shielded, within ``timeout`` seconds)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
             for connection in (self.consumer, self.publisher):
                 try:
                     await connection.close()
@@ -420,7 +422,7 @@ class RabbitTransport(Transport):
             return
         self._closing = True
         self._link_event.set()  # waiters wake up and see the transport closed
-        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+        with self.cleanup_scope(RELEASE_TIMEOUT):
             for consumer in list(self._dirty):
                 await self._flush(consumer)
         for subscription in list(self._subscriptions):
@@ -431,7 +433,9 @@ class RabbitTransport(Transport):
             await task_group.__aexit__(None, None, None)
         link, self._link = self._link, None
         if link is not None:
-            await link.close()
+            # By the close deadline, yet never less than a moment: the sockets must close.
+            left = self.close_deadline - anyio.current_time()
+            await link.close(max(_CLOSE_MIN, min(RELEASE_TIMEOUT, left)))
 
     async def _open_link(self) -> _Link:
         """Open both connections and the publishing channel; declare the fixed names."""
@@ -520,20 +524,36 @@ class RabbitTransport(Transport):
                 f"RabbitMQ at {redact(self.url)} unreachable for {self.publish_timeout} s"
             )
 
+    def _unconfirmed(self, target: str) -> TransportError:
+        return TransportError(
+            f"RabbitMQ at {redact(self.url)}: publishing to {target!r} not confirmed within "
+            f"publish_timeout={self.publish_timeout:g} s (it may or may not be stored)"
+        )
+
     def _failed(self, what: str, error: BaseException) -> TransportError:
         return TransportError(f"RabbitMQ: {what} failed: {error or type(error).__name__}")
 
-    async def _call(self, what: str, operation: Callable[[_Link], Awaitable[T]]) -> T:
+    async def _call(
+        self,
+        what: str,
+        operation: Callable[[_Link], Awaitable[T]],
+        deadline: float | None = None,
+    ) -> T:
         """Run ``operation`` on the live link; retry it on a lost connection or channel.
 
-        :raises TransportError: on a broker refusal, or once ``publish_timeout`` passed.
+        :param deadline: when to give up (anyio time); ``publish_timeout`` from now if unset.
+        :raises TransportError: on a broker refusal, or once the deadline passed.
         """
-        deadline = anyio.current_time() + self.publish_timeout
+        if deadline is None:
+            deadline = anyio.current_time() + self.publish_timeout
         backoff = BACKOFF_MIN
         while True:
             link = await self._wait_link(deadline)
             try:
-                return await operation(link)
+                # Bounded: a broker that stops answering (a confirm that never comes)
+                # fails the call at the deadline instead of hanging it.
+                with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
+                    return await operation(link)
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise
@@ -547,6 +567,10 @@ class RabbitTransport(Transport):
             if self._closing:
                 raise TransportError("RabbitTransport is closed")
             if anyio.current_time() >= deadline:
+                if isinstance(problem, TimeoutError):
+                    problem = TimeoutError(
+                        f"no answer within publish_timeout={self.publish_timeout:g} s"
+                    )
                 raise self._failed(what, problem) from problem
             if not link.lost.is_set():
                 logger.warning(
@@ -791,18 +815,25 @@ class RabbitTransport(Transport):
     async def _publish_one(
         self, exchange: str, routing_key: str, body: bytes, properties: Basic.Properties
     ) -> None:
-        """Publish one message and wait for the broker's confirm (retried on a lost link)."""
+        """Publish one message and wait for the broker's confirm (retried on a lost link).
+
+        :raises TransportError: when no confirm came within ``publish_timeout``.
+        """
+        deadline = anyio.current_time() + self.publish_timeout
         link = self._link
         if link is not None and not link.lost.is_set() and not link.channel.is_closed:
             # The common case, without the retry loop's set-up; a failure goes to it.
             try:
-                await link.channel.basic_publish(
-                    body, exchange=exchange, routing_key=routing_key, properties=properties
-                )
+                with anyio.fail_after(self.publish_timeout):
+                    await link.channel.basic_publish(
+                        body, exchange=exchange, routing_key=routing_key, properties=properties
+                    )
                 return
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise
+            except TimeoutError as error:
+                raise self._unconfirmed(exchange or routing_key) from error
             except TransportError:
                 raise
             except self._fatal as error:
@@ -812,6 +843,7 @@ class RabbitTransport(Transport):
         await self._call(
             f"publishing to {exchange or routing_key!r}",
             lambda link: self._send(link, exchange, routing_key, body, properties),
+            deadline,
         )
 
     async def _publish_all(
@@ -904,7 +936,7 @@ class RabbitTransport(Transport):
         try:
             yield subscription
         finally:
-            with anyio.CancelScope(shield=True):
+            with self.cleanup_scope():
                 await subscription.release()
 
     # -- settling -------------------------------------------------------------
@@ -928,7 +960,7 @@ class RabbitTransport(Transport):
             await anyio.sleep(_ACK_LINGER)
             self._ack_wake = anyio.Event()
             for consumer in list(self._dirty):
-                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+                with self.cleanup_scope(RELEASE_TIMEOUT):
                     await self._flush(consumer)
 
     async def _retry(self, delivery: RabbitDelivery, delay: float | None) -> None:
@@ -949,7 +981,7 @@ class RabbitTransport(Transport):
             else:
                 await self._publish_one("", queue, body, properties)
         except BaseException:  # deliberate: not re-sent, so the broker keeps it; re-raise
-            with anyio.CancelScope(shield=True):
+            with self.cleanup_scope(RELEASE_TIMEOUT):
                 await delivery._consumer.give_back([delivery._tag])
             raise
         self._ack(delivery._consumer, delivery._tag)
@@ -960,7 +992,7 @@ class RabbitTransport(Transport):
             document = dead_letter_to_wire(entry, _Verbatim(delivery._body))
             await self._publish_dead(entry.envelope.id, document)
         except BaseException:  # deliberate: not buried, so the broker keeps it; re-raise
-            with anyio.CancelScope(shield=True):
+            with self.cleanup_scope(RELEASE_TIMEOUT):
                 await delivery._consumer.give_back([delivery._tag])
             raise
         self._ack(delivery._consumer, delivery._tag)
@@ -978,7 +1010,7 @@ class RabbitTransport(Transport):
                     continue
                 first = next(iter(subscription.handed.values()))
                 if first._deadline <= now:
-                    with anyio.CancelScope(shield=True):
+                    with self.cleanup_scope():
                         await subscription.expire(now)
                 else:
                     wait = min(wait, first._deadline - now)

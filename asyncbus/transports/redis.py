@@ -128,6 +128,8 @@ _DELAY_BATCH = 500
 _REAP_EVERY = 20
 #: Seconds the hand-back of a leaving consumer may take before it is left to reclaim.
 _RELEASE_TIMEOUT = 5.0
+#: Seconds closing the connections may take.
+_CLOSE_TIMEOUT = 0.5
 _BACKOFF_MAX = 2.0
 #: Seconds the ack writer waits for more acks before writing (bounds their delay).
 _ACK_LINGER = 0.002
@@ -308,6 +310,10 @@ class RedisTransport(Transport):
         another consumer.
     :param max_deliveries: deliveries of one entry, none settled, after which the next
         one is handed over with ``error`` set (the bus dead-letters it ``rejected``).
+    :param publish_timeout: longest a ``publish`` waits for Redis to confirm it (queued
+        behind other writes included) before raising :class:`TransportError`; it is
+        also the socket timeout of every other call (at least ``block_ms`` plus a
+        second), so a server that stops answering fails calls instead of hanging them.
     :raises ConfigurationError: for a non-positive timeout, interval, size or cap.
     """
 
@@ -336,10 +342,15 @@ class RedisTransport(Transport):
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         keep_alive: bool = True,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        publish_timeout: float = 10.0,
     ) -> None:
         super().__init__(codec=codec)
         if not ack_timeout > 0:
             raise ConfigurationError(f"ack_timeout must be > 0, got {ack_timeout}")
+        if not (publish_timeout > 0 and math.isfinite(publish_timeout)):
+            raise ConfigurationError(
+                f"publish_timeout must be a finite number > 0, got {publish_timeout}"
+            )
         if not block_ms > 0:
             raise ConfigurationError(f"block_ms must be > 0, got {block_ms}")
         if not claim_interval > 0:
@@ -354,6 +365,7 @@ class RedisTransport(Transport):
         self.ack_timeout = float(ack_timeout)
         self.block_ms = int(block_ms)
         self.claim_interval = float(claim_interval)
+        self.publish_timeout = float(publish_timeout)
         self._bindings_key = f"{prefix}:bindings"
         self._version_key = f"{prefix}:bindings:version"
         self._delayed_key = f"{prefix}:delayed"
@@ -407,11 +419,20 @@ class RedisTransport(Transport):
         require_asyncio("RedisTransport", "redis-py")
         # A few quick retries on a broken connection: a server that restarted leaves
         # pooled connections dead, and the first command on each must not fail for it.
-        retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 3)
+        # Not on a timeout: a server that stopped answering fails the call at once.
+        retry = Retry(
+            ExponentialBackoff(cap=0.5, base=0.05), 3, supported_errors=(errors.ConnectionError,)
+        )
         # A blocking pool: a burst of concurrent publishes waits for a connection
         # instead of failing with "Too many connections".
         pool = aioredis.BlockingConnectionPool.from_url(
-            self.url, max_connections=256, timeout=None, socket_connect_timeout=5.0, retry=retry
+            self.url,
+            max_connections=256,
+            timeout=None,
+            socket_connect_timeout=min(5.0, self.publish_timeout),
+            # Every call is bounded; a blocking read waits block_ms, well within it.
+            socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
+            retry=retry,
         )
         client = aioredis.Redis.from_pool(pool)
         try:
@@ -444,7 +465,7 @@ class RedisTransport(Transport):
     async def aclose(self) -> None:
         """Write pending acks, stop the background tasks, close the connections (shielded)."""
         if self._client is not None:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_RELEASE_TIMEOUT):
+            with self.cleanup_scope(_RELEASE_TIMEOUT):
                 try:
                     await self._write_acks()
                 except Exception as error:
@@ -461,7 +482,9 @@ class RedisTransport(Transport):
                 self._publishes.close("RedisTransport is closed: nothing more can be published")
             client, self._client = self._client, None
             if client is not None:
-                with anyio.CancelScope(shield=True):
+                # Closing sockets is local and quick: it runs even past the close
+                # deadline (bounded), so no connection is left open.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
                     await client.aclose()
 
     def _redis(self) -> Redis:
@@ -563,7 +586,13 @@ class RedisTransport(Transport):
             return
         wire = [self._encode(envelope) for envelope in envelopes]
         size = sum(len(meta) + len(body) for meta, body in wire)
-        error = await self._publishes.submit((topic, wire), size)
+        with anyio.move_on_after(self.publish_timeout) as waited:
+            error = await self._publishes.submit((topic, wire), size)
+        if waited.cancelled_caught:
+            raise TransportError(
+                f"Redis at {_redact(self.url)}: publish to {topic!r} not confirmed within "
+                f"publish_timeout={self.publish_timeout:g} s (it may or may not be written)"
+            )
         if error is not None:
             raise self._failed(f"publish to {topic!r}", error) from error
 
@@ -578,6 +607,11 @@ class RedisTransport(Transport):
         When the version moved (a binding was added anywhere), the bindings are read
         again and the streams missed are written too.
         """
+        # Bounded: a writer stuck on a silent server would hold up every publish.
+        with anyio.fail_after(self.publish_timeout):
+            await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[_Publish]) -> None:
         if self._bindings is None:
             await self._load_bindings()
         written: list[set[str]] = [set() for _ in batch]
@@ -679,7 +713,7 @@ class RedisTransport(Transport):
         try:
             yield iterator
         finally:
-            with anyio.CancelScope(shield=True):
+            with self.cleanup_scope():
                 await iterator.aclose()  # type: ignore[attr-defined]
                 await self._release(consumer)
 

@@ -115,8 +115,16 @@ async def rabbit_prefix(rabbit_url: str, unique_prefix: str) -> AsyncIterator[st
         await RabbitTransport(rabbit_url, prefix=unique_prefix).delete_everything()
 
 
-# The helpers beside this file (``_private_brokers``) are imported by name: pytest's
-# importlib mode puts no test directory on sys.path by itself.
+# The helpers beside this file (_private_brokers, _proxy, _kinds, the workers) are
+# imported by name: pytest's importlib mode puts no test directory on sys.path by itself.
 _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.append(_HERE)
+
+
+@pytest.fixture(params=["redis", "nats", "rabbit"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each broker in turn (its shared server must be up: skips, or fails in CI)."""
+    name: str = request.param
+    request.getfixturevalue(f"{name}_url")
+    return name

@@ -1,0 +1,141 @@
+"""A broker that stops answering or goes away: publishes and closes end in bounded time.
+
+A TCP proxy (``_proxy.TcpProxy``) stands between the bus and the shared broker and
+black-holes the connections (the broker hears nothing, the bus gets no answer) or
+refuses them (the broker is down); the broker itself is never touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _proxy import TcpProxy  # type: ignore[import-not-found]
+
+from asyncbus import Bus, Envelope, TransportError
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+#: Seconds the transports here wait for a confirm, and a group's ack timeout.
+PUBLISH_TIMEOUT = 1.5
+ACK_TIMEOUT = 2.0
+#: What a loaded machine may add to a deadline.
+SLACK = 1.5
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the broker clients are asyncio libraries
+
+
+@pytest.fixture
+async def proxy(kind: str, unique_prefix: str) -> AsyncIterator[TcpProxy]:
+    with TcpProxy(SHARED_PORTS[kind]) as running:
+        yield running
+    with anyio.CancelScope(shield=True):
+        await forget(kind, url_for(kind, SHARED_PORTS[kind]), unique_prefix)
+
+
+def through(kind: str, proxy: TcpProxy, prefix: str) -> Bus:
+    transport = make_transport(
+        kind,
+        url_for(kind, proxy.port),
+        prefix,
+        publish_timeout=PUBLISH_TIMEOUT,
+        ack_timeout=ACK_TIMEOUT,
+    )
+    return Bus(transport=transport)
+
+
+async def test_a_publish_to_a_silent_broker_raises_transport_error_at_publish_timeout(
+    kind: str, proxy: TcpProxy, unique_prefix: str
+) -> None:
+    bus = through(kind, proxy, unique_prefix)
+    handled: list[int] = []
+
+    @bus.subscribe("jobs", group="workers")
+    async def work(number: int) -> None:
+        handled.append(number)
+    async with bus:
+        await bus.publish("jobs", 1)
+        proxy.blackhole()
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="publish"), anyio.fail_after(30):
+            await bus.publish("jobs", 2)
+        elapsed = time.monotonic() - started
+        assert PUBLISH_TIMEOUT - 0.1 <= elapsed <= PUBLISH_TIMEOUT + SLACK
+        proxy.forward()
+        # Healed: the transport reconnects and publishes again.
+        with anyio.fail_after(30):
+            while True:
+                try:
+                    await bus.publish("jobs", 3)
+                    break
+                except TransportError:
+                    await anyio.sleep(0.1)
+        await bus.drain(20)
+    assert 1 in handled and 3 in handled
+
+
+@pytest.mark.parametrize("fault", ["refuse", "blackhole"])
+async def test_closing_with_the_broker_unreachable_reports_in_time_and_the_broker_redelivers(
+    kind: str, proxy: TcpProxy, unique_prefix: str, fault: str
+) -> None:
+    ids = [f"job{n}" for n in range(6)]
+    bus = through(kind, proxy, unique_prefix)
+    started = anyio.Event()
+    running = 0
+
+    @bus.subscribe("jobs", group="workers", concurrency=2, capacity=4)
+    async def stuck(envelope: Envelope) -> None:
+        nonlocal running
+        running += 1
+        if running == 2:
+            started.set()
+        await anyio.sleep_forever()  # in flight when the bus closes
+
+    timeout = 2.0
+    with anyio.fail_after(40):
+        async with bus:
+            for envelope_id in ids:
+                await bus.publish("jobs", envelope_id, id=envelope_id)
+            await started.wait()
+            getattr(proxy, fault)()
+            began = time.monotonic()
+            report = await bus.aclose(timeout=timeout)
+            closed_in = time.monotonic() - began
+        exited_in = time.monotonic() - began
+
+    assert closed_in <= timeout + SLACK, f"aclose took {closed_in:.2f} s"
+    assert exited_in <= timeout + SLACK, f"leaving `async with` took {exited_in:.2f} s"
+    assert report.drained is False
+    assert report.completed == 0 and report.dead_lettered == 0
+    assert report.published == len(report.abandoned) >= 2
+    assert set(report.abandoned) <= set(ids)
+
+    # The broker is back: a second bus of the group gets every envelope, the abandoned
+    # ones included, each once.
+    proxy.forward()
+    handled: list[str] = []
+    done = anyio.Event()
+    survivor = Bus(
+        transport=make_transport(
+            kind, url_for(kind, SHARED_PORTS[kind]), unique_prefix, ack_timeout=ACK_TIMEOUT
+        )
+    )
+
+    @survivor.subscribe("jobs", group="workers", concurrency=2, capacity=4)
+    async def work(envelope: Envelope) -> None:
+        handled.append(envelope.id)
+        if set(handled) >= set(ids):
+            done.set()
+
+    with anyio.fail_after(30):
+        async with survivor:
+            await done.wait()
+            await survivor.drain(10)
+    assert Counter(handled) == Counter(ids)
