@@ -1339,19 +1339,26 @@ class Bus:
             for observe in self.observers:
                 observe(envelope)
         if broker is not None:
+            # The stage that dead-lettered it, in whichever process asks (a dashboard, a
+            # script): its group alone gets the replay, never the groups that succeeded.
+            target = (
+                (stage.pattern, stage.group)
+                if stage is not None and self._over_broker(stage)
+                else split_stage_name(entry.stage, envelope.topic)
+            )
             with anyio.CancelScope(shield=True):
                 # Forget the stored entry first: the replay may die again at once, and
                 # its new dead letter (same id) must not be the one removed.
                 await broker.remove_dead_letters([envelope.id])
                 try:
-                    if stage is not None and self._over_broker(stage):
-                        await broker.publish_to_group(stage.pattern, stage.group, [envelope])
+                    if target is not None:
+                        await broker.publish_to_group(*target, [envelope])
                     else:
                         await broker.publish(envelope.topic, [envelope])
                 except BaseException:  # deliberate: whatever stopped the re-send, keep it
                     await broker.add_dead_letter(entry)  # not re-sent: keep it stored
                     raise
-            return make_receipt(envelope.id, (stage.name,) if stage else ())
+            return make_receipt(envelope.id, (entry.stage,) if target and entry.stage else ())
         if stage is None:
             return await self._route(envelope, None)
         await stage.put(envelope)
@@ -1605,6 +1612,27 @@ def _check_joins(stage: Stage, subscription: Subscription) -> None:
             "group cannot be Adaptive (give the group's first subscription Adaptive or "
             "admission=)"
         )
+
+
+def split_stage_name(name: str | None, topic: str) -> tuple[str, str] | None:
+    """The (pattern, group) of stage ``name`` (``"{pattern}@{group}"``) that ``topic`` reached.
+
+    Either part may hold ``@``: the split kept is the first whose pattern is valid and
+    matches ``topic`` (``None`` when there is none, or no name).
+    """
+    if not name:
+        return None
+    at = name.find("@")
+    while at > 0:
+        pattern, group = name[:at], name[at + 1 :]
+        if group:
+            try:
+                if compile_pattern(pattern)(topic):
+                    return pattern, group
+            except ConfigurationError:
+                pass
+        at = name.find("@", at + 1)
+    return None
 
 
 def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> HandlerError:
