@@ -1172,11 +1172,18 @@ class Bus:
         return receipt
 
     async def _publish_to_broker(self, broker: Transport, envelope: Envelope) -> Receipt:
-        # The broker routes to every group of every process; the receipt names the
-        # matching stages this bus knows (replicas register the same ones).
-        stages = self._router.route(envelope.topic)
-        await broker.publish(envelope.topic, [envelope])
-        return make_receipt(envelope.id, tuple(stage.name for stage in stages))
+        # The broker routes to every group of every process, and tells which groups it
+        # knows were reached; with none anywhere it stored a no_subscribers dead letter.
+        if envelope.topic.startswith(_INBOX):
+            # A reply whose requester is gone is dropped, as in memory.
+            await broker.publish(envelope.topic, [envelope])
+            return Receipt(envelope.id)
+        reached = await broker.publish_routed(envelope.topic, [envelope])
+        if reached is None:  # the transport cannot tell: name this bus's matching stages
+            reached = self._router.names(envelope.topic)
+        elif not reached:
+            self.dead_letter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True)
+        return make_receipt(envelope.id, reached)
 
     def _no_subscribers(self, envelope: Envelope) -> None:
         if envelope.topic == DEADLETTER_TOPIC:

@@ -1,19 +1,21 @@
 """The dead-letter store of the RabbitMQ transport: reading and editing its queue.
 
-AMQP has no way to look at a queue without consuming it. A :class:`DeadLetterScan`
+AMQP has no way to look at a queue without consuming it. A :class:`QueueScan`
 takes a broker-wide lock (an exclusive queue: another connection's declaration is
 refused while it exists, and it goes when its connection does), consumes the whole
-dead-letter queue on a fresh channel without acking, acks the entries to drop (past
-the TTL, beyond the maximum length, or asked for) and closes the channel: the broker
-puts every other entry back in its place, in order (classic queues keep the position
-of what is returned to them). A reader that dies half-way returns everything too.
+queue on a fresh channel without acking, acks the entries to drop and closes the
+channel: the broker puts every other entry back in its place, in order (classic
+queues keep the position of what is returned to them). A reader that dies half-way
+returns everything too. A :class:`DeadLetterScan` does that to the dead-letter queue,
+dropping the entries past the TTL, beyond the maximum length, or asked for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -26,7 +28,9 @@ from ._rabbit_consumer import BACKOFF_MIN, RELEASE_TIMEOUT
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
-__all__ = ["DeadLetterScan"]
+__all__ = ["DeadLetterScan", "QueueScan"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("asyncbus.transport.rabbit")
 
@@ -34,14 +38,12 @@ logger = logging.getLogger("asyncbus.transport.rabbit")
 _IDLE = 0.05
 
 
-class DeadLetterScan:
-    """One read of the dead letters, dropping some of them, under the lock.
+class QueueScan:
+    """One read of a whole queue under its lock; the entries not acked go back in place.
 
     :param connection: the connection to read on (its channels are opened and closed).
-    :param queue: the dead-letter queue.
+    :param queue: the queue to read.
     :param lock: the name of the exclusive lock queue.
-    :param ttl: seconds a dead letter is kept (older ones are dropped).
-    :param maxlen: dead letters kept at most (the oldest beyond it are dropped).
     :param lock_timeout: seconds to wait for a lock another process holds.
     """
 
@@ -51,29 +53,26 @@ class DeadLetterScan:
         *,
         queue: str,
         lock: str,
-        codec: Codec,
-        ttl: float,
-        maxlen: int,
         lock_timeout: float,
         consumer_tag: str,
     ) -> None:
         self.connection = connection
         self.queue = queue
         self.lock = lock
-        self.codec = codec
-        self.ttl = ttl
-        self.maxlen = maxlen
         self.lock_timeout = lock_timeout
         self.consumer_tag = consumer_tag
 
-    async def run(self, drop: frozenset[str]) -> list[DeadLetter]:
-        """The dead letters kept, oldest first, after dropping ``drop`` (envelope ids)."""
+    async def scan(
+        self, sift: Callable[[AbstractChannel, list[DeliveredMessage]], Awaitable[T]]
+    ) -> T:
+        """Read every entry, hand them to ``sift`` (which acks those to drop), put the
+        rest back; return what ``sift`` returned."""
         lock = await self._lock()
         try:
             reader = await self.connection.channel(publisher_confirms=False)
             try:
                 messages = await self._read(reader)
-                return await self._sift(reader, messages, drop)
+                return await sift(reader, messages)
             finally:
                 # Closing returns every entry not acked, each to its place.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
@@ -86,7 +85,7 @@ class DeadLetterScan:
                         await lock.queue_delete(self.lock)
                         await lock.close()
                 except Exception as error:  # the lock goes with the connection anyway
-                    logger.debug("RabbitMQ: releasing the dead-letter lock failed: %s", error)
+                    logger.debug("RabbitMQ: releasing the lock %s failed: %s", self.lock, error)
 
     async def _lock(self) -> AbstractChannel:
         """Hold the exclusive lock queue (another connection's declaration is refused)."""
@@ -108,7 +107,7 @@ class DeadLetterScan:
                 raise
             if anyio.current_time() >= deadline:
                 raise TransportError(
-                    f"RabbitMQ: the dead letters stayed locked by another process "
+                    f"RabbitMQ: {self.queue!r} stayed locked by another process "
                     f"({self.lock!r}) for {self.lock_timeout} s"
                 )
             await anyio.sleep(backoff)
@@ -149,6 +148,43 @@ class DeadLetterScan:
         await reader.basic_cancel(self.consumer_tag)
         await anyio.lowlevel.checkpoint()
         return list(received)
+
+
+class DeadLetterScan(QueueScan):
+    """One read of the dead letters, dropping some of them, under the lock.
+
+    :param ttl: seconds a dead letter is kept (older ones are dropped).
+    :param maxlen: dead letters kept at most (the oldest beyond it are dropped).
+    """
+
+    def __init__(
+        self,
+        connection: AbstractConnection,
+        *,
+        queue: str,
+        lock: str,
+        codec: Codec,
+        ttl: float,
+        maxlen: int,
+        lock_timeout: float,
+        consumer_tag: str,
+    ) -> None:
+        super().__init__(
+            connection, queue=queue, lock=lock, lock_timeout=lock_timeout, consumer_tag=consumer_tag
+        )
+        self.codec = codec
+        self.ttl = ttl
+        self.maxlen = maxlen
+
+    async def run(self, drop: frozenset[str]) -> list[DeadLetter]:
+        """The dead letters kept, oldest first, after dropping ``drop`` (envelope ids)."""
+
+        async def sift(
+            reader: AbstractChannel, messages: list[DeliveredMessage]
+        ) -> list[DeadLetter]:
+            return await self._sift(reader, messages, drop)
+
+        return await self.scan(sift)
 
     async def _sift(
         self, reader: AbstractChannel, messages: list[DeliveredMessage], drop: frozenset[str]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import math
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "refuse_oversized",
     "rejected_entry",
     "require_asyncio",
+    "unrouted_entry",
 ]
 
 
@@ -259,6 +261,22 @@ class Transport(AsyncResource, abc.ABC):
         at once. Leaving the context releases what was delivered but not settled.
         """
 
+    async def publish_routed(
+        self, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...] | None:
+        """:meth:`publish`, telling which groups the envelopes reached (what the bus uses).
+
+        A transport whose broker knows the groups (every process's) publishes nothing
+        for an envelope that matches no group anywhere: it stores it as a
+        ``no_subscribers`` dead letter instead, so nothing published is silently lost.
+
+        :returns: the stage names (``"pattern@group"``) of the groups the envelopes
+            reached, ``()`` when they reached none (each was dead-lettered), or ``None``
+            when the transport cannot tell (this default, which only publishes).
+        """
+        await self.publish(topic, envelopes)
+        return None
+
     async def publish_to_group(
         self, pattern: str, group: str, envelopes: Sequence[Envelope]
     ) -> None:
@@ -282,6 +300,11 @@ class Transport(AsyncResource, abc.ABC):
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Forget the dead letters of these envelope ids (no ids: none)."""
+
+
+def unrouted_entry(envelope: Envelope) -> DeadLetter:
+    """The dead letter of an envelope published where no group matches its topic."""
+    return DeadLetter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, time.time())
 
 
 def rejected_entry(

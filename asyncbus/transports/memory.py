@@ -16,7 +16,7 @@ from .._envelope import Envelope
 from .._exceptions import TransportError
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
-from .base import Capabilities, Delivery, Transport, rejected_entry
+from .base import Capabilities, Delivery, Transport, rejected_entry, unrouted_entry
 
 __all__ = ["MemoryTransport"]
 
@@ -154,6 +154,24 @@ class MemoryTransport(Transport):
         for envelope in envelopes:
             for group in groups:
                 group.put(envelope)
+
+    async def publish_routed(
+        self, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...] | None:
+        """:meth:`publish`; with no group for ``topic``, keep ``no_subscribers`` dead letters.
+
+        :returns: the stage names of the groups reached, in the order they were made.
+        """
+        validate_topic(topic)
+        names = tuple(
+            f"{pattern}@{group}"
+            for (pattern, group), target in self._groups.items()
+            if target.matches(topic)
+        )
+        await self.publish(topic, envelopes)
+        if not names:
+            self._dead.extend(unrouted_entry(envelope) for envelope in envelopes)
+        return names
 
     async def publish_to_group(
         self, pattern: str, group: str, envelopes: Sequence[Envelope]

@@ -93,6 +93,7 @@ from ._codec import (
     envelope_from_wire,
     envelope_to_wire,
 )
+from ._nats_groups import GroupDirectory, group_description
 from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -103,6 +104,7 @@ from .base import (
     checked_max_deliveries,
     over_max_deliveries,
     rejected_entry,
+    unrouted_entry,
 )
 
 if TYPE_CHECKING:
@@ -616,6 +618,7 @@ class NatsTransport(Transport):
         #: Times the streams and consumers were made again (see :meth:`_restore`).
         self._restores = 0
         self._restore_lock = anyio.Lock()
+        self._groups = GroupDirectory(self.stream)
 
     def __repr__(self) -> str:
         return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
@@ -670,9 +673,11 @@ class NatsTransport(Transport):
         self._server = _server_id(nc)
         js = nc.jetstream(timeout=self.request_timeout)
         publisher = JetStreamPublisher(nc, self.publish_timeout)
+        self._groups.forget()
         try:
             await self._ensure_streams(js)
             await publisher.start()
+            await self._groups.watch(nc)
         except BaseException as error:  # deliberate: close the connection on any way out
             with anyio.CancelScope(shield=True):
                 await nc.close()
@@ -797,6 +802,7 @@ class NatsTransport(Transport):
 
     async def _on_reconnected(self) -> None:
         logger.info("NATS %s: reconnected", _address(self.url))
+        self._groups.forget()  # announcements may have been missed meanwhile
         self._server = _server_id(self._nc)
         # The open pull requests may be gone: a restarted server forgot them, and the
         # same server drops one whose inbox had no interest while we were away (then
@@ -851,6 +857,56 @@ class NatsTransport(Transport):
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
+
+    async def publish_routed(
+        self, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...] | None:
+        """:meth:`publish` to the groups the stream's consumers are; none: dead-letter.
+
+        The groups are the stream's durable consumers (every process's), read from the
+        server and read again when it announces a change. When none matches ``topic``
+        they are read once more (one created a moment ago counts), and if still none
+        does, each envelope is stored as a ``no_subscribers`` dead letter, unpublished.
+
+        :returns: the stage names of the groups reached (``()``: none).
+        """
+        self._check_topic(topic)
+        if self._restore_lock.locked():
+            async with self._restore_lock:  # the consumers are being made again
+                pass
+        names = self._groups.known(topic)
+        if not names:
+            await self._read_groups()
+            names = self._groups.known(topic)
+        if not names and any(
+            compile_pattern(mine.pattern)(topic) for mine in self._consumers if not mine.closed
+        ):
+            # This process subscribes to it, yet the server has no such consumer: it
+            # lost them (a restart with an empty store). Make them again, then look.
+            await self._restore()
+            await self._read_groups()
+            names = self._groups.known(topic)
+        if not names:
+            for envelope in envelopes:
+                await self.add_dead_letter(unrouted_entry(envelope))
+            return ()
+        await self.publish(topic, envelopes)
+        return names
+
+    async def _read_groups(self) -> None:
+        """Read the groups (the stream's consumers) again; make a vanished stream again."""
+        from nats.js.errors import NotFoundError
+
+        _, js = self._client()
+        with _broker_call(f"cannot list the consumers of stream {self.stream}"):
+            try:
+                await self._groups.read(js, self.prefix)
+            except NotFoundError:
+                # The server lost its state, or someone deleted the stream: make it
+                # again with this process's consumers, then look.
+                logger.warning("NATS: stream %s is gone; making it again", self.stream)
+                await self._restore()
+                await self._groups.read(js, self.prefix)
 
     async def publish_to_group(
         self, pattern: str, group: str, envelopes: Sequence[Envelope]
@@ -922,7 +978,7 @@ class NatsTransport(Transport):
         config = ConsumerConfig(
             name=name,
             durable_name=name,
-            description=f"asyncbus group {group!r} on {pattern!r}"[:256],
+            description=group_description(pattern, group),
             filter_subject=f"{self.prefix}.{pattern}",
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ack_timeout,
@@ -943,6 +999,7 @@ class NatsTransport(Transport):
             # to it are in flight can lose one and deliver another twice.
             if existing is None or not _same(existing.ack_wait, self.ack_timeout):
                 await js.add_consumer(self.stream, config)
+        self._groups.add(name, pattern, group)
         return existing is None
 
     @asynccontextmanager

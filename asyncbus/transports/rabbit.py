@@ -129,6 +129,7 @@ from ._rabbit_consumer import (
     spurious_cancel,
 )
 from ._rabbit_dead_letters import DeadLetterScan
+from ._rabbit_groups import GroupRegister
 from ._rabbit_names import (
     KEY_LIMIT,
     NAME_CHARACTERS,
@@ -149,6 +150,7 @@ from .base import (
     checked_max_message_size,
     refuse_oversized,
     require_asyncio,
+    unrouted_entry,
 )
 
 if TYPE_CHECKING:
@@ -215,6 +217,8 @@ class _Link:
         self.admin_lock = anyio.Lock()
         #: Queues declared and bound on this link.
         self.declared: set[str] = set()
+        #: The channel consuming the news of groups (closed with the connection).
+        self.news: AbstractChannel | None = None
         self.lost = anyio.Event()
         self._on_lost = on_lost
 
@@ -334,6 +338,7 @@ class RabbitTransport(Transport):
         self._properties: type[Basic.Properties] | None = None
         self._fatal: tuple[type[BaseException], ...] = ()
         self._not_found: type[BaseException] = LookupError
+        self._returned: type[BaseException] = LookupError
         self._link: _Link | None = None
         self._link_event = anyio.Event()
         self._closing = False
@@ -350,6 +355,10 @@ class RabbitTransport(Transport):
         self._dead_args_warned = False
         #: Queues this transport wrote to the catalog (see :meth:`delete_everything`).
         self._catalogued: set[str] = set()
+        #: Groups recorded in the broker (read at connect, then as announced).
+        self._groups = GroupRegister(prefix)
+        #: Queues of groups this transport announced.
+        self._announced: set[str] = set()
 
     # -- names ----------------------------------------------------------------
 
@@ -398,6 +407,7 @@ class RabbitTransport(Transport):
             TypeError,
         )
         self._not_found = errors.ChannelNotFoundEntity
+        self._returned = errors.PublishError
         self._closing = False
         try:
             link = await self._open_link()
@@ -452,6 +462,13 @@ class RabbitTransport(Transport):
                 channel = await opened[0].channel(publisher_confirms=True)
                 link = _Link(opened[0], opened[1], channel, self._link_lost)
                 await self._declare_fixed(link)
+                # Groups declared by anyone from now on, then those declared before.
+                link.news = await self._groups.listen(link.consumer)
+                await self._groups.read(
+                    link.consumer,
+                    lock_timeout=self.publish_timeout,
+                    tag=f"asyncbus.{self._client_id}.groups.{secrets.token_hex(4)}",
+                )
         except BaseException:  # deliberate: close what was opened on any way out
             with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
                 for connection in opened:
@@ -641,6 +658,7 @@ class RabbitTransport(Transport):
             )
 
         await self._admin(link, bind)
+        await self._admin(link, self._groups.declare)
 
     async def _declare_queue(self, link: _Link, pattern: str, group: str) -> str:
         """Declare the quorum queue of a group and bind it (once per link)."""
@@ -659,6 +677,7 @@ class RabbitTransport(Transport):
 
         await self._admin(link, declare)
         await self._catalogue(link, queue)
+        await self._announce(link, queue, pattern, group)
         link.declared.add(queue)
         return queue
 
@@ -669,6 +688,19 @@ class RabbitTransport(Transport):
         properties = self._properties_type()(delivery_mode=2, message_id=queue)
         await self._send(link, "", self._catalog, queue.encode(), properties)
         self._catalogued.add(queue)
+
+    async def _announce(self, link: _Link, queue: str, pattern: str, group: str) -> None:
+        """Record a group in the broker (once per transport) for every process's receipts."""
+        if queue in self._announced or group.startswith(INBOX_GROUP_PREFIX):
+            return  # (a reply inbox is one process's, and short-lived)
+        self._groups.add(pattern, group)
+        properties = self._properties_type()(
+            content_type="application/json", delivery_mode=2, message_id=queue
+        )
+        await self._send(
+            link, self._groups.exchange, "", self._groups.document(pattern, group), properties
+        )
+        self._announced.add(queue)
 
     async def delete_everything(self) -> None:
         """Delete every queue and exchange this prefix has on the broker, messages included.
@@ -704,13 +736,19 @@ class RabbitTransport(Transport):
                     if not message.delivery_tag:
                         break  # Basic.GetEmpty
                     names.append(message.body.decode())
-            fixed = [self.dead_letter_queue, self._lock_queue, self._catalog]
+            fixed = [
+                self.dead_letter_queue,
+                self._lock_queue,
+                self._catalog,
+                self._groups.queue,
+                self._groups.lock,
+            ]
             for queue in dict.fromkeys([*names, *fixed]):
                 try:
                     await channel.queue_delete(queue)
                 except errors.ChannelNotFoundEntity:
                     channel = await connection.channel(publisher_confirms=False)
-            for exchange in (self.prefix, self.dead_letter_exchange):
+            for exchange in (self.prefix, self.dead_letter_exchange, self._groups.exchange):
                 try:
                     await channel.exchange_delete(exchange)
                 except errors.ChannelNotFoundEntity:
@@ -801,22 +839,38 @@ class RabbitTransport(Transport):
         routing_key: str,
         body: bytes,
         properties: Basic.Properties,
-    ) -> None:
+        mandatory: bool = False,
+    ) -> bool:
         channel = link.channel
         if channel.is_closed:
             async with link.channel_lock:
                 if link.channel.is_closed:
                     link.channel = await link.publisher.channel(publisher_confirms=True)
             channel = link.channel
-        await channel.basic_publish(
-            body, exchange=exchange, routing_key=routing_key, properties=properties
-        )
+        try:
+            await channel.basic_publish(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=properties,
+                mandatory=mandatory,
+            )
+        except self._returned:
+            return False  # mandatory, and no queue is bound for it
+        return True
 
     async def _publish_one(
-        self, exchange: str, routing_key: str, body: bytes, properties: Basic.Properties
-    ) -> None:
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: Basic.Properties,
+        mandatory: bool = False,
+    ) -> bool:
         """Publish one message and wait for the broker's confirm (retried on a lost link).
 
+        :param mandatory: have the broker return it when no queue takes it.
+        :returns: whether a queue took it (always, unless ``mandatory``).
         :raises TransportError: when no confirm came within ``publish_timeout``.
         """
         deadline = anyio.current_time() + self.publish_timeout
@@ -826,9 +880,15 @@ class RabbitTransport(Transport):
             try:
                 with anyio.fail_after(self.publish_timeout):
                     await link.channel.basic_publish(
-                        body, exchange=exchange, routing_key=routing_key, properties=properties
+                        body,
+                        exchange=exchange,
+                        routing_key=routing_key,
+                        properties=properties,
+                        mandatory=mandatory,
                     )
-                return
+                return True
+            except self._returned:
+                return False
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise
@@ -840,34 +900,42 @@ class RabbitTransport(Transport):
                 raise self._failed(f"publishing to {exchange or routing_key!r}", error) from error
             except Exception as error:
                 logger.debug("RabbitMQ: publishing failed, retrying: %s", error)
-        await self._call(
+        return await self._call(
             f"publishing to {exchange or routing_key!r}",
-            lambda link: self._send(link, exchange, routing_key, body, properties),
+            lambda link: self._send(link, exchange, routing_key, body, properties, mandatory),
             deadline,
         )
 
     async def _publish_all(
-        self, exchange: str, routing_key: str, messages: list[tuple[bytes, Basic.Properties]]
-    ) -> None:
+        self,
+        exchange: str,
+        routing_key: str,
+        messages: list[tuple[bytes, Basic.Properties]],
+        mandatory: bool = False,
+    ) -> list[bool]:
+        """Publish ``messages``; whether a queue took each (see :meth:`_publish_one`)."""
         if len(messages) == 1:
             body, properties = messages[0]
-            await self._publish_one(exchange, routing_key, body, properties)
-            return
+            return [await self._publish_one(exchange, routing_key, body, properties, mandatory)]
         # Pipelined: sent in order (the channel writes them in call order), confirmed
         # together; the first failure is raised once every publish has ended.
         failures: list[BaseException] = []
+        taken = [True] * len(messages)
 
-        async def one(body: bytes, properties: Basic.Properties) -> None:
+        async def one(index: int, body: bytes, properties: Basic.Properties) -> None:
             try:
-                await self._publish_one(exchange, routing_key, body, properties)
+                taken[index] = await self._publish_one(
+                    exchange, routing_key, body, properties, mandatory
+                )
             except Exception as error:
                 failures.append(error)
 
         async with anyio.create_task_group() as task_group:
-            for body, properties in messages:
-                task_group.start_soon(one, body, properties)
+            for index, (body, properties) in enumerate(messages):
+                task_group.start_soon(one, index, body, properties)
         if failures:
             raise failures[0]
+        return taken
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """Publish each envelope to the topic exchange; return once the broker confirmed all.
@@ -883,6 +951,35 @@ class RabbitTransport(Transport):
         await self._wait_joins()
         if messages:
             await self._publish_all(self.prefix, topic, messages)
+
+    async def publish_routed(
+        self, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...] | None:
+        """:meth:`publish`, ``mandatory``: what no queue takes is dead-lettered instead.
+
+        The broker returns a message no group's queue is bound for (in any process);
+        each such envelope is stored as a ``no_subscribers`` dead letter. The groups
+        named are those recorded in the broker's group register (see the module
+        docstring), read at connect and kept current by its news.
+
+        :returns: the stage names of the known groups reached (``()``: none; ``None``
+            when a queue took it but no recorded group matches the topic).
+        """
+        validate_topic(topic)
+        if len(topic.encode()) > KEY_LIMIT:
+            raise ConfigurationError(f"topic {topic[:50]!r}... is longer than 255 bytes")
+        self._properties_type()
+        messages = [self._outgoing(e) for e in envelopes]
+        await self._wait_joins()
+        if not messages:
+            return self._groups.known(topic)
+        taken = await self._publish_all(self.prefix, topic, messages, mandatory=True)
+        for envelope, took in zip(envelopes, taken, strict=True):
+            if not took:
+                await self.add_dead_letter(unrouted_entry(envelope))
+        if not any(taken):
+            return ()
+        return self._groups.known(topic) or None
 
     async def _wait_joins(self) -> None:
         """Wait for the subscriptions of this process that are declaring their queue.

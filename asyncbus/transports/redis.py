@@ -105,6 +105,7 @@ from .base import (
     refuse_oversized,
     rejected_entry,
     require_asyncio,
+    unrouted_entry,
 )
 
 if TYPE_CHECKING:
@@ -136,8 +137,9 @@ _ACK_LINGER = 0.002
 _ROUTE_CACHE_LIMIT = 4096
 _PAGE = 1000
 
-#: One publish waiting to be written: its topic and its envelopes as (meta, body).
-_Publish = tuple[str, list[tuple[bytes, bytes]]]
+#: One publish waiting to be written: its topic, its envelopes as (meta, body), and the
+#: binding streams the writer wrote them to (filled in by the writer).
+_Publish = tuple[str, list[tuple[bytes, bytes]], set[str]]
 
 
 def _redact(url: str) -> str:
@@ -381,6 +383,8 @@ class RedisTransport(Transport):
         # Routing cache: bindings as of ``_version``, and topic -> streams.
         self._version: bytes | None = None
         self._bindings: list[tuple[Callable[[str], bool], str]] | None = None
+        #: Binding stream -> its stage name ("pattern@group").
+        self._names: dict[str, str] = {}
         self._routes: dict[str, tuple[str, ...]] = {}
         #: Streams of request inboxes among the bindings (written with NOMKSTREAM).
         self._inbox_streams: set[str] = set()
@@ -545,6 +549,7 @@ class RedisTransport(Transport):
             found, version = await self._read_bindings()
         bindings: list[tuple[Callable[[str], bool], str]] = []
         inboxes: set[str] = set()
+        names: dict[str, str] = {}
         for stream, value in found.items():
             try:
                 pattern, group = json.loads(value)
@@ -553,10 +558,12 @@ class RedisTransport(Transport):
                 logger.warning("Redis: skipping unreadable binding %r: %s", stream, error)
                 continue
             bindings.append((matches, _text(stream)))
+            names[_text(stream)] = f"{pattern}@{group}"
             if _is_inbox(str(group)):
                 inboxes.add(_text(stream))
         self._bindings = bindings
         self._inbox_streams = inboxes
+        self._names = names
         self._version = version
         self._routes = {}
 
@@ -579,15 +586,47 @@ class RedisTransport(Transport):
         :raises TransportError: when an envelope is over ``max_message_size`` (nothing
             is published) or Redis fails.
         """
+        await self._publish(topic, envelopes)
+
+    async def publish_routed(
+        self, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...] | None:
+        """:meth:`publish`; with no binding for ``topic`` in Redis, dead-letter instead.
+
+        The bindings are every process's groups, and the write that finds none for the
+        topic also reads their version (a binding registered meanwhile is caught), so
+        "no group" is exact at that moment.
+
+        :returns: the stage names of the bindings written to (``()``: none; then each
+            envelope is a ``no_subscribers`` dead letter in the dead-letter stream).
+        """
+        reached = await self._publish(topic, envelopes)
+        if reached or not envelopes:
+            return tuple(sorted(self._names.get(stream, stream) for stream in reached))
+        pipe = self._redis().pipeline(transaction=True)
+        for envelope in envelopes:
+            self._queue_dead_letter(pipe, unrouted_entry(envelope))
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                await pipe.execute()
+        except (self._errors.RedisError, TimeoutError) as error:
+            raise self._failed(f"dead-lettering what {topic!r} reached no group", error) from (
+                error
+            )
+        return ()
+
+    async def _publish(self, topic: str, envelopes: Sequence[Envelope]) -> set[str]:
+        """Write the envelopes (coalesced); return the binding streams written to."""
         validate_topic(topic)
         self._redis()
+        reached: set[str] = set()
         if not envelopes:
             await anyio.lowlevel.checkpoint()
-            return
+            return reached
         wire = [self._encode(envelope) for envelope in envelopes]
         size = sum(len(meta) + len(body) for meta, body in wire)
         with anyio.move_on_after(self.publish_timeout) as waited:
-            error = await self._publishes.submit((topic, wire), size)
+            error = await self._publishes.submit((topic, wire, reached), size)
         if waited.cancelled_caught:
             raise TransportError(
                 f"Redis at {_redact(self.url)}: publish to {topic!r} not confirmed within "
@@ -595,6 +634,7 @@ class RedisTransport(Transport):
             )
         if error is not None:
             raise self._failed(f"publish to {topic!r}", error) from error
+        return reached
 
     def _encode(self, envelope: Envelope) -> tuple[bytes, bytes]:
         meta, body = envelope_to_wire(envelope, self.codec)
@@ -614,14 +654,14 @@ class RedisTransport(Transport):
     async def _write_batch(self, batch: list[_Publish]) -> None:
         if self._bindings is None:
             await self._load_bindings()
-        written: list[set[str]] = [set() for _ in batch]
+        written = [done for _topic, _wire, done in batch]
         while True:
             inboxes = self._inbox_streams
             keys: list[str] = [self._version_key]
             index: dict[str, int] = {}
             args: list[bytes | str | int] = []
             targets: list[list[str]] = []
-            for (topic, wire), done in zip(batch, written, strict=True):
+            for (topic, wire, done) in batch:
                 streams = [stream for stream in self._route(topic) if stream not in done]
                 targets.append(streams)
                 if not streams:

@@ -1,0 +1,132 @@
+"""Which groups a NATS publish reaches: the stream's durable consumers, read from the server.
+
+Every group of every process is a durable consumer of the bus's stream, created with
+its pattern as filter subject and ``asyncbus group ["pattern", "group"]`` as its
+description. :class:`GroupDirectory` lists them (``CONSUMER.LIST``), keeps them, and
+forgets them when the server announces a consumer created or deleted (JetStream
+advisories) or the connection came back, so the next look reads them again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from .._exceptions import ConfigurationError
+from .._routing import compile_pattern
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+    from nats.js import JetStreamContext
+
+__all__ = ["GroupDirectory", "group_description"]
+
+logger = logging.getLogger("asyncbus.transports.nats")
+
+_DESCRIPTION = "asyncbus group "
+#: How descriptions were written before they held JSON (``'group' on 'pattern'``).
+_LEGACY = re.compile(r"asyncbus group '(.*)' on '(.*)'\Z")
+#: Consumers the server lists per page.
+_PAGE = 256
+_ROUTE_CACHE_LIMIT = 4096
+
+
+def group_description(pattern: str, group: str) -> str:
+    """The description of the durable consumer of (pattern, group): both, as JSON."""
+    return _DESCRIPTION + json.dumps([pattern, group], ensure_ascii=True)
+
+
+def _parse(description: str | None) -> tuple[str, str] | None:
+    if not description or not description.startswith(_DESCRIPTION):
+        return None
+    text = description[len(_DESCRIPTION) :]
+    try:
+        found: Any = json.loads(text)
+    except ValueError:
+        legacy = _LEGACY.match(description)
+        return (legacy.group(2), legacy.group(1)) if legacy else None
+    if isinstance(found, list) and len(found) == 2 and all(isinstance(x, str) for x in found):
+        return found[0], found[1]
+    return None
+
+
+class GroupDirectory:
+    """The (pattern, group) of every consumer of ``stream``, and the stage names a topic reaches.
+
+    :param stream: the stream of envelopes.
+    """
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        #: Consumer name -> (its pattern's matcher, stage name); ``None`` until read.
+        self._groups: dict[str, tuple[Callable[[str], bool], str]] | None = None
+        self._routes: dict[str, tuple[str, ...]] = {}
+        self._subscriptions: list[Subscription] = []
+
+    def forget(self) -> None:
+        """Read the consumers again at the next look (something changed, or may have)."""
+        self._groups = None
+        self._routes = {}
+
+    def add(self, name: str, pattern: str, group: str) -> None:
+        """Record a consumer this process created."""
+        if self._groups is not None and name not in self._groups:
+            self._groups[name] = (compile_pattern(pattern), f"{pattern}@{group}")
+            self._routes = {}
+
+    def known(self, topic: str) -> tuple[str, ...] | None:
+        """Stage names of the groups ``topic`` reaches, sorted; ``None`` until read."""
+        if self._groups is None:
+            return None
+        found = self._routes.get(topic)
+        if found is None:
+            found = tuple(
+                sorted(name for matches, name in self._groups.values() if matches(topic))
+            )
+            if len(self._routes) >= _ROUTE_CACHE_LIMIT:
+                self._routes.clear()
+            self._routes[topic] = found
+        return found
+
+    async def read(self, js: JetStreamContext, prefix: str) -> None:
+        """List the stream's consumers and keep those of asyncbus groups."""
+        groups: dict[str, tuple[Callable[[str], bool], str]] = {}
+        offset = 0
+        while True:
+            page = await js.consumers_info(self.stream, offset=offset or None)
+            for info in page:
+                config = info.config
+                subject = config.filter_subject or ""
+                if info.name is None or not subject.startswith(f"{prefix}."):
+                    continue  # not a group's consumer
+                pattern = subject[len(prefix) + 1 :]
+                parsed = _parse(config.description)
+                # A consumer whose description does not name its group still takes
+                # envelopes: it counts, under its own name.
+                group = parsed[1] if parsed is not None and parsed[0] == pattern else info.name
+                try:
+                    groups[info.name] = (compile_pattern(pattern), f"{pattern}@{group}")
+                except ConfigurationError:
+                    continue
+            if len(page) < _PAGE:
+                break
+            offset += len(page)
+        self._groups = groups
+        self._routes = {}
+
+    async def watch(self, nc: Client) -> None:
+        """Forget what was read whenever the server announces a consumer created or deleted."""
+
+        async def changed(msg: Msg) -> None:
+            self.forget()
+
+        self._subscriptions = [
+            await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.{event}.{self.stream}.*", cb=changed)
+            for event in ("CREATED", "DELETED")
+        ]
