@@ -1,39 +1,79 @@
-"""Deduplication: effectively-once handling on top of at-least-once delivery."""
+"""Deduplication: effectively-once handling on top of at-least-once delivery.
+
+Without a ``store`` and on a bus in memory, each stage remembers the ids it handled
+(this process's handlings, which is all there is). Over a broker the default store
+is the broker's (:meth:`Transport.dedup_store`), shared by every process of the
+group: an envelope is claimed before it is handled, so a redelivery to another
+process after a crash is skipped once the first handling succeeded, and handled
+once the crashed owner's claim (its lease, extended while it worked) has expired.
+A transport without such a store (RabbitMQ) keeps the in-memory behaviour.
+"""
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections import OrderedDict
 from typing import Any
 
 import anyio
 
 from .._checks import check_count, check_seconds
-from .._dispatch import current_dispatch
+from .._dedup import Claim as Claim
+from .._dedup import DedupStore as DedupStore
+from .._dedup import MemoryDedupStore as MemoryDedupStore
+from .._dispatch import Dispatch, current_dispatch
 from .._envelope import HEADER_REPLAYED, Envelope
+from .._exceptions import ConfigurationError
 from .._types import Handler, Middleware
 from ._builtin import mark_builtin
 
-__all__ = ["deduplicate"]
+__all__ = ["Claim", "DedupStore", "MemoryDedupStore", "deduplicate"]
+
+logger = logging.getLogger("asyncbus.middleware.deduplicate")
+
+#: Longest pause between two looks at a key another owner is handling.
+_BUSY_POLL = 1.0
+#: Seconds marking or releasing a key may take after the handler ended.
+_MARK_TIMEOUT = 5.0
 
 
-def deduplicate(*, window: float = 300.0, maxlen: int = 100_000) -> Middleware:
+def deduplicate(
+    *,
+    window: float = 300.0,
+    maxlen: int = 100_000,
+    store: DedupStore | None = None,
+    lease: float = 30.0,
+) -> Middleware:
     """Ack without handling an envelope whose id this stage handled within ``window`` s.
 
-    Each stage keeps its own memory of at most ``maxlen`` ids (oldest forgotten
-    first). Only successful handling is remembered, so retries go through; replays
-    (header ``asyncbus-replayed``) always go through. A skipped duplicate is not
-    forwarded along its routing slip again.
+    Only successful handling is remembered, so retries go through; replays (header
+    ``asyncbus-replayed``) always go through. A skipped duplicate is not forwarded
+    along its routing slip again.
 
-    :raises ConfigurationError: for a window that is not a finite number > 0, or a
-        maxlen that is not an int >= 1.
+    :param window: seconds a handled id is remembered.
+    :param maxlen: ids each stage remembers at most in memory (oldest forgotten first).
+    :param store: where handled ids are kept (:class:`DedupStore`). By default: the
+        broker's store when the bus runs over a broker that has one (shared by every
+        process), else this stage's memory.
+    :param lease: seconds a claim lasts unless extended; it is extended every
+        ``lease / 3`` while the handler runs, so only a dead process's claim expires
+        (and its work is then done by whoever gets the redelivery). With a store.
+    :raises ConfigurationError: for a window or lease that is not a finite number > 0,
+        a maxlen that is not an int >= 1, or a store that is not a :class:`DedupStore`.
     """
     window = check_seconds(window, "deduplicate: window")
+    lease = check_seconds(lease, "deduplicate: lease")
     check_count(maxlen, "deduplicate: maxlen", 1)
+    if store is not None and not isinstance(store, DedupStore):
+        raise ConfigurationError(f"deduplicate: store {store!r} is not a DedupStore")
 
     def wrap(call_next: Handler) -> Handler:
         seen: OrderedDict[str, float] = OrderedDict()
+        # The store of this chain, found at its first envelope (the bus is known then).
+        chosen: list[DedupStore | None] = [store] if store is not None else []
 
-        async def handle(envelope: Envelope) -> Any:
+        async def in_memory(envelope: Envelope) -> Any:
             now = anyio.current_time()  # the loop's clock: a test's MockClock drives it
             horizon = now - window
             while seen:
@@ -55,6 +95,82 @@ def deduplicate(*, window: float = 300.0, maxlen: int = 100_000) -> Middleware:
                     seen.popitem(last=False)
             return result
 
+        async def handle(envelope: Envelope) -> Any:
+            dispatch = current_dispatch()
+            if not chosen:
+                chosen.append(_broker_store(dispatch, window))
+            found = chosen[0]
+            if found is None:
+                return await in_memory(envelope)
+            return await _claimed(found, envelope, dispatch, call_next, window, lease)
+
         return handle
 
     return mark_builtin(wrap, "deduplicate")
+
+
+def _broker_store(dispatch: Dispatch | None, window: float) -> DedupStore | None:
+    """The store of the broker the current envelope came from, if it has one."""
+    transport = dispatch.bus.transport if dispatch is not None else None
+    if transport is None or transport.direct:
+        return None
+    return transport.dedup_store(window)
+
+
+async def _claimed(
+    store: DedupStore,
+    envelope: Envelope,
+    dispatch: Dispatch | None,
+    call_next: Handler,
+    window: float,
+    lease: float,
+) -> Any:
+    """Handle ``envelope`` under a claim in ``store`` (see the module docstring)."""
+    key = f"{dispatch.stage.name if dispatch is not None else ''}/{envelope.id}"
+    owner = secrets.token_hex(8)
+    if HEADER_REPLAYED not in envelope.headers:  # a replay always runs
+        pause = min(lease / 8, _BUSY_POLL)
+        while (state := await store.claim(key, owner, lease)) is Claim.BUSY:
+            # Being handled elsewhere right now: wait for its outcome (done: skip it;
+            # failed or its owner died: the claim comes free and this one runs).
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _BUSY_POLL)
+        if state is Claim.DONE:
+            if dispatch is not None:
+                dispatch.skip()
+            return None
+    holding = anyio.Event()
+    if dispatch is not None:
+        dispatch.bus.task_group.start_soon(_keep_claim, store, key, owner, lease, holding)
+    succeeded = False
+    try:
+        result = await call_next(envelope)
+        succeeded = dispatch is None or dispatch.outcome is None
+    finally:
+        holding.set()
+        # Shielded: a cancelled handling still gives its claim back (bounded).
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_MARK_TIMEOUT):
+            try:
+                if succeeded:
+                    await store.done(key, owner, window)
+                else:
+                    await store.release(key, owner)
+            except Exception as error:  # the claim expires after its lease anyway
+                logger.warning("deduplicate: could not settle the claim of %s: %s", key, error)
+    return result
+
+
+async def _keep_claim(
+    store: DedupStore, key: str, owner: str, lease: float, holding: anyio.Event
+) -> None:
+    """Extend the claim every ``lease / 3`` until the handling ends (``holding`` set)."""
+    while True:
+        with anyio.move_on_after(lease / 3):
+            await holding.wait()
+            return
+        try:
+            if not await store.extend(key, owner, lease):
+                logger.warning("deduplicate: the claim of %s expired while handling it", key)
+                return
+        except Exception as error:  # try again next time: the lease has some left
+            logger.warning("deduplicate: could not extend the claim of %s: %s", key, error)

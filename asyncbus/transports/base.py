@@ -20,6 +20,7 @@ import anyio
 from anyio.abc import AsyncResource
 
 from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
 from .._runtime import current_backend
@@ -286,6 +287,14 @@ class Transport(AsyncResource, abc.ABC):
         """
         for envelope in envelopes:
             await self.publish(envelope.topic, [envelope])
+
+    def dedup_store(self, window: float) -> DedupStore | None:
+        """A :class:`~asyncbus.middleware.deduplicate.DedupStore` kept in the broker, which
+        every process using it shares (``None``: the broker has none; the default).
+
+        :param window: seconds a handled envelope is remembered.
+        """
+        return None
 
     async def backlog(self, pattern: str, group: str) -> int:
         """Envelopes of (pattern, group) in the broker not yet settled (0 if unknown)."""

@@ -93,6 +93,7 @@ from ._codec import (
     envelope_from_wire,
     envelope_to_wire,
 )
+from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description
 from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
@@ -1128,6 +1129,14 @@ class NatsTransport(Transport):
             except NotFoundError:
                 return False
         return True
+
+    def dedup_store(self, window: float) -> NatsDedupStore:
+        """``deduplicate()``'s store in NATS: a JetStream KV bucket aged by ``window``.
+
+        (The stream's ``Nats-Msg-Id`` window drops duplicate publishes, not a second
+        handling of a redelivery: see :mod:`._nats_dedup`.)
+        """
+        return NatsDedupStore(self, window)
 
     async def backlog(self, pattern: str, group: str) -> int:
         """Messages of the group's consumer not yet delivered plus delivered, unsettled."""

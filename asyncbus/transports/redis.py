@@ -92,6 +92,7 @@ from ._codec import (
     envelope_meta,
     envelope_to_wire,
 )
+from ._redis_dedup import RedisDedupStore
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -1052,6 +1053,10 @@ class RedisTransport(Transport):
                 wait = min(_DELAY_POLL, max(0.0, float(reply[1]) / 1000 - time.time()))
             else:
                 wait = _DELAY_POLL
+
+    def dedup_store(self, window: float) -> RedisDedupStore:
+        """``deduplicate()``'s store in Redis: a key per (stage, id), ``SET NX`` with a TTL."""
+        return RedisDedupStore(self)
 
     # -- backlog and dead letters ---------------------------------------------
 

@@ -5,8 +5,9 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncbus import Bus, Envelope, Retry, StageStatistics
+from asyncbus import Bus, ConfigurationError, Envelope, Retry, StageStatistics
 from asyncbus.middleware import deduplicate
+from asyncbus.middleware.deduplicate import Claim, DedupStore, MemoryDedupStore
 
 pytestmark = pytest.mark.anyio
 
@@ -161,3 +162,141 @@ async def test_deduplication_is_per_stage_so_fan_out_reaches_every_group() -> No
             assert sorted(handled) == [("first", 1), ("second", 1)]
             assert stage_stats(bus, "t@one").acked == 2
             assert stage_stats(bus, "t@two").acked == 2
+
+
+class RecordingStore:
+    """A user's store (the protocol, nothing more) that records every call it gets."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryDedupStore()
+        self.calls: list[tuple[str, str]] = []
+
+    async def claim(self, key: str, owner: str, lease: float) -> Claim:
+        found = await self.inner.claim(key, owner, lease)
+        self.calls.append(("claim", f"{key}={found.value}"))
+        return found
+
+    async def extend(self, key: str, owner: str, lease: float) -> bool:
+        self.calls.append(("extend", key))
+        return await self.inner.extend(key, owner, lease)
+
+    async def done(self, key: str, owner: str, ttl: float) -> None:
+        self.calls.append(("done", key))
+        await self.inner.done(key, owner, ttl)
+
+    async def release(self, key: str, owner: str) -> None:
+        self.calls.append(("release", key))
+        await self.inner.release(key, owner)
+
+
+async def test_a_store_is_claimed_before_handling_marked_done_after_and_released_on_failure() -> (
+    None
+):
+    store = RecordingStore()
+    assert isinstance(store, DedupStore)
+    attempts: list[int] = []
+
+    async def flaky(env: Envelope) -> None:
+        attempts.append(env.attempt)
+        if env.attempt == 1:
+            raise RuntimeError("once")
+
+    bus = Bus(middleware=[deduplicate(store=store)])
+    bus.subscribe("t", flaky, group="g", retry=Retry(max_attempts=2, backoff=0.01))
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("t", 1, id="x")
+            await bus.drain()
+            await bus.publish("t", 2, id="x")  # a duplicate: skipped at the claim
+            await bus.drain()
+            stats = stage_stats(bus, "t@g")
+    assert attempts == [1, 2]
+    assert store.calls == [
+        ("claim", "t@g/x=claimed"),
+        ("release", "t@g/x"),  # the failed attempt gives it back: the retry may run
+        ("claim", "t@g/x=claimed"),
+        ("done", "t@g/x"),
+        ("claim", "t@g/x=done"),
+    ]
+    assert (stats.published, stats.acked, stats.dead_lettered) == (2, 2, 0)
+
+
+async def test_with_a_store_a_duplicate_handled_meanwhile_waits_for_it_then_is_skipped() -> None:
+    handled: list[Any] = []
+    release = anyio.Event()
+
+    async def slow(payload: Any) -> None:
+        handled.append(payload)
+        await release.wait()
+
+    bus = Bus(middleware=[deduplicate(store=MemoryDedupStore(), lease=1.0)])
+    bus.subscribe("t", slow, group="g", concurrency=2)
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("t", "first", id="x")
+            await bus.publish("t", "copy", id="x")
+            while not handled:
+                await anyio.sleep(0.01)
+            # The copy is with the other consumer, waiting on the claim (not handled).
+            await anyio.sleep(0.3)
+            assert handled == ["first"]
+            release.set()
+            await bus.drain()
+            stats = stage_stats(bus, "t@g")
+    assert handled == ["first"]
+    assert (stats.published, stats.acked) == (2, 2)
+
+
+async def test_a_replay_runs_under_a_store_whatever_it_remembers() -> None:
+    store = MemoryDedupStore()
+    await store.done("t@g/x", "someone", 60)
+    handled: list[Envelope] = []
+
+    async def handle(env: Envelope) -> None:
+        handled.append(env)
+
+    bus = Bus(middleware=[deduplicate(store=store)])
+    bus.subscribe("t", handle, group="g")
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("t", 1, id="x", headers={"asyncbus-replayed": "1"})
+            await bus.publish("t", 2, id="x")
+            await bus.drain()
+    assert [env.payload for env in handled] == [1]
+
+
+def test_a_store_that_is_not_one_and_a_bad_lease_are_configuration_errors() -> None:
+    with pytest.raises(ConfigurationError):
+        deduplicate(store=object())  # type: ignore[arg-type]
+    for lease in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigurationError):
+            deduplicate(lease=lease)
+
+
+async def test_the_memory_store_claims_once_expires_claims_and_remembers_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("asyncbus._dedup.time.monotonic", lambda: now[0])
+    store = MemoryDedupStore(maxlen=2)
+    assert await store.claim("k", "a", 5) is Claim.CLAIMED
+    assert await store.claim("k", "b", 5) is Claim.BUSY
+    assert await store.claim("k", "a", 5) is Claim.CLAIMED  # its own claim again
+    now[0] += 4
+    assert await store.extend("k", "a", 5) is True
+    assert await store.extend("k", "b", 5) is False
+    now[0] += 4
+    assert await store.claim("k", "b", 5) is Claim.BUSY  # extended: still a's
+    now[0] += 2
+    assert await store.claim("k", "b", 5) is Claim.CLAIMED  # a's lease ran out
+    await store.release("k", "a")  # not a's any more: left alone
+    assert await store.claim("k", "c", 5) is Claim.BUSY
+    await store.release("k", "b")
+    assert await store.claim("k", "c", 5) is Claim.CLAIMED
+    await store.done("k", "c", 10)
+    assert await store.claim("k", "d", 5) is Claim.DONE
+    now[0] += 11
+    assert await store.claim("k", "d", 5) is Claim.CLAIMED  # forgotten after the ttl
+    await store.done("one", "x", 60)
+    await store.done("two", "x", 60)  # maxlen 2: "k" goes
+    assert await store.claim("k", "e", 5) is Claim.CLAIMED

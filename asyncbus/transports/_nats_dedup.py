@@ -1,0 +1,167 @@
+"""The NATS store of ``deduplicate()``: a JetStream key-value bucket, one key per handling.
+
+The stream's ``Nats-Msg-Id`` window drops a second *publish* of an id; handling needs
+more (a claim before, a mark after), so the store is a KV bucket
+``{stream}_DEDUP_{window}`` whose age limit is the window. A key (a hash of the stage,
+then the envelope id) holds ``{"owner": ..., "until": epoch seconds}`` while claimed
+and ``{"done": true}`` once handled. Claiming is ``create`` (refused when the key
+exists) or, for an expired claim, ``update`` at the revision read (refused when
+someone else moved first), so two processes never both claim it. A claim's expiry is
+compared with this machine's clock: keep the clocks of a group's machines in sync
+(a skew shortens or lengthens a dead owner's lease by as much).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._dedup import Claim
+from .._exceptions import TransportError
+
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+
+    from .nats import NatsTransport
+
+__all__ = ["NatsDedupStore"]
+
+_DONE = b'{"done":true}'
+#: Tries of a claim that keeps meeting concurrent changes before calling it busy.
+_RACES = 5
+
+
+def _key(key: str) -> str:
+    """A KV key (letters, digits, ``-_=.`` only) for a store key ``stage/id``."""
+    stage, _, envelope_id = key.rpartition("/")
+    digest = hashlib.sha256(stage.encode()).hexdigest()[:16]
+    if envelope_id and all(c.isascii() and (c.isalnum() or c in "-_=") for c in envelope_id):
+        return f"{digest}.{envelope_id}"
+    return f"{digest}.h{hashlib.sha256(envelope_id.encode()).hexdigest()[:40]}"
+
+
+def _parse(value: bytes | None) -> dict[str, Any]:
+    try:
+        found = json.loads(value or b"")
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+class NatsDedupStore:
+    """A :class:`~asyncbus.middleware.deduplicate.DedupStore` in a JetStream KV bucket.
+
+    Made by :meth:`NatsTransport.dedup_store`; the bucket is created at first use.
+    """
+
+    def __init__(self, transport: NatsTransport, window: float) -> None:
+        self._transport = transport
+        self.window = window
+        self.bucket = f"{transport.stream}_DEDUP_{math.ceil(window)}"
+        self._kv: KeyValue | None = None
+        self._kv_of: object = None
+
+    async def _bucket(self) -> KeyValue:
+        from nats.js.api import KeyValueConfig, StorageType
+
+        _, js = self._transport._client()
+        if self._kv is None or self._kv_of is not js:
+            try:
+                self._kv = await js.create_key_value(
+                    KeyValueConfig(
+                        bucket=self.bucket,
+                        description="asyncbus deduplicate() claims and handled ids",
+                        ttl=self.window,
+                        history=1,
+                        storage=StorageType.FILE,
+                    )
+                )
+            except Exception:
+                self._kv = await js.key_value(self.bucket)  # made meanwhile by another
+            self._kv_of = js
+        return self._kv
+
+    def _failed(self, key: str, error: BaseException) -> TransportError:
+        return TransportError(
+            f"NATS: deduplicating {key!r} failed: {type(error).__name__}: {error}"
+        )
+
+    async def claim(self, key: str, owner: str, lease: float) -> Claim:
+        """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""
+        from nats.errors import Error as NatsError
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        mine = json.dumps({"owner": owner, "until": time.time() + lease}).encode()
+        name = _key(key)
+        try:
+            kv = await self._bucket()
+            for _ in range(_RACES):
+                try:
+                    await kv.create(name, mine)
+                    return Claim.CLAIMED
+                except KeyWrongLastSequenceError:
+                    pass  # the key exists: look at it
+                try:
+                    entry = await kv.get(name)
+                except KeyNotFoundError:
+                    continue  # gone meanwhile (released, expired): create again
+                found = _parse(entry.value)
+                if found.get("done"):
+                    return Claim.DONE
+                if found.get("owner") != owner and float(found.get("until", 0)) > time.time():
+                    return Claim.BUSY
+                try:  # an expired claim (its owner died), or our own: take it over
+                    await kv.update(name, mine, last=entry.revision)
+                    return Claim.CLAIMED
+                except KeyWrongLastSequenceError:
+                    continue
+        except (NatsError, TimeoutError, OSError) as error:
+            raise self._failed(key, error) from error
+        return Claim.BUSY
+
+    async def extend(self, key: str, owner: str, lease: float) -> bool:
+        """Keep ``owner``'s claim ``lease`` more seconds; ``False`` if it is not held."""
+        from nats.errors import Error as NatsError
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        name = _key(key)
+        try:
+            kv = await self._bucket()
+            entry = await kv.get(name)
+            if _parse(entry.value).get("owner") != owner:
+                return False
+            mine = json.dumps({"owner": owner, "until": time.time() + lease}).encode()
+            await kv.update(name, mine, last=entry.revision)
+        except (KeyNotFoundError, KeyWrongLastSequenceError):
+            return False
+        except (NatsError, TimeoutError, OSError) as error:
+            raise self._failed(key, error) from error
+        return True
+
+    async def done(self, key: str, owner: str, ttl: float) -> None:
+        """Remember ``key`` as handled (for the bucket's age limit, the window)."""
+        from nats.errors import Error as NatsError
+
+        try:
+            await (await self._bucket()).put(_key(key), _DONE)
+        except (NatsError, TimeoutError, OSError) as error:
+            raise self._failed(key, error) from error
+
+    async def release(self, key: str, owner: str) -> None:
+        """Forget ``owner``'s claim of ``key``."""
+        from nats.errors import Error as NatsError
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        name = _key(key)
+        try:
+            kv = await self._bucket()
+            entry = await kv.get(name)
+            if _parse(entry.value).get("owner") == owner:
+                await kv.delete(name, last=entry.revision)
+        except (KeyNotFoundError, KeyWrongLastSequenceError):
+            return
+        except (NatsError, TimeoutError, OSError) as error:
+            raise self._failed(key, error) from error

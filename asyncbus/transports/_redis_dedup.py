@@ -1,0 +1,101 @@
+"""The Redis store of ``deduplicate()``: one key per (stage, envelope id), expiring by itself.
+
+``{prefix}:dedup:{stage}/{id}`` holds ``claim:{owner}`` with a TTL of the lease
+(``SET NX PX``), then ``done`` with a TTL of the window. Each step is one Lua script,
+so a claim never races another; expiry is the server's, so clocks do not matter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from .._dedup import Claim
+from .._exceptions import TransportError
+
+if TYPE_CHECKING:
+    from .redis import RedisTransport
+
+__all__ = ["RedisDedupStore"]
+
+#: KEYS[1] the key; ARGV owner, lease ms. Returns 1 claimed, 2 done, 3 busy.
+_CLAIM = """
+local mine = 'claim:' .. ARGV[1]
+if redis.call('SET', KEYS[1], mine, 'NX', 'PX', ARGV[2]) then return 1 end
+local value = redis.call('GET', KEYS[1])
+if value == 'done' then return 2 end
+if value == mine then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 3
+"""
+
+#: KEYS[1] the key; ARGV owner, lease ms. Returns 1 when the owner still held it.
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == 'claim:' .. ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+#: KEYS[1] the key; ARGV owner. Deletes the owner's claim only.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == 'claim:' .. ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_CLAIMS = {1: Claim.CLAIMED, 2: Claim.DONE, 3: Claim.BUSY}
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class RedisDedupStore:
+    """A :class:`~asyncbus.middleware.deduplicate.DedupStore` in the transport's Redis.
+
+    Made by :meth:`RedisTransport.dedup_store`; usable while the transport is connected.
+    """
+
+    def __init__(self, transport: RedisTransport) -> None:
+        self._transport = transport
+        self._prefix = f"{transport.prefix}:dedup:"
+        self._scripts: dict[str, Any] = {}
+
+    async def _run(self, script: str, key: str, *args: str | int) -> Any:
+        transport = self._transport
+        client = transport._redis()
+        registered = self._scripts.get(script)
+        if registered is None or registered.registered_client is not client:
+            registered = self._scripts[script] = client.register_script(script)
+        try:
+            return await registered(keys=[self._prefix + key], args=list(args))
+        except transport._errors.RedisError as error:
+            raise transport._failed(f"deduplicating {key!r}", error) from error
+
+    async def claim(self, key: str, owner: str, lease: float) -> Claim:
+        """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""
+        found = await self._run(_CLAIM, key, owner, _ms(lease))
+        try:
+            return _CLAIMS[int(found)]
+        except (KeyError, TypeError, ValueError):
+            raise TransportError(f"Redis: unexpected claim reply {found!r}") from None
+
+    async def extend(self, key: str, owner: str, lease: float) -> bool:
+        """Keep ``owner``'s claim ``lease`` more seconds; ``False`` if it is not held."""
+        return bool(await self._run(_EXTEND, key, owner, _ms(lease)))
+
+    async def done(self, key: str, owner: str, ttl: float) -> None:
+        """Remember ``key`` as handled for ``ttl`` seconds."""
+        client = self._transport._redis()
+        try:
+            await client.set(self._prefix + key, "done", px=_ms(ttl))
+        except self._transport._errors.RedisError as error:
+            raise self._transport._failed(f"deduplicating {key!r}", error) from error
+
+    async def release(self, key: str, owner: str) -> None:
+        """Forget ``owner``'s claim of ``key``."""
+        await self._run(_RELEASE, key, owner)
