@@ -9,7 +9,9 @@ What it keeps on the server, for ``prefix="asyncbus"``:
   header and the codec's bytes as the body. A message stays until every group whose
   pattern matches it has settled it.
 * every (pattern, group) is a durable pull consumer named from both (sanitised, plus
-  a hash, so the name is deterministic and unique), filtering ``asyncbus.{pattern}``,
+  a hash, so the name is deterministic and unique), described as
+  ``asyncbus group ["pattern", "group"]`` (so any process knows the groups a publish
+  reaches: :mod:`._nats_groups`), filtering ``asyncbus.{pattern}``,
   with explicit acks, ``ack_wait = ack_timeout``, ``deliver_policy = new`` and no
   delivery limit (the bus's retry policy decides). Every process subscribing with the
   same (pattern, group) pulls from it: competing consumers. Each subscription asks

@@ -26,6 +26,9 @@ Broker names (all under ``prefix``, ``asyncbus`` by default):
   that exists while one process reads or edits the dead letters.
 * ``{prefix}.catalog``: the names of the queues declared under the prefix, one
   message each (AMQP cannot list queues), for :meth:`RabbitTransport.delete_everything`.
+* ``{prefix}.groups``: a fanout exchange each group is announced on when declared,
+  and the durable queue (the register) bound to it, read at connect; see
+  :mod:`._rabbit_groups`.
 
 How it works:
 
@@ -36,9 +39,11 @@ How it works:
   delivered more than ``max_deliveries`` times that way is handed over with
   ``error`` set and dead-lettered ``rejected``; so is one that cannot be read
   (whatever another client wrote into the queue): it is acked, never left unacked.
-* **Publishing** returns once the broker confirmed (publisher confirms). It first
-  waits for the subscriptions of this process that are still declaring their queue
-  (RabbitMQ drops what no queue is bound for). A publish interrupted by a lost
+* **Publishing** returns once the broker confirmed (publisher confirms), within
+  ``publish_timeout``. It first waits for the subscriptions of this process that are
+  still declaring their queue. The bus's publishes are ``mandatory``: what no queue
+  (of any process) is bound for comes back, and is stored as a ``no_subscribers``
+  dead letter. A publish interrupted by a lost
   connection is retried on the next one until ``publish_timeout``: one whose confirm
   was lost may arrive twice (at-least-once; ``deduplicate()`` handles it).
 * **Consuming.** A channel per subscription with ``basic.qos(prefetch)`` and manual

@@ -27,7 +27,9 @@ How it works:
   :mod:`._coalesce`): one writer task writes all that arrived during its last write,
   and each publish returns once the write holding it succeeded. When the version moved
   (a binding was added anywhere), the bindings are read again and the streams missed
-  are written too, so a binding registered before a publish always receives it.
+  are written too, so a binding registered before a publish always receives it. A
+  publish through :meth:`RedisTransport.publish_routed` (the bus's) that no binding
+  matched is stored as a ``no_subscribers`` dead letter instead.
 * **Settling.** Every settle removes the entry from the stream together with its XACK
   (MULTI), so a stream holds exactly what its group has not settled: ``backlog`` is its
   XLEN plus the retries waiting in the sorted set. Acks are written behind, in batches

@@ -7,27 +7,36 @@ with its files in a temporary directory of the test::
         url = server.url
         await server.restart(fresh=True)   # kill -9, wipe its files, start again
 
-The process is started by the test and only that process is ever killed. When the
-server binary is missing the test is skipped, or fails under
-``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
+The process is started by the test (in a session of its own) and only its process
+group is ever killed. When the server binary is missing the test is skipped, or fails
+under ``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
+
+* ``private_redis(..., persistent=True)`` writes an append-only file before each
+  reply (``appendfsync always``): what it confirmed survives ``kill -9``.
+* ``private_nats`` keeps JetStream's file store in the directory.
+* ``private_rabbit`` is a RabbitMQ node of its own (its own name, ports, data and an
+  empty plugin list); it takes 5-15 s to start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
 import pytest
 
-__all__ = ["PrivateServer", "free_port", "private_nats", "private_redis"]
+__all__ = ["PrivateServer", "free_port", "private_nats", "private_rabbit", "private_redis"]
 
 #: Seconds a server may take to accept connections after it was started.
 START_TIMEOUT = 15.0
@@ -56,15 +65,28 @@ class PrivateServer:
 
     :param command: the command line for a port and a data directory.
     :param scheme: the URL scheme clients use.
+    :param env: the environment for a port and a data directory (default: ours).
+    :param userinfo: credentials in the URL (``user:password``), if any.
+    :param start_timeout: seconds it may take to accept connections.
     """
 
     def __init__(
-        self, command: Callable[[int, Path], list[str]], scheme: str, directory: Path
+        self,
+        command: Callable[[int, Path], list[str]],
+        scheme: str,
+        directory: Path,
+        *,
+        env: Callable[[int, Path], dict[str, str]] | None = None,
+        userinfo: str = "",
+        start_timeout: float = START_TIMEOUT,
     ) -> None:
         self._command = command
+        self._env = env
         self.port = free_port()
         self.directory = directory
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        at = f"{userinfo}@" if userinfo else ""
+        self.url = f"{scheme}://{at}127.0.0.1:{self.port}" + ("/" if scheme == "amqp" else "")
+        self.start_timeout = start_timeout
         self._process: anyio.abc.Process | None = None
 
     @property
@@ -80,8 +102,10 @@ class PrivateServer:
             self._command(self.port, self.directory),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self._env(self.port, self.directory) if self._env is not None else None,
+            start_new_session=True,  # its own process group: killed as one, by us
         )
-        with anyio.fail_after(START_TIMEOUT):
+        with anyio.fail_after(self.start_timeout):
             while True:
                 if self._process.returncode is not None:
                     raise RuntimeError(f"{self._command(self.port, self.directory)[0]} exited")
@@ -100,7 +124,9 @@ class PrivateServer:
             return
         with anyio.CancelScope(shield=True):
             if process.returncode is None:
-                process.send_signal(signal.SIGKILL)
+                # The group this test started (a server may run helpers: RabbitMQ does).
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
             await process.aclose()
 
@@ -121,6 +147,44 @@ def _redis_command(port: int, directory: Path) -> list[str]:
     ]
 
 
+def _persistent_redis_command(port: int, directory: Path) -> list[str]:
+    return [
+        *_redis_command(port, directory)[:-2],
+        *("--appendonly", "yes", "--appendfsync", "always"),
+    ]
+
+
+_RABBIT = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+
+
+def _rabbit_command(port: int, directory: Path) -> list[str]:
+    # The node's own script: the system one switches to the rabbitmq user.
+    return [_RABBIT if os.path.exists(_RABBIT) else _binary("rabbitmq-server")]
+
+
+def _rabbit_env(node: str, dist_port: int) -> Callable[[int, Path], dict[str, str]]:
+    def env(port: int, directory: Path) -> dict[str, str]:
+        config = directory / "rabbitmq.conf"
+        config.write_text(f"listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n")
+        plugins = directory / "enabled_plugins"
+        plugins.write_text("[].\n")
+        (directory / "home").mkdir(exist_ok=True)
+        return {
+            **os.environ,
+            "HOME": str(directory / "home"),
+            "RABBITMQ_NODENAME": node,
+            "RABBITMQ_NODE_PORT": str(port),
+            "RABBITMQ_DIST_PORT": str(dist_port),
+            "RABBITMQ_MNESIA_BASE": str(directory / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(directory / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(plugins),
+            "RABBITMQ_CONFIG_FILE": str(config),
+            "RABBITMQ_CONF_ENV_FILE": os.devnull,
+        }
+
+    return env
+
+
 def _nats_command(port: int, directory: Path) -> list[str]:
     return [
         _binary("nats-server", "/usr/sbin/nats-server"),
@@ -130,10 +194,13 @@ def _nats_command(port: int, directory: Path) -> list[str]:
 
 @asynccontextmanager
 async def _private(
-    command: Callable[[int, Path], list[str]], scheme: str, directory: Path
+    command: Callable[[int, Path], list[str]],
+    scheme: str,
+    directory: Path,
+    **options: Any,
 ) -> AsyncIterator[PrivateServer]:
     command(0, directory)  # skips (or fails) now when the binary is missing
-    server = PrivateServer(command, scheme, directory)
+    server = PrivateServer(command, scheme, directory, **options)
     await server.start()
     try:
         yield server
@@ -141,11 +208,28 @@ async def _private(
         await server.kill()
 
 
-def private_redis(directory: Path) -> AbstractAsyncContextManager[PrivateServer]:
-    """A redis-server of the test's own, without persistence (a restart loses all)."""
-    return _private(_redis_command, "redis", directory / "redis")
+def private_redis(
+    directory: Path, *, persistent: bool = False
+) -> AbstractAsyncContextManager[PrivateServer]:
+    """A redis-server of the test's own, without persistence (a restart loses all), or
+    ``persistent``: every write in an append-only file before its reply."""
+    command = _persistent_redis_command if persistent else _redis_command
+    return _private(command, "redis", directory / "redis")
 
 
 def private_nats(directory: Path) -> AbstractAsyncContextManager[PrivateServer]:
     """A nats-server of the test's own with JetStream, its store in ``directory``."""
     return _private(_nats_command, "nats", directory / "nats")
+
+
+def private_rabbit(directory: Path) -> AbstractAsyncContextManager[PrivateServer]:
+    """A RabbitMQ node of the test's own (guest/guest), its data in ``directory``."""
+    node = f"asyncbus-test-{uuid.uuid4().hex[:8]}@localhost"
+    return _private(
+        _rabbit_command,
+        "amqp",
+        directory / "rabbit",
+        env=_rabbit_env(node, free_port()),
+        userinfo="guest:guest",
+        start_timeout=60.0,
+    )
