@@ -794,8 +794,11 @@ class NatsTransport(Transport):
                 consumer.wake()
 
     async def _on_error(self, error: Exception) -> None:
-        if self._nc is None:
+        nc = self._nc
+        if nc is None:
             return  # connecting (connect() reports it) or closing
+        if nc.is_connecting or nc.is_reconnecting:  # an attempt to reconnect failed
+            _close_failed_attempt(nc)
         logger.warning("NATS %s: %s: %s", _address(self.url), type(error).__name__, error)
 
     async def _on_disconnected(self) -> None:
@@ -1280,6 +1283,20 @@ class NatsTransport(Transport):
 
 def _is_inbox(group: str) -> bool:
     return group.startswith(INBOX_GROUP_PREFIX)
+
+
+def _close_failed_attempt(nc: Client) -> None:
+    """Close the socket of a reconnection attempt that failed after connecting.
+
+    nats-py (up to 2.16 at least) leaves it open when the server accepted the
+    connection but did not say hello (a proxy or load balancer in front of a server
+    that is down), until the garbage collector finds it; every attempt leaks one.
+    """
+    transport = getattr(nc, "_transport", None)  # nats-py keeps it private
+    close = getattr(transport, "close", None)
+    if callable(close):
+        with contextlib.suppress(Exception):
+            close()
 
 
 def _server_id(nc: Client | None) -> str | None:
