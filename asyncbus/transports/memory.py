@@ -160,13 +160,15 @@ class MemoryTransport(Transport):
     ) -> tuple[str, ...] | None:
         """:meth:`publish`; with no group for ``topic``, keep ``no_subscribers`` dead letters.
 
-        :returns: the stage names of the groups reached, in the order they were made.
+        :returns: the stage names of the groups reached, sorted (as the brokers' are).
         """
         validate_topic(topic)
         names = tuple(
-            f"{pattern}@{group}"
-            for (pattern, group), target in self._groups.items()
-            if target.matches(topic)
+            sorted(
+                f"{pattern}@{group}"
+                for (pattern, group), target in self._groups.items()
+                if target.matches(topic)
+            )
         )
         await self.publish(topic, envelopes)
         if not names:
