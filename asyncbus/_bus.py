@@ -1357,15 +1357,22 @@ class Bus:
                 # Forget the stored entry first: the replay may die again at once, and
                 # its new dead letter (same id) must not be the one removed.
                 await broker.remove_dead_letters([envelope.id])
+                reached: tuple[str, ...] | None = (entry.stage,) if entry.stage else ()
                 try:
                     if target is not None:
                         await broker.publish_to_group(*target, [envelope])
                     else:
-                        await broker.publish(envelope.topic, [envelope])
+                        # To every group of the topic; with none yet, the broker keeps
+                        # it as a no_subscribers dead letter again.
+                        reached = await broker.publish_routed(envelope.topic, [envelope])
                 except BaseException:  # deliberate: whatever stopped the re-send, keep it
                     await broker.add_dead_letter(entry)  # not re-sent: keep it stored
                     raise
-            return make_receipt(envelope.id, (entry.stage,) if target and entry.stage else ())
+            if reached == () and target is None:
+                self.dead_letter(
+                    envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
+                )
+            return make_receipt(envelope.id, reached or ())
         if stage is None:
             return await self._route(envelope, None)
         await stage.put(envelope)

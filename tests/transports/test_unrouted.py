@@ -97,3 +97,33 @@ async def test_a_request_no_group_can_answer_fails_at_once(
         async with Bus(transport=make_transport(kind, url, unique_prefix)) as requester:
             with pytest.raises(HandlerError, match="no_subscribers"):
                 await requester.request("nobody.answers", 1, timeout=15)
+
+
+async def test_replaying_a_no_subscribers_dead_letter_reaches_the_groups_there_are_now(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    handled: list[str] = []
+    with anyio.fail_after(40):
+        async with Bus(transport=make_transport(kind, url, unique_prefix)) as bus:
+            await bus.publish("late.topic", "x", id="early-1")
+            # Still no group: the replay is dead-lettered again, not lost.
+            (receipt,) = await bus.dead_letters.replay("early-1")
+            assert receipt.accepted == ()
+            (entry,) = bus.dead_letters.list()
+            assert (entry.envelope.id, entry.reason) == (
+                "early-1",
+                DeadLetterReason.NO_SUBSCRIBERS,
+            )
+
+            async def late(payload: str) -> None:
+                handled.append(payload)
+
+            bus.subscribe("late.topic", late, group="late")
+            await bus.subscribed()
+            (receipt,) = await bus.dead_letters.replay("early-1")
+            assert receipt.accepted == ("late.topic@late",)
+            await bus.drain(20)
+            assert len(bus.dead_letters) == 0
+        async with Bus(transport=make_transport(kind, url, unique_prefix)) as console:
+            assert console.dead_letters.list() == []  # gone from the broker too
+    assert handled == ["x"]
