@@ -529,6 +529,12 @@ class Bus:
         if self._holds_switch_interval:
             self._holds_switch_interval = False
             release_switch_interval()
+        if self._broker is not None:
+            # Acks written behind that the broker never got: those envelopes come back.
+            for name, envelope_id in self._broker.unsettled_acks():
+                stage = self._stages_by_name.get(name)
+                if stage is not None:
+                    stage.ack_lost(envelope_id)
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close()

@@ -471,15 +471,21 @@ class Stage:
         queue keeps the entry the bus recorded).
         """
         if dead is None:
-            self.acked -= 1
-        else:
-            self.dead_lettered -= 1
-            if dead.reason is DeadLetterReason.DROPPED:
-                self.dropped -= 1
-            elif dead.reason is DeadLetterReason.EXPIRED:
-                self.expired -= 1
+            self.ack_lost(envelope.id)
+            return
+        self.dead_lettered -= 1
+        if dead.reason is DeadLetterReason.DROPPED:
+            self.dropped -= 1
+        elif dead.reason is DeadLetterReason.EXPIRED:
+            self.expired -= 1
         self.abandoned += 1
         self.unsettled.append(envelope.id)
+
+    def ack_lost(self, envelope_id: str) -> None:
+        """An envelope counted acked here whose ack the broker never got: abandoned."""
+        self.acked -= 1
+        self.abandoned += 1
+        self.unsettled.append(envelope_id)
 
     async def pump(self, transport: Transport) -> None:
         """Feed this stage from the broker: at most ``capacity`` deliveries held here.

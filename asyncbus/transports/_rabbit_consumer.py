@@ -93,7 +93,7 @@ def spurious_cancel() -> bool:
 class ConsumerChannel:
     """One channel of a subscription, and the acks it owes the broker."""
 
-    __slots__ = ("acks", "channel", "consuming", "done", "lock", "next_tag", "tag")
+    __slots__ = ("acks", "channel", "consuming", "done", "lock", "next_tag", "owners", "tag")
 
     def __init__(self, channel: AbstractChannel) -> None:
         self.channel = channel
@@ -105,14 +105,19 @@ class ConsumerChannel:
         self.done: set[int] = set()
         #: Tags settled by ``ack`` and not written yet.
         self.acks: list[int] = []
+        #: (stage name, envelope id) of each tag acked by the bus (``ack_nowait``).
+        self.owners: dict[int, tuple[str, str]] = {}
         self.lock = anyio.Lock()
 
-    async def flush(self) -> None:
-        """Write the acks owed: one ``multiple`` for the contiguous run, single ones after."""
+    async def flush(self) -> list[tuple[str, str]]:
+        """Write the acks owed: one ``multiple`` for the contiguous run, single ones after.
+
+        :returns: (stage name, envelope id) of the bus's acks that could not be written.
+        """
         async with self.lock:
             acks, self.acks = self.acks, []
             if not acks:
-                return
+                return []
             fresh = set(acks)
             done = self.done
             tag = self.next_tag
@@ -136,6 +141,10 @@ class ConsumerChannel:
             except Exception as error:
                 # The channel is gone; so are its deliveries (the broker returns them).
                 logger.debug("RabbitMQ: acks lost with their channel: %s", error)
+                return [self.owners.pop(tag) for tag in acks if tag in self.owners]
+            for tag in acks:
+                self.owners.pop(tag, None)
+            return []
 
     async def give_back(self, tags: Sequence[int]) -> None:
         """``basic.nack`` with requeue: the broker gives them to a consumer again."""
@@ -205,6 +214,7 @@ class RabbitDelivery:
     def ack_nowait(self) -> None:
         """:meth:`ack` without awaiting: it only queues the ack for the writer."""
         subscription = self._settle()
+        self._consumer.owners[self._tag] = (subscription.name, self.envelope.id)
         subscription.transport._ack(self._consumer, self._tag)
 
     async def nack(self, *, delay: float | None = None) -> None:
@@ -239,6 +249,8 @@ class Subscription:
         self.group = group
         self.prefetch = prefetch
         self.queue = transport.queue_name(pattern, group)
+        #: The stage name of (pattern, group).
+        self.name = f"{pattern}@{group}"
         self.consumer: ConsumerChannel | None = None
         #: Received, not handed out yet (unsettled at the broker).
         self.ready: deque[RabbitDelivery] = deque()

@@ -296,6 +296,12 @@ class Transport(AsyncResource, abc.ABC):
         """
         return None
 
+    def unsettled_acks(self) -> list[tuple[str, str]]:
+        """``(stage name, envelope id)`` of each ack queued by a delivery's ``ack_nowait``
+        that the transport closed without writing (the broker delivers those again);
+        each is reported once. Empty for a transport whose acks are awaited (default)."""
+        return []
+
     async def backlog(self, pattern: str, group: str) -> int:
         """Envelopes of (pattern, group) in the broker not yet settled (0 if unknown)."""
         return 0

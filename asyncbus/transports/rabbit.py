@@ -350,6 +350,9 @@ class RabbitTransport(Transport):
         self._task_group: TaskGroup | None = None
         self._subscriptions: set[Subscription] = set()
         self._dirty: set[ConsumerChannel] = set()
+        #: (stage name, envelope id) of acks lost with their channel (the broker returns
+        #: those deliveries to the queue).
+        self._lost_acks: list[tuple[str, str]] = []
         self._ack_wake = anyio.Event()
         #: Retry queues used by this process, by work queue, with when they were declared.
         self._retry_queues: dict[str, dict[str, float]] = {}
@@ -440,6 +443,10 @@ class RabbitTransport(Transport):
         with self.cleanup_scope(RELEASE_TIMEOUT):
             for consumer in list(self._dirty):
                 await self._flush(consumer)
+        for consumer in self._dirty:  # not reached by the deadline
+            self._lost_acks += consumer.owners.values()
+            consumer.owners.clear()
+        self._dirty.clear()
         for subscription in list(self._subscriptions):
             subscription.lose(LOST)
         task_group, self._task_group = self._task_group, None
@@ -1052,7 +1059,18 @@ class RabbitTransport(Transport):
 
     async def _flush(self, consumer: ConsumerChannel) -> None:
         self._dirty.discard(consumer)
-        await consumer.flush()
+        try:
+            self._lost_acks += await consumer.flush()
+        except BaseException:
+            # Cut short (the close deadline): take what it owed as not written.
+            self._lost_acks += consumer.owners.values()
+            consumer.owners.clear()
+            raise
+
+    def unsettled_acks(self) -> list[tuple[str, str]]:
+        """(stage name, envelope id) of the bus's acks that were lost with their channel."""
+        lost, self._lost_acks = self._lost_acks, []
+        return lost
 
     async def _ack_loop(self) -> None:
         """Write acks as they come, in batches (what comes during a write goes next)."""

@@ -241,7 +241,7 @@ class _RedisDelivery:
     def ack_nowait(self) -> None:
         """:meth:`ack` without awaiting: it only queues the ack for the writer task."""
         consumer = self._settle()
-        consumer.transport._ack(consumer, self._entry)
+        consumer.transport._ack(consumer, self._entry, self.envelope.id)
 
     async def nack(self, *, delay: float | None = None) -> None:
         """Deliver it again (attempt + 1) to the group, after ``delay`` seconds."""
@@ -393,7 +393,11 @@ class RedisTransport(Transport):
         self._inbox_streams: set[str] = set()
         self._next_due = float("inf")
         # Acks not yet written, by (stream, group); written by ``_ack_loop``.
-        self._acks: dict[tuple[str, str], list[bytes]] = {}
+        self._acks: dict[tuple[str, str], list[tuple[bytes, str]]] = {}
+        #: The stage name of each (stream, group) acks were queued for.
+        self._ack_stages: dict[tuple[str, str], str] = {}
+        #: (stage name, envelope id) of the acks the transport closed without writing.
+        self._lost_acks: list[tuple[str, str]] = []
         # Made in ``connect``, inside the event loop that uses them.
         self._delay_wake: anyio.Event
         self._ack_wake: anyio.Event
@@ -485,6 +489,13 @@ class RedisTransport(Transport):
                 task_group.cancel_scope.cancel()
                 await task_group.__aexit__(None, None, None)
         finally:
+            # What is still queued (a write cut short puts its acks back) is lost.
+            self._lost_acks += [
+                (self._ack_stages[key], envelope_id)
+                for key, items in self._acks.items()
+                for _entry, envelope_id in items
+            ]
+            self._acks = {}
             if task_group is not None:  # however the tasks ended: no publish waits on
                 self._publishes.close("RedisTransport is closed: nothing more can be published")
             client, self._client = self._client, None
@@ -898,11 +909,21 @@ class RedisTransport(Transport):
         if due and due < self._next_due:
             self._delay_wake.set()
 
-    def _ack(self, consumer: _Consumer, entry: bytes) -> None:
+    def _ack(self, consumer: _Consumer, entry: bytes, envelope_id: str) -> None:
         if self._task_group is None:
             raise TransportError("RedisTransport is closed: the ack cannot be written")
-        self._acks.setdefault((consumer.stream, consumer.group), []).append(entry)
+        key = (consumer.stream, consumer.group)
+        queued = self._acks.get(key)
+        if queued is None:
+            queued = self._acks[key] = []
+            self._ack_stages[key] = f"{consumer.pattern}@{consumer.group}"
+        queued.append((entry, envelope_id))
         self._ack_wake.set()
+
+    def unsettled_acks(self) -> list[tuple[str, str]]:
+        """(stage name, envelope id) of the acks the transport closed without writing."""
+        lost, self._lost_acks = self._lost_acks, []
+        return lost
 
     async def _write_acks(self) -> None:
         """XACK and XDEL every queued ack in one MULTI (all of them, or none: re-queued)."""
@@ -911,14 +932,15 @@ class RedisTransport(Transport):
             if not acks:
                 return
             pipe = self._redis().pipeline(transaction=True)
-            for (stream, group), entries in acks.items():
+            for (stream, group), items in acks.items():
+                entries = [entry for entry, _id in items]
                 pipe.xack(stream, group, *entries)
                 pipe.xdel(stream, *entries)
             try:
                 await pipe.execute()
             except BaseException:  # deliberate: cancelled or failed, keep the acks, re-raise
-                for key, entries in acks.items():  # idempotent: try again next time
-                    self._acks[key] = entries + self._acks.get(key, [])
+                for key, items in acks.items():  # idempotent: try again next time
+                    self._acks[key] = items + self._acks.get(key, [])
                 raise
 
     async def _ack_loop(self) -> None:

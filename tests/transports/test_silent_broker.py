@@ -139,3 +139,55 @@ async def test_closing_with_the_broker_unreachable_reports_in_time_and_the_broke
             await done.wait()
             await survivor.drain(10)
     assert Counter(handled) == Counter(ids)
+
+
+@pytest.mark.parametrize("kind", ["redis", "rabbit"])  # (their acks are written behind)
+async def test_acks_the_broker_never_got_are_reported_abandoned_and_come_back(
+    kind: str, proxy: TcpProxy, unique_prefix: str
+) -> None:
+    ids = [f"job{n}" for n in range(4)]
+    bus = through(kind, proxy, unique_prefix)
+    gate = anyio.Event()
+    holding = anyio.Event()
+    handled: list[str] = []
+
+    @bus.subscribe("jobs", group="workers", concurrency=4, capacity=4)
+    async def work(envelope: Envelope) -> None:
+        handled.append(envelope.id)
+        if len(handled) == len(ids):
+            holding.set()
+        await gate.wait()
+
+    with anyio.fail_after(40):
+        async with bus:
+            for envelope_id in ids:
+                await bus.publish("jobs", envelope_id, id=envelope_id)
+            await holding.wait()
+            proxy.refuse()  # the broker goes away while the handlers finish
+            gate.set()
+            report = await bus.aclose(timeout=2.0)
+    assert sorted(handled) == ids
+    # Handled, but their acks never reached the broker: listed, and not completed.
+    assert (report.completed, report.dead_lettered) == (0, 0)
+    assert sorted(report.abandoned) == ids
+
+    proxy.forward()
+    again: list[str] = []
+    done = anyio.Event()
+    survivor = Bus(
+        transport=make_transport(
+            kind, url_for(kind, SHARED_PORTS[kind]), unique_prefix, ack_timeout=ACK_TIMEOUT
+        )
+    )
+
+    @survivor.subscribe("jobs", group="workers", concurrency=4, capacity=4)
+    async def redo(envelope: Envelope) -> None:
+        again.append(envelope.id)
+        if len(again) == len(ids):
+            done.set()
+
+    with anyio.fail_after(30):
+        async with survivor:
+            await done.wait()
+            await survivor.drain(10)
+    assert sorted(again) == ids
