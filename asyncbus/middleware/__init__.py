@@ -20,6 +20,9 @@ from .._envelope import Envelope
 from .._types import Handler, Middleware
 from .._types import middleware as middleware
 from .dead_letter import dead_letter as dead_letter
+from .deduplicate import Claim as Claim
+from .deduplicate import DedupStore as DedupStore
+from .deduplicate import MemoryDedupStore as MemoryDedupStore
 from .deduplicate import deduplicate as deduplicate
 from .expire import expire as expire
 from .retry import Retry as Retry
@@ -28,7 +31,10 @@ from .timeout import HandlerTimeout as HandlerTimeout
 from .timeout import timeout as timeout
 
 __all__ = [
+    "Claim",
+    "DedupStore",
     "HandlerTimeout",
+    "MemoryDedupStore",
     "Retry",
     "dead_letter",
     "deduplicate",

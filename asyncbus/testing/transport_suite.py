@@ -299,6 +299,35 @@ class TransportSuite:
             await delivery.ack()
 
     @pytest.mark.anyio
+    async def test_publish_routed_names_the_groups_reached_or_dead_letters(
+        self, transport: Transport
+    ) -> None:
+        """``publish_routed`` names the groups it reached (sorted); with none, it publishes
+        nothing and keeps a ``no_subscribers`` dead letter. (A transport that cannot
+        tell returns ``None`` and is not held to it.)"""
+        lost = Envelope(topic="routed.nobody", payload="lost")
+        reached = await transport.publish_routed("routed.nobody", [lost])
+        if reached is None:
+            pytest.skip(f"{type(transport).__name__} cannot tell which groups it reached")
+        _check(reached, (), "groups reached by a topic nobody subscribes to")
+        if transport.capabilities.replay:
+            listed = [e for e in await transport.dead_letters() if e.envelope.id == lost.id]
+            _check(len(listed), 1, "dead letters of the unrouted envelope")
+            _check(listed[0].reason, DeadLetterReason.NO_SUBSCRIBERS, "its reason")
+            _check(listed[0].envelope.payload, "lost", "its payload")
+        sent = Envelope(topic="routed.items", payload="found")
+        async with (
+            transport.subscribe("routed.*", group="b", prefetch=1) as second,
+            transport.subscribe("routed.items", group="a", prefetch=1) as first,
+        ):
+            reached = await transport.publish_routed("routed.items", [sent])
+            _check(reached, ("routed.*@b", "routed.items@a"), "groups reached")
+            for deliveries in (first, second):
+                delivery = await _next(deliveries, self.timeout, "the routed envelope")
+                _check_envelope(delivery.envelope, sent)
+                await delivery.ack()
+
+    @pytest.mark.anyio
     async def test_correlation_id_defaults_to_the_envelope_id(self, transport: Transport) -> None:
         """An envelope without explicit correlation keeps its own id as correlation id."""
         sent = Envelope(topic="plain", payload="text")
