@@ -3,9 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
 
 from . import __version__
+
+#: Said by ``bench`` where there is no checkout next to the package (an installed wheel).
+NO_SUITE = """\
+python -m asyncbus bench: the benchmark suite is not part of the installed package; it
+lives in the benchmarks/ directory of the asyncbus source (a checkout, or the sdist).
+From there:
+    pip install -e '.[bench]'
+    python -m asyncbus bench --quick    (the same as: python benchmarks/run.py --quick)
+    python -m asyncbus bench brokers    (Redis Streams and NATS JetStream end to end)
+    python -m asyncbus bench rabbit     (RabbitMQ end to end)"""
+
+#: The suite's module behind each ``bench`` subcommand; any other arguments go to ``suite``.
+_BENCH_MODULES = {"brokers": "suite._brokers", "rabbit": "suite._rabbit"}
+
+
+def _checkout_benchmarks() -> Path | None:
+    """The ``benchmarks/`` directory of the checkout this package runs from, if any.
+
+    Present when the package is imported from a checkout of the source (an editable
+    install, or run from the source directory); an installed wheel has none.
+    """
+    root = Path(__file__).resolve().parent.parent
+    home = root / "benchmarks"
+    if (root / "pyproject.toml").is_file() and (home / "suite" / "__init__.py").is_file():
+        return home
+    return None
+
+
+def _bench(rest: list[str]) -> int:
+    """Run the checkout's benchmark suite with ``rest``; without one, say where it is (2)."""
+    home = _checkout_benchmarks()
+    if home is None:
+        print(NO_SUITE, file=sys.stderr)
+        return 2
+    if str(home) not in sys.path:
+        sys.path.insert(0, str(home))
+    module = _BENCH_MODULES.get(rest[0], "") if rest else ""
+    if module:
+        rest = rest[1:]
+    suite = importlib.import_module(module or "suite")
+    return int(suite.main(rest))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,23 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8000, help="the dashboard's port (0: any)")
     commands.add_parser(
         "bench",
-        help="run the benchmark suite (see --help there); 'bench brokers' and 'bench rabbit' "
-        "run the broker end-to-end benchmarks",
+        help="run the benchmark suite of a checkout (see --help there); 'bench brokers' and "
+        "'bench rabbit' run the broker end-to-end benchmarks",
         add_help=False,
     )
     arguments, rest = parser.parse_known_args(argv)
     if arguments.command == "bench":
-        if rest[:1] == ["rabbit"]:  # RabbitMQ end to end vs a hand-written aio-pika loop
-            from ._bench._rabbit import main as rabbit
-
-            return rabbit(rest[1:])
-        if rest[:1] == ["brokers"]:  # Redis and NATS end to end vs hand-written clients
-            from ._bench._brokers import main as brokers
-
-            return brokers(rest[1:])
-        from ._bench import main as bench
-
-        return bench(rest)
+        return _bench(rest)
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     from functools import partial

@@ -28,8 +28,8 @@ import anyio
 
 import asyncbus._bus as bus_module
 from asyncbus import Bus
-from asyncbus._bench._baselines import fairness_floor_one
 from asyncbus._envelope import EMPTY_HEADERS, make_envelope, make_receipt
+from suite._baselines import fairness_floor_one
 
 _ORIGINAL = {
     name: getattr(bus_module, name) for name in ("new_id", "make_envelope", "make_receipt")

@@ -40,7 +40,8 @@ def _parse(frame: str) -> tuple[str, str, str]:
 
 
 def _is_ours(file: str) -> bool:
-    return ("asyncbus/" in file or file.startswith("asyncbus")) and "_bench" not in file
+    ours = "asyncbus/" in file or file.startswith("asyncbus")
+    return ours and "benchmarks/" not in file and not file.startswith("suite/")
 
 
 def _name(function: str, file: str) -> str:

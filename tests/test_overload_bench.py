@@ -1,4 +1,8 @@
-"""benchmarks/overload.py: a short run of each kind of configuration balances its ledger."""
+"""benchmarks/overload.py: a short run of each kind of configuration balances its ledger.
+
+The short runs are marked ``bench`` (``pytest -m bench``); the default run checks the
+recovery arithmetic and the command line.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ def overload() -> ModuleType:
     return module
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(120)
 def test_every_configuration_balances_its_ledger_on_a_short_run(overload: ModuleType) -> None:
     phases = [(0.5, 0.2), (3.0, 0.4), (0.5, 0.3)]

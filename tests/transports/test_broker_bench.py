@@ -2,7 +2,8 @@
 
 Tiny counts and no timing assertions: the numbers are the benchmark's business; these
 tests make sure it runs end to end, checks every message, and judges every target
-when asked (``--check``).
+when asked (``--check``). The run against the servers is marked ``bench``
+(``pytest -m bench``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import re
 import pytest
 
 from asyncbus.__main__ import main as asyncbus_main
-from asyncbus._bench._brokers import main
+from suite._brokers import main
 
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.bench
 def test_a_small_run_reports_both_brokers_and_every_target(
     redis_url: str, nats_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

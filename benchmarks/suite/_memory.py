@@ -1,7 +1,7 @@
 """Memory: resident growth per queued envelope, flatness under load, envelope overhead.
 
-Runs in a fresh interpreter (``python -m asyncbus._bench._memory``), so that memory
-freed by earlier benchmarks cannot be reused and hide growth.
+Runs in a fresh interpreter (``python -m suite._memory``, ``benchmarks/`` on the path), so
+that memory freed by earlier benchmarks cannot be reused and hide growth.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 
 import anyio
 
-from .. import Bus, Envelope
+from asyncbus import Bus, Envelope
+
 from ._model import Payload, Tally, make_messages, settle
 
 __all__ = ["MemoryReport", "measure_memory"]
@@ -192,13 +193,18 @@ def measure_memory(loop: str, capacity: int, sustained: int, traced: int) -> Mem
     command = [
         sys.executable,
         "-m",
-        "asyncbus._bench._memory",
+        f"{__package__}._memory",
         f"--loop={loop}",
         f"--capacity={capacity}",
         f"--sustained={sustained}",
         f"--traced={traced}",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
+    # The child imports this package by name: the directory that holds it goes on its path.
+    path = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, timeout=900, env=env
+    )
     if done.returncode != 0:
         raise RuntimeError(f"memory run failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     found = json.loads(done.stdout)
@@ -208,7 +214,7 @@ def measure_memory(loop: str, capacity: int, sustained: int, traced: int) -> Mem
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncbus._bench._memory")
+    parser = argparse.ArgumentParser(prog="python -m suite._memory")
     parser.add_argument("--loop", default="asyncio")
     parser.add_argument("--capacity", type=int, default=50_000)
     parser.add_argument("--sustained", type=int, default=150_000)

@@ -19,7 +19,8 @@ import anyio
 from anyio.lowlevel import checkpoint
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._runtime import fast_checkpoint
+from asyncbus._runtime import fast_checkpoint
+
 from ._model import Payload, Sample, Tally, counting, echoing, settle
 
 __all__ = [

@@ -204,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=URL)
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--check", action="store_true", help="judge the target too; exit 1 on FAIL"
-    )
+    parser.add_argument("--check", action="store_true", help="judge the target too; exit 1 on FAIL")
     options = parser.parse_args(argv)
     if not reachable(options.url):
         print(f"RabbitMQ not reachable at {urlsplit(options.url).netloc.split('@')[-1]}: skipped")

@@ -19,7 +19,8 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
-from .. import Bus
+from asyncbus import Bus
+
 from ._asyncbus import Run, bus_runners
 
 __all__ = ["TRACED_KEYS", "traced_runners", "tracing_unavailable"]
@@ -65,7 +66,7 @@ def _provider(key: str) -> Any:
 
 def traced_runners(key: str) -> dict[str, Run]:
     """The asyncbus runner of each workload, on a bus instrumented as ``key`` says."""
-    from ..integrations.opentelemetry import instrument
+    from asyncbus.integrations.opentelemetry import instrument
 
     def make_bus() -> Bus:
         bus = Bus()

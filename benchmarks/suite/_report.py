@@ -190,7 +190,7 @@ def render_comparisons(measurements: Sequence[Measurement], loop: str) -> str:
             line += f"   (the fairness floor: {_per_round(floor, m):,.0f}x)"
         lines.append(line)
     if len(lines) == 1:
-        lines.append("  no peer ran (pip install 'asyncbus[bench]')")
+        lines.append("  no peer ran (pip install -e '.[bench]')")
     return "\n".join(lines)
 
 

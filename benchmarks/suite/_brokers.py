@@ -66,9 +66,9 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from .. import Bus
-from ..transports.nats import NatsTransport
-from ..transports.redis import RedisTransport
+from asyncbus import Bus
+from asyncbus.transports.nats import NatsTransport
+from asyncbus.transports.redis import RedisTransport
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NATS_URL = "nats://127.0.0.1:4222"

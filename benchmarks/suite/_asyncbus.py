@@ -6,8 +6,9 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 
-from .. import Bus, Retry
-from ..middleware import deduplicate
+from asyncbus import Bus, Retry
+from asyncbus.middleware import deduplicate
+
 from ._baselines import FAN_OUT, SLIP_STAGES, WORKERS
 from ._model import Payload, Sample, Tally, counting, echoing, settle
 

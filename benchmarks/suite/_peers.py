@@ -1,6 +1,6 @@
 """The peers users would otherwise pick: FastStream's in-memory test broker, and bubus.
 
-Both are imported lazily (``pip install asyncbus[bench]``); the core never needs them.
+Both are imported lazily (``pip install -e '.[bench]'``); the core never needs them.
 
 * FastStream has no in-memory broker; its test clients run a broker's subscribers
   in-process with no server, inline from ``publish`` (there is no queue). Two are
@@ -33,7 +33,7 @@ def _importable(name: str) -> str | None:
     try:
         importlib.import_module(name)
     except ImportError as error:
-        return f"not installed: {error.name or name} (pip install 'asyncbus[bench]')"
+        return f"not installed: {error.name or name} (pip install -e '.[bench]')"
     return None
 
 
