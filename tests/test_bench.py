@@ -23,7 +23,7 @@ from asyncbus.__main__ import main as asyncbus_main
 from suite import _runner, main
 from suite._memory import measure_memory
 from suite._model import Impl, Measurement, Sample
-from suite._report import check_targets, render_table
+from suite._report import check_targets, render_comparisons, render_table
 from suite._runner import WORKLOADS, Plan, measure
 
 LOOPS = ["asyncio", "trio"]
@@ -128,8 +128,11 @@ def test_by_default_it_reports_ratios_and_exits_0_whatever_the_peers_do(
     # The table fits 100 columns; what cannot run on trio is said once, below it.
     assert max(len(line) for line in out.splitlines()) <= 100
     assert "workload 1: one stage, one async handler (trio)" in out
-    assert out.count("needs an asyncio event loop") == 2  # asyncio.Queue and bubus
-    assert "  bubus EventBus — needs an asyncio event loop (workloads 1,5 on trio)" in out
+    assert out.count("needs an asyncio event loop") == 1  # asyncio.Queue and bubus: one line
+    assert (
+        "  asyncio.Queue, bubus EventBus — needs an asyncio event loop (workloads 1,5 on trio)"
+        in out
+    )
 
 
 def test_a_failing_asyncbus_run_is_an_error_and_exit_status_1(
@@ -150,7 +153,10 @@ def test_a_failing_asyncbus_run_is_an_error_and_exit_status_1(
 
 
 NOT_INSTALLED = "not installed: faststream (pip install -e '.[bench]')"
+ASYNCIO_ONLY = "needs an asyncio event loop"
 FASTSTREAM = ("faststream", "FastStream TestNatsBroker")
+FASTSTREAM_RABBIT = ("faststream-rabbit", "FastStream TestRabbitBroker")
+BUBUS = ("bubus", "bubus EventBus")
 
 
 def not_run(impl: tuple[str, str], loop: str, reason: str) -> list[Measurement]:
@@ -170,6 +176,45 @@ def test_a_peer_missing_its_extra_is_one_line_below_the_table() -> None:
     assert table.splitlines()[-2:] == [
         "not run:",
         "  FastStream TestNatsBroker — not installed: faststream (pip install -e '.[bench]')",
+    ]
+
+
+def test_rows_not_run_for_one_reason_share_one_line_that_fits_100_columns() -> None:
+    rows = []
+    for loop in ("asyncio", "uvloop", "trio"):
+        for impl in (FASTSTREAM, FASTSTREAM_RABBIT):
+            rows += not_run(impl, loop, ASYNCIO_ONLY if loop == "trio" else NOT_INSTALLED)
+        if loop == "trio":
+            rows += not_run(BUBUS, loop, ASYNCIO_ONLY)
+    table = render_table(rows).splitlines()
+    assert table[-6:] == [
+        "",
+        "not run:",
+        "  FastStream TestNatsBroker, FastStream TestRabbitBroker — not installed: faststream",
+        "    (pip install -e '.[bench]') (workloads 1,2,3,4,5,6 on asyncio, uvloop)",
+        "  FastStream TestNatsBroker, FastStream TestRabbitBroker, bubus EventBus — needs an"
+        " asyncio event",
+        "    loop (workloads 1,2,3,4,5,6 on trio)",
+    ]
+    assert max(len(line) for line in table) <= 100
+
+
+def test_peers_missing_one_extra_share_one_line_of_the_comparison() -> None:
+    [workload] = [w for w in WORKLOADS if w.key == "1"]
+    runs = [
+        Measurement(
+            workload, "asyncio", Impl("asyncbus", "asyncbus", None), [Sample(0.01, 100, 100)]
+        )
+    ]
+    runs += [
+        row
+        for impl in (FASTSTREAM, FASTSTREAM_RABBIT)
+        for row in not_run(impl, "asyncio", NOT_INSTALLED)
+    ]
+    assert render_comparisons(runs, "asyncio").splitlines() == [
+        "asyncbus / peer on workload 1 (asyncio; median of per-round ratios):",
+        "  FastStream TestNatsBroker, FastStream TestRabbitBroker — n/a: not installed: faststream",
+        "    (pip install -e '.[bench]')",
     ]
 
 

@@ -7,6 +7,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -111,11 +112,20 @@ def _clip(text: str, width: int = WIDTH) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+#: A short parenthesis (an install command, where a row did not run): kept on one line.
+_SHORT_ASIDE = re.compile(r"\([^()]{1,40}\)")
+
+
 def wrap(text: str, indent: str = "") -> str:
-    """``text`` folded to the table's width, continuation lines indented by ``indent``."""
-    return textwrap.fill(
+    """``text`` folded to the table's width, continuation lines indented by ``indent``.
+
+    A short parenthesis is never split across lines (a command stays copyable).
+    """
+    text = _SHORT_ASIDE.sub(lambda aside: aside[0].replace(" ", "\N{NO-BREAK SPACE}"), text)
+    folded = textwrap.fill(
         text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
     )
+    return folded.replace("\N{NO-BREAK SPACE}", " ")
 
 
 def render_table(measurements: Sequence[Measurement]) -> str:
@@ -160,12 +170,17 @@ def render_table(measurements: Sequence[Measurement]) -> str:
     if collapsed:
         lines += ["", "not run:"]
         everywhere = {(m.workload.key, m.loop) for m in measurements}
+        # One line per reason (a missing extra, an asyncio-only peer on trio) and the
+        # places it kept from running, naming every implementation it kept out.
+        grouped: dict[tuple[str, frozenset[tuple[str, str]]], list[str]] = {}
         for label, reason in sorted(collapsed):
-            rows = repeated[label, reason]
-            line = f"  {label} — {reason}"
-            if {(m.workload.key, m.loop) for m in rows} != everywhere:
-                loops = sorted({m.loop for m in rows})
-                workloads = sorted({m.workload.key for m in rows})
+            places = frozenset((m.workload.key, m.loop) for m in repeated[label, reason])
+            grouped.setdefault((reason, places), []).append(label)
+        for (reason, places), labels in sorted(grouped.items(), key=lambda item: item[1]):
+            line = f"  {', '.join(labels)} — {reason}"
+            if places != everywhere:
+                loops = sorted({loop for _key, loop in places})
+                workloads = sorted({key for key, _loop in places})
                 line += f" (workloads {','.join(workloads)} on {', '.join(loops)})"
             lines.append(wrap(line, " " * 4))
     return "\n".join(line.rstrip() for line in lines)
@@ -179,16 +194,21 @@ def render_comparisons(measurements: Sequence[Measurement], loop: str) -> str:
         return f"peers: asyncbus did not run workload 1 on {loop}"
     lines = [f"asyncbus / peer on workload 1 ({loop}; median of per-round ratios):"]
     floor = _maybe(measurements, "1", loop, "floor")
+    # Peers that did not run for the same reason (one missing extra) share a line below.
+    missing: dict[str, list[str]] = {}
     for m in measurements:
         if m.workload.key != "1" or m.loop != loop or m.impl.key not in _PEERS:
             continue
         if m.status != "ok" or not m.samples:
-            lines.append(wrap(f"  {m.impl.label:<27} {m.status}: {m.reason}", " " * 4))
+            missing.setdefault(f"{m.status}: {m.reason}", []).append(m.impl.label)
             continue
         line = f"  {m.impl.label:<27} {_per_round(ours, m):>8,.1f}x"
         if floor is not None:
             line += f"   (the fairness floor: {_per_round(floor, m):,.0f}x)"
         lines.append(line)
+    for why, labels in missing.items():
+        line = f"  {labels[0]:<27} {why}" if len(labels) == 1 else f"  {', '.join(labels)} — {why}"
+        lines.append(wrap(line, " " * 4))
     if len(lines) == 1:
         lines.append("  no peer ran (pip install -e '.[bench]')")
     return "\n".join(lines)
