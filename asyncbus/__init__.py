@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import transports as _transports
 from ._adaptive import Adaptive as Adaptive
 from ._admission import Admission as Admission
 from ._admission import Priority as Priority
@@ -27,6 +28,7 @@ from ._exceptions import ConnectError as ConnectError
 from ._exceptions import DecodeError as DecodeError
 from ._exceptions import EncodeError as EncodeError
 from ._exceptions import HandlerError as HandlerError
+from ._exceptions import HandlerTimeout as HandlerTimeout
 from ._exceptions import PublishTimeout as PublishTimeout
 from ._exceptions import Reject as Reject
 from ._exceptions import SerializationError as SerializationError
@@ -40,6 +42,10 @@ from ._stats import StageStatistics as StageStatistics
 from ._subscription import Subscription as Subscription
 from ._types import Handler as Handler
 from ._types import Middleware as Middleware
+from ._verdicts import DeadLetterNow as DeadLetterNow
+from ._verdicts import RetryAfter as RetryAfter
+from ._verdicts import Skip as Skip
+from ._verdicts import Verdict as Verdict
 from .middleware.retry import Retry as Retry
 from .transports import Capabilities as Capabilities
 from .transports import Codec as Codec
@@ -78,6 +84,7 @@ __all__ = [
     "ConfigurationError",
     "ConnectError",
     "DeadLetter",
+    "DeadLetterNow",
     "DeadLetterQueue",
     "DeadLetterReason",
     "DecodeError",
@@ -86,6 +93,7 @@ __all__ = [
     "Envelope",
     "Handler",
     "HandlerError",
+    "HandlerTimeout",
     "MemoryTransport",
     "Middleware",
     "NatsTransport",
@@ -96,12 +104,15 @@ __all__ = [
     "RedisTransport",
     "Reject",
     "Retry",
+    "RetryAfter",
     "SerializationError",
     "ShutdownReport",
+    "Skip",
     "StageStatistics",
     "Subscription",
     "Transport",
     "TransportError",
+    "Verdict",
     "middleware",
     "run",
 ]
@@ -113,9 +124,7 @@ _LAZY_TRANSPORTS = frozenset({"NatsTransport", "RabbitTransport", "RedisTranspor
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_TRANSPORTS:
-        from . import transports
-
-        return getattr(transports, name)
+        return getattr(_transports, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

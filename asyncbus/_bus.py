@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
 from types import MappingProxyType, TracebackType
@@ -27,11 +27,13 @@ from anyio.lowlevel import checkpoint
 from . import _instrument
 from ._adaptive import Adaptive
 from ._admission import Admission, Priority
-from ._carry import ContextVarCarrier, checked_contextvars
+from ._carry import ContextVarCarrier, checked_contextvars, with_headers
+from ._chain import adapt_handler, build_chain
 from ._checks import check_count, check_headers, check_seconds, check_slip, check_wait
 from ._clock import Clock, loop_clock
+from ._consumer import pump, start_consumers
 from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
-from ._dispatch import current_dispatch, describe_error, handled_envelope, short_traceback
+from ._dedup import DedupStore
 from ._envelope import (
     EMPTY_HEADERS,
     HEADER_KEY,
@@ -50,6 +52,8 @@ from ._exceptions import (
     PublishTimeout,
     TransportError,
 )
+from ._failures import describe_error, short_traceback
+from ._handling import current_handling, handled_envelope
 from ._logging import FailureLog, dead_letter_logger
 from ._offload import (
     WorkerPool,
@@ -61,13 +65,7 @@ from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Backpressure, DoorOutcome, Stage
 from ._stats import BusStatistics, ShutdownReport
-from ._subscription import (
-    Subscription,
-    adapt_handler,
-    build_chain,
-    check_middleware,
-    make_subscription,
-)
+from ._subscription import Subscription, check_middleware, make_subscription
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
 from .transports.base import Transport
@@ -144,12 +142,98 @@ class _ThreadsafePublish:
                 future.set_exception(error)
             else:
                 future.set_result(receipt)  # type: ignore[arg-type]
-        if bus.idle_waiters and threading.get_ident() == bus._loop_thread:
-            bus.wake_drainers()
+        if bus._services.idle_waiters and threading.get_ident() == bus._loop_thread:
+            bus._wake_drainers()
 
     def cut_off(self, _: concurrent.futures.Future[None]) -> None:
         """The portal's task ended; if it never ran, the bus stopped first."""
         self.settle(None, BusClosedError("the bus stopped before this publish was made"))
+
+
+class _Services:
+    """What the stages, consumers and middleware of one bus reach it through.
+
+    One per bus; it holds the state the hot paths read (the yield, the
+    instrumentation, the ``drain()`` waiters) and forwards the rest to the bus.
+    """
+
+    __slots__ = (
+        "_bus",
+        "_consumers",
+        "failure_log",
+        "idle_waiters",
+        "instrumentation",
+        "yield_now",
+    )
+
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
+        self.yield_now: Callable[[], Awaitable[None]] = checkpoint
+        # Told where envelopes leave and around each dispatch (tracing, carried
+        # contextvars); None costs the hot path one attribute check.
+        self.instrumentation: _instrument.Instrumentation | None = None
+        #: ``drain()`` calls waiting for the bus to be idle.
+        self.idle_waiters: list[_DrainWaiter] = []
+        #: Writes the log records of envelopes that were not acked (rate-limited).
+        self.failure_log = FailureLog()
+        self._consumers: dict[str, _instrument.Consumer] = {}
+
+    def dead_letter(
+        self,
+        envelope: Envelope,
+        reason: DeadLetterReason,
+        error: str | None,
+        stage: str | None,
+        attempts: int,
+        cause: BaseException | None = None,
+        *,
+        stored: bool = False,
+    ) -> DeadLetter | None:
+        """Record ``envelope`` as dead (see :meth:`Bus._dead_letter`)."""
+        return self._bus._dead_letter(
+            envelope, reason, error, stage, attempts, cause, stored=stored
+        )
+
+    def settled(self, stage: Stage) -> None:
+        """An envelope of ``stage`` reached its end: wake ``drain()`` when it is over."""
+        if self.idle_waiters and stage.quiet:
+            self._bus._wake_drainers()
+
+    def start_soon(
+        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
+    ) -> None:
+        """Run ``function(*args)`` in the bus's task group."""
+        self._bus._tasks().start_soon(function, *args, name=name)
+
+    async def forward(self, envelope: Envelope, result: Any) -> None:
+        """Send a handled envelope's result on: its next slip hop, or its requester."""
+        await self._bus._forward(envelope, result)
+
+    def dedup_store(self, window: float) -> DedupStore | None:
+        """The broker's shared dedup store, ``None`` in memory or without one."""
+        broker = self._bus._broker
+        return broker.dedup_store(window) if broker is not None else None
+
+    def consumer_info(self, stage: Stage) -> _instrument.Consumer:
+        """How ``stage`` is described to the instrumentation (the same for its life)."""
+        consumer = self._consumers.get(stage.name)
+        if consumer is None:
+            bus = self._bus
+            consumer = self._consumers[stage.name] = _instrument.Consumer(
+                stage.name,
+                stage.pattern,
+                stage.group,
+                bus._system,
+                stage.group == bus._inbox_prefix,
+            )
+        return consumer
+
+    def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
+        """A shielded scope for settling with the broker, bounded by the close deadline."""
+        broker = self._bus._broker
+        assert broker is not None  # deliveries come from a broker
+        return broker.cleanup_scope()
 
 
 class Bus:
@@ -182,6 +266,8 @@ class Bus:
         codec: object | None = None,
         name: str = "asyncbus",
         propagate_contextvars: Sequence[ContextVar[Any]] = (),
+        switch_interval: float | None = None,
+        worker_niceness: int | None = None,
     ) -> None:
         if transport is not None and not isinstance(transport, Transport):
             raise ConfigurationError(
@@ -196,8 +282,14 @@ class Bus:
         if not isinstance(name, str):
             raise ConfigurationError(f"Bus: name must be a string, got {name!r}")
         carried = checked_contextvars(propagate_contextvars)
+        if switch_interval is not None:
+            switch_interval = check_seconds(switch_interval, "Bus: switch_interval")
+        if worker_niceness is not None:
+            worker_niceness = check_count(worker_niceness, "Bus: worker_niceness", 1)
+        self._switch_interval = switch_interval
+        self._worker_niceness = worker_niceness
         self.name = name
-        self.codec = codec
+        self._codec = codec
         #: Where envelopes wait; ``None`` or a :class:`MemoryTransport` keeps them in
         #: the stages' own streams.
         self.transport = transport
@@ -208,13 +300,14 @@ class Bus:
             self._broker.codec = codec  # type: ignore[assignment]
         self.workers = workers
         self._middleware = layers
+        self._services = _Services(self)
         self._router: Router[Stage] = Router()
         self._routes = self._router.cache  # topic -> stages, read directly on the hot path
         self._stages: dict[tuple[str, str], Stage] = {}
         self._stages_by_name: dict[str, Stage] = {}
         #: The event loop's clock (see ``_clock.py``), read for every duration the bus
         #: decides on; the running loop's own from start on.
-        self.clock: Clock = time.monotonic
+        self._clock: Clock = time.monotonic
         #: Dead letters of every stage, newest last.
         self.dead_letters = DeadLetterQueue(
             ttl=ttl,
@@ -222,16 +315,13 @@ class Bus:
             resend=self._resend,
             on_add=self._announce,
             on_remove=self._forget_dead_letters,
-            clock=self.clock,
+            clock=self._clock,
         )
         self._state: _State = "new"
         self._background = 0
-        self.idle_waiters: list[_DrainWaiter] = []
         self._threadsafe_lock = threading.Lock()
         self._threadsafe_pending = 0
         self._requests: dict[str, _PendingReply] = {}
-        #: Writes the log records of envelopes that were not acked (rate-limited).
-        self.failure_log = FailureLog()
         self._task_group: TaskGroup | None = None
         self._portal: BlockingPortal | None = None
         self._pool: WorkerPool | None = None
@@ -247,21 +337,17 @@ class Bus:
         self._stop_deadline = math.inf
         self._deadline_scope: anyio.CancelScope | None = None
         self._drained = False
-        #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
-        self.yield_now: Callable[[], Awaitable[None]] = checkpoint
         #: Called with every envelope routed (publishes, slip hops, replays); for test
         #: helpers such as :func:`asyncbus.testing.capture`.
-        self.observers: list[Callable[[Envelope], None]] = []
-        # Told where envelopes leave and around each dispatch (tracing, carried
-        # contextvars); None costs the hot path one attribute check.
-        self._instrumentation: _instrument.Instrumentation | None = None
+        self._observers: list[Callable[[Envelope], None]] = []
+        #: The transport's name for what this bus sends (``"memory"`` in its stages).
+        self._system = self._broker.name if self._broker is not None else "memory"
         if carried:
-            _instrument.attach(self, ContextVarCarrier(carried))
+            self._services.instrumentation = ContextVarCarrier(carried)
 
     # -- life cycle -------------------------------------------------------------
 
-    @property
-    def task_group(self) -> TaskGroup:
+    def _tasks(self) -> TaskGroup:
         """The one task group that owns every task of the running bus."""
         if self._task_group is None:
             raise BusClosedError("the bus is not running: use `async with bus:`")
@@ -298,9 +384,9 @@ class Bus:
             raise
         self._pool = pool
         self._loop_thread = threading.get_ident()
-        self.yield_now = fast_checkpoint()
-        self.clock = loop_clock()
-        self.dead_letters.use_clock(self.clock)
+        self._services.yield_now = fast_checkpoint()
+        self._clock = loop_clock()
+        self.dead_letters.use_clock(self._clock)
         self._stop_requested = anyio.Event()
         self._stopped = anyio.Event()
         self._stop_deadline = math.inf
@@ -375,7 +461,7 @@ class Bus:
                     self._task_group = task_group
                     self._portal = portal
                     for stage in self._stages.values():
-                        stage.open_stream()
+                        stage.open()
                     task_status.started()
                     assert self._stop_requested is not None
                     await self._stop_requested.wait()
@@ -507,8 +593,8 @@ class Bus:
         True in a handler of this bus (its consumer, or code it runs through
         ``anyio.from_thread``) and in any task descending from the runner task.
         """
-        dispatch = current_dispatch()
-        if dispatch is not None and dispatch.bus is self:
+        handling = current_handling()
+        if handling is not None and handling.host is self._services:
             return True
         runner = self._runner
         if runner is None:
@@ -534,19 +620,20 @@ class Bus:
             for name, envelope_id in self._broker.unsettled_acks():
                 stage = self._stages_by_name.get(name)
                 if stage is not None:
-                    stage.ack_lost(envelope_id)
+                    stage.ledger.ack_lost()
+                    stage.unsettled.append(envelope_id)
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close()
-        self.failure_log.flush()
+        self._services.failure_log.flush()
         self._background = 0
         self._state = "closed"
         # A call after this may run under another backend: yield through anyio again,
         # so it meets BusClosedError, not the old backend's yield.
-        self.yield_now = checkpoint
-        for waiter in self.idle_waiters:
+        self._services.yield_now = checkpoint
+        for waiter in self._services.idle_waiters:
             waiter.event.set()
-        self.idle_waiters.clear()
+        self._services.idle_waiters.clear()
         self._report = self._make_report(drained=drained and not abandoned, abandoned=abandoned)
         return self._report
 
@@ -554,9 +641,9 @@ class Bus:
         stages = self._stages.values()
         return ShutdownReport(
             drained=drained,
-            published=sum(stage.published for stage in stages),
-            completed=sum(stage.acked for stage in stages),
-            dead_lettered=sum(stage.dead_lettered for stage in stages),
+            published=sum(stage.ledger.published for stage in stages),
+            completed=sum(stage.ledger.acked for stage in stages),
+            dead_lettered=sum(stage.ledger.dead_lettered for stage in stages),
             abandoned=abandoned,
         )
 
@@ -573,12 +660,16 @@ class Bus:
             number ``>= 0``.
         """
         seconds = check_wait(timeout, "drain(timeout)")
-        dispatch = current_dispatch()
+        handling = current_handling()
         stage = None
-        if dispatch is not None and dispatch.bus is self and dispatch.envelope is not None:
-            stage = dispatch.stage
+        if (
+            handling is not None
+            and handling.host is self._services
+            and handling.envelope is not None
+        ):
+            stage = handling.stage
             stage.draining += 1
-            self.wake_drainers()  # another handler's drain may have waited for this one
+            self._wake_drainers()  # another handler's drain may have waited for this one
         try:
             with anyio.move_on_after(seconds):
                 await self._wait_idle(strict=stage is None)
@@ -594,7 +685,7 @@ class Bus:
                 if self._state == "closed":
                     return
                 waiter = _DrainWaiter(strict)
-                self.idle_waiters.append(waiter)
+                self._services.idle_waiters.append(waiter)
                 try:
                     await waiter.event.wait()
                 finally:
@@ -602,7 +693,7 @@ class Bus:
                     # already taken off the list).
                     if not waiter.event.is_set():
                         with contextlib.suppress(ValueError):
-                            self.idle_waiters.remove(waiter)
+                            self._services.idle_waiters.remove(waiter)
             if self._broker is None or not await self._broker_backlog(self._broker):
                 return
             # Envelopes still in the broker for our stages: look again shortly.
@@ -622,23 +713,23 @@ class Bus:
             return all(stage.idle for stage in self._stages.values())
         return all(stage.quiet for stage in self._stages.values())
 
-    def settled(self, stage: Stage) -> None:
+    def _settled(self, stage: Stage) -> None:
         """An envelope of ``stage`` reached its end (called by stages)."""
-        if self.idle_waiters and stage.quiet:
-            self.wake_drainers()
+        if self._services.idle_waiters and stage.quiet:
+            self._wake_drainers()
 
-    def wake_drainers(self) -> None:
+    def _wake_drainers(self) -> None:
         """Release every ``drain()`` whose wait is over now."""
-        if not self.idle_waiters or not self._idle(strict=False):
+        if not self._services.idle_waiters or not self._idle(strict=False):
             return
         everything = self._idle(strict=True)
         waiting = []
-        for waiter in self.idle_waiters:
+        for waiter in self._services.idle_waiters:
             if everything or not waiter.strict:
                 waiter.event.set()
             else:
                 waiting.append(waiter)
-        self.idle_waiters = waiting
+        self._services.idle_waiters = waiting
 
     # -- subscribing ------------------------------------------------------------
 
@@ -741,7 +832,7 @@ class Bus:
             chain = self._chain(subscription, self._pool)
         if stage is None:
             stage = Stage(
-                self,
+                self._services,
                 subscription.topic,
                 subscription.group,
                 subscription.capacity,
@@ -750,7 +841,7 @@ class Bus:
                 controlled=isinstance(subscription.concurrency, Adaptive),
             )
             if self._task_group is not None:
-                stage.open_stream()
+                stage.open()
             self._stages[key] = stage
             self._stages_by_name[stage.name] = stage
             self._router.add(subscription.topic, subscription.group, stage)
@@ -761,17 +852,24 @@ class Bus:
 
     def _chain(self, subscription: Subscription, pool: WorkerPool) -> Handler:
         """The subscription's handler wrapped in its middleware (every factory runs here)."""
-        return build_chain(subscription, adapt_handler(subscription, pool), self._middleware)
+        handler = adapt_handler(subscription, pool, self._worker_niceness)
+        return build_chain(subscription, handler, self._middleware)
 
     def _start(self, stage: Stage, subscription: Subscription, chain: Handler) -> None:
-        if subscription.offload == "thread" and not self._holds_switch_interval:
+        if (
+            subscription.offload == "thread"
+            and self._switch_interval is not None
+            and not self._holds_switch_interval
+        ):
             self._holds_switch_interval = True
-            hold_switch_interval()
-        stage.start_consumers(subscription, chain)
+            hold_switch_interval(self._switch_interval)
+        start_consumers(stage, subscription, chain, self._services)
         if self._broker is not None and self._over_broker(stage) and not stage.pumping:
             stage.pumping = True
             stage.subscribed = anyio.Event()
-            self.task_group.start_soon(stage.pump, self._broker, name=f"asyncbus pump {stage.name}")
+            self._tasks().start_soon(
+                pump, stage, self._broker, self._services, name=f"asyncbus pump {stage.name}"
+            )
 
     def _over_broker(self, stage: Stage) -> bool:
         # "$deadletter" announcements stay in this process, on every transport.
@@ -781,7 +879,7 @@ class Bus:
 
     def _check_open(self) -> None:
         state = self._state
-        if state == "running" or (state == "closing" and current_dispatch() is not None):
+        if state == "running" or (state == "closing" and current_handling() is not None):
             return
         if state == "new":
             raise BusClosedError("the bus has not started: publish inside `async with bus:`")
@@ -841,12 +939,10 @@ class Bus:
         self, kind: _instrument.SendKind, envelope: Envelope, timeout: float | None
     ) -> Awaitable[Receipt]:
         """Route ``envelope``, told to the instrumentation (if any) as a send of ``kind``."""
-        instrumentation = self._instrumentation
+        instrumentation = self._services.instrumentation
         if instrumentation is None:
             return self._route(envelope, timeout)
-        return _instrument.send(
-            instrumentation, kind, envelope, _instrument.system(self), self._route, timeout
-        )
+        return _instrument.send(instrumentation, kind, envelope, self._system, self._route, timeout)
 
     async def publish(
         self,
@@ -877,7 +973,7 @@ class Bus:
         cancelled at that yield admits nothing. (One cancelled later, while it waits
         for room in a ``BLOCK`` stage, keeps what earlier stages already admitted.)
         """
-        await self.yield_now()
+        await self._services.yield_now()
         if self._state != "running":  # checked after the yield: aclose may have begun
             self._check_open()
         if type(topic) is not str:
@@ -913,9 +1009,9 @@ class Bus:
                 None,
                 self.name,
             )
-        if self._instrumentation is not None:
+        if self._services.instrumentation is not None:
             return await self._send("publish", envelope, timeout)
-        if not self.observers and self._broker is None:
+        if not self._observers and self._broker is None:
             # The common case, without the general path's calls: every stage has room.
             stages = self._routes.get(topic) or self._router.route(topic)
             if len(stages) == 1:
@@ -963,15 +1059,15 @@ class Bus:
         envelope = self._envelope(
             topic, payload, headers, ttl, slip, key, id, priority=priority, cause=handled_envelope()
         )
-        instrumentation = self._instrumentation
+        instrumentation = self._services.instrumentation
         if instrumentation is not None:
             return _instrument.send_now(
-                instrumentation, "publish", envelope, _instrument.system(self), self._offer_now
+                instrumentation, "publish", envelope, self._system, self._offer_now
             )
         return self._offer_now(envelope)
 
     def _offer_now(self, envelope: Envelope) -> Receipt:
-        for observe in self.observers:
+        for observe in self._observers:
             observe(envelope)
         stages = self._router.route(envelope.topic)
         for stage in stages:
@@ -1000,15 +1096,15 @@ class Bus:
         set on the future, which always ends with a receipt or one of them, never
         cancelled: a publish the shutdown cuts off fails with ``BusClosedError``.
         """
-        dispatch = current_dispatch()
-        inside = dispatch is not None
+        handling = current_handling()
+        inside = handling is not None
         # What the call is made in, captured here (the publish itself runs on the loop):
         # the envelope it handles, if made by a handler (in a worker thread, the one
         # its offloaded handler was given), and the context observers read.
         cause = offloaded_envelope() if threading.get_ident() != self._loop_thread else None
-        if cause is None and dispatch is not None:
-            cause = dispatch.envelope
-        context = contextvars.copy_context() if self._instrumentation is not None else None
+        if cause is None and handling is not None:
+            cause = handling.envelope
+        context = contextvars.copy_context() if self._services.instrumentation is not None else None
         future: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
         job = _ThreadsafePublish(self, future)
         arguments = (
@@ -1085,7 +1181,7 @@ class Bus:
             topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
         )
         route = functools.partial(self._route, progress=job)
-        instrumentation = self._instrumentation
+        instrumentation = self._services.instrumentation
         if context is None or instrumentation is None:
             return await route(envelope, timeout)
         # Observers see the send in the caller's context (a handler's, in its thread).
@@ -1093,7 +1189,7 @@ class Bus:
             instrumentation,
             "publish",
             envelope,
-            _instrument.system(self),
+            self._system,
             route,
             timeout,
             context,
@@ -1141,8 +1237,8 @@ class Bus:
         :param progress: kept up to date with what is admitted so far, for a caller
             that may be cancelled while this waits (its receipt is then still known).
         """
-        if self.observers:
-            for observe in self.observers:
+        if self._observers:
+            for observe in self._observers:
                 observe(envelope)
         if self._broker is not None and envelope.topic != DEADLETTER_TOPIC:
             return await self._publish_to_broker(self._broker, envelope)
@@ -1188,13 +1284,13 @@ class Bus:
         if reached is None:  # the transport cannot tell: name this bus's matching stages
             reached = self._router.names(envelope.topic)
         elif not reached:
-            self.dead_letter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True)
+            self._dead_letter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True)
         return make_receipt(envelope.id, reached)
 
     def _no_subscribers(self, envelope: Envelope) -> None:
         if envelope.topic == DEADLETTER_TOPIC:
             return  # a dead letter never begets one
-        self.dead_letter(
+        self._dead_letter(
             envelope,
             DeadLetterReason.NO_SUBSCRIBERS,
             None,  # no exception: the reason says it all
@@ -1204,7 +1300,7 @@ class Bus:
 
     # -- dead letters -----------------------------------------------------------
 
-    def dead_letter(
+    def _dead_letter(
         self,
         envelope: Envelope,
         reason: DeadLetterReason,
@@ -1230,7 +1326,7 @@ class Bus:
         if cause is not None and reason is DeadLetterReason.HANDLER_FAILED:
             trace = short_traceback(cause)
         entry = DeadLetter(envelope, reason, error, stage, attempts, time.time(), trace)
-        self.failure_log.dead_lettered(entry, cause)
+        self._services.failure_log.dead_lettered(entry, cause)
         self.dead_letters.add(entry)
         if self._broker is not None and not stored and self._task_group is not None:
             self._background += 1
@@ -1268,8 +1364,8 @@ class Bus:
             )
         finally:
             self._background -= 1
-            if self.idle_waiters:
-                self.wake_drainers()
+            if self._services.idle_waiters:
+                self._wake_drainers()
 
     def _forget_dead_letters(self, ids: Sequence[str]) -> None:
         if self._broker is None or not ids or self._task_group is None:
@@ -1285,8 +1381,8 @@ class Bus:
             dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)
         finally:
             self._background -= 1
-            if self.idle_waiters:
-                self.wake_drainers()
+            if self._services.idle_waiters:
+                self._wake_drainers()
 
     def _announce(self, entry: DeadLetter) -> None:
         if self._state not in ("running", "closing"):
@@ -1302,16 +1398,18 @@ class Bus:
             sender=self.name,
         )
         announce = functools.partial(self._announce_to, stages)
-        if self._instrumentation is None:
+        if self._services.instrumentation is None:
             announce(envelope)
         else:  # (announcements stay in this process, whatever the transport)
-            _instrument.send_now(self._instrumentation, "dead_letter", envelope, "memory", announce)
+            _instrument.send_now(
+                self._services.instrumentation, "dead_letter", envelope, "memory", announce
+            )
 
     def _announce_to(self, stages: tuple[Stage, ...], envelope: Envelope) -> Receipt:
         for stage in stages:
             if stage.offer(envelope) is DoorOutcome.BLOCKED:
                 self._background += 1
-                self.task_group.start_soon(self._put_later, stage, envelope)
+                self._tasks().start_soon(self._put_later, stage, envelope)
         return make_receipt(envelope.id, tuple(stage.name for stage in stages))
 
     async def _put_later(self, stage: Stage, envelope: Envelope) -> None:
@@ -1322,23 +1420,23 @@ class Bus:
             logger.warning("$deadletter announcement of %s dropped at shutdown", envelope.id)
         finally:
             self._background -= 1
-            if self.idle_waiters:
-                self.wake_drainers()
+            if self._services.idle_waiters:
+                self._wake_drainers()
 
     async def _resend(self, entry: DeadLetter) -> Receipt:
         if self._state not in ("running", "closing"):
             raise BusClosedError("replay needs a running bus")
-        envelope = _instrument.with_headers(
+        envelope = with_headers(
             entry.envelope.evolve(attempt=1, timestamp=time.time()), {HEADER_REPLAYED: "1"}
         )
-        instrumentation = self._instrumentation
+        instrumentation = self._services.instrumentation
         if instrumentation is None:
             return await self._replay(entry, envelope, None)
         return await _instrument.send(
             instrumentation,
             "replay",
             envelope,
-            _instrument.system(self),
+            self._system,
             functools.partial(self._replay, entry),
             None,
         )
@@ -1349,7 +1447,7 @@ class Bus:
         stage = self._stages_by_name.get(entry.stage) if entry.stage else None
         broker = self._broker
         if stage is not None or broker is not None:  # (_route tells observers itself)
-            for observe in self.observers:
+            for observe in self._observers:
                 observe(envelope)
         if broker is not None:
             # The stage that dead-lettered it, in whichever process asks (a dashboard, a
@@ -1375,7 +1473,7 @@ class Bus:
                     await broker.add_dead_letter(entry)  # not re-sent: keep it stored
                     raise
             if reached == () and target is None:
-                self.dead_letter(
+                self._dead_letter(
                     envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
                 )
             return make_receipt(envelope.id, reached or ())
@@ -1386,7 +1484,7 @@ class Bus:
 
     # -- slips and replies ------------------------------------------------------
 
-    async def forward(self, envelope: Envelope, result: Any) -> None:
+    async def _forward(self, envelope: Envelope, result: Any) -> None:
         """Send a handled envelope's result on: to its next slip hop, or to its requester."""
         if envelope.slip:
             hop = make_envelope(
@@ -1406,7 +1504,7 @@ class Bus:
             try:
                 receipt = await self._send("forward", hop, None)
             except Exception as error:
-                self.dead_letter(
+                self._dead_letter(
                     hop, DeadLetterReason.NO_SUBSCRIBERS, describe_error(error), None, 0, error
                 )
                 return
@@ -1419,7 +1517,7 @@ class Bus:
         if envelope.reply_to is not None:
             pending = self._requests.get(envelope.reply_to)
             if pending is not None:
-                instrumentation = self._instrumentation
+                instrumentation = self._services.instrumentation
                 if instrumentation is not None:
                     # Answered in this process, without an envelope: observers see the
                     # reply one would have been, as a broker's replier sends it.
@@ -1428,7 +1526,7 @@ class Bus:
                         instrumentation,
                         "reply",
                         reply,
-                        _instrument.system(self),
+                        self._system,
                         lambda reply: make_receipt(reply.id, ()),
                     )
                 if not pending.event.is_set():
@@ -1475,8 +1573,8 @@ class Bus:
             )
         finally:
             self._background -= 1
-            if self.idle_waiters:
-                self.wake_drainers()
+            if self._services.idle_waiters:
+                self._wake_drainers()
 
     async def _on_reply(self, envelope: Envelope) -> None:
         """Handler of this bus's inbox: settle the request the reply answers."""
@@ -1532,7 +1630,7 @@ class Bus:
             or it is dead-lettered anywhere on the route (the first failure wins).
         :raises TimeoutError: when no reply came within ``timeout``; the work goes on.
         """
-        await self.yield_now()  # first, like publish: aclose may begin meanwhile
+        await self._services.yield_now()  # first, like publish: aclose may begin meanwhile
         self._check_open()
         seconds = check_wait(timeout, f"request({topic!r}): timeout")
         envelope_id = new_id()
@@ -1676,8 +1774,7 @@ def _not_drained(bus: Bus, timeout: float | None) -> str:
         if len(busy) > 5:
             named += f" and {len(busy) - 5} more stage(s)"
         waiting.append(
-            f"{queued} envelope(s) queued + {in_flight} in flight or waiting for a retry"
-            f" ({named})"
+            f"{queued} envelope(s) queued + {in_flight} in flight or waiting for a retry ({named})"
         )
         if entering := sum(stage.entering for stage in busy):
             waiting.append(f"{entering} publish(es) waiting for room")

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Any
 
+from ._envelope import Envelope, replace_headers
 from ._exceptions import ConfigurationError
-from ._instrument import Instrumentation, replace_headers
+from ._instrument import Consumer, Instrumentation, Result, SendKind
 
-if TYPE_CHECKING:
-    from ._envelope import Envelope
-    from ._instrument import Consumer, Result, SendKind
-
-__all__ = ["CarryingHeaders", "ContextVarCarrier", "checked_contextvars"]
+__all__ = [
+    "CarryingHeaders",
+    "ContextVarCarrier",
+    "checked_contextvars",
+    "set_headers",
+    "with_headers",
+]
 
 _MISSING: Any = object()
 
@@ -113,3 +117,19 @@ def checked_contextvars(variables: Sequence[ContextVar[Any]]) -> tuple[ContextVa
                 f"Bus: propagate_contextvars takes contextvars.ContextVar objects, got {variable!r}"
             )
     return checked
+
+
+def with_headers(envelope: Envelope, extra: Mapping[str, str]) -> Envelope:
+    """A copy of ``envelope`` whose headers also hold ``extra`` (replacing same names)."""
+    return set_headers(envelope, {**envelope.headers, **extra})
+
+
+def set_headers(envelope: Envelope, fields: dict[str, str]) -> Envelope:
+    """A copy of ``envelope`` whose headers are ``fields`` (taken over, not copied).
+
+    Values a bus carries in memory beside the headers (contextvars) are kept.
+    """
+    headers = envelope.headers
+    if isinstance(headers, CarryingHeaders):
+        return replace_headers(envelope, headers.with_fields(fields))
+    return replace_headers(envelope, MappingProxyType(fields))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._runtime import current_backend
+
 __all__ = ["Clock", "loop_clock"]
 
 #: A clock: seconds as a float, only differences meaningful.
@@ -30,8 +32,6 @@ def loop_clock() -> Clock:
     Unlike ``anyio.current_time`` it keeps working after the loop stopped (a closed
     bus still expires its dead letters), and from other threads.
     """
-    from ._runtime import current_backend
-
     if current_backend() == "trio":
         import trio
 

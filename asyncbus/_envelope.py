@@ -211,3 +211,21 @@ def make_receipt(
     _set_rejected(receipt, rejected)
     _set_dropped(receipt, dropped)
     return receipt
+
+
+def replace_headers(envelope: Envelope, headers: Mapping[str, str]) -> Envelope:
+    """A copy of ``envelope`` with ``headers`` (the same id: the same message)."""
+    return make_envelope(
+        envelope.id,
+        envelope.topic,
+        envelope.payload,
+        headers,
+        envelope.timestamp,
+        envelope.ttl,
+        envelope.attempt,
+        envelope.slip,
+        envelope.correlation_id,
+        envelope.causation_id,
+        envelope.reply_to,
+        envelope.sender,
+    )

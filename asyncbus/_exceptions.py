@@ -7,6 +7,7 @@
     ├── BusClosedError (also RuntimeError)     publish before start or after aclose
     ├── PublishTimeout (also TimeoutError)     BLOCK stage stayed full past timeout
     ├── HandlerError                           .envelope .stage .attempts, __cause__ set
+    ├── HandlerTimeout (also TimeoutError)     a handler outran its stage's timeout
     ├── Reject                                 raised by handlers: dead-letter now, no retry
     ├── SerializationError ── EncodeError, DecodeError
     └── TransportError ── ConnectError
@@ -30,6 +31,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "HandlerError",
+    "HandlerTimeout",
     "PublishTimeout",
     "Reject",
     "SerializationError",
@@ -83,6 +85,14 @@ class HandlerError(AsyncbusError):
         self.envelope = envelope
         self.stage = stage
         self.attempts = attempts
+
+
+class HandlerTimeout(AsyncbusError, TimeoutError):
+    """The handler ran longer than its stage's ``timeout``; dead-lettered as ``timeout``.
+
+    Raised by the ``timeout`` middleware inside ``retry``, so a timed-out attempt is
+    retried like any other failure.
+    """
 
 
 class Reject(AsyncbusError):

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from . import _runtime
+from ._runtime import current_backend
+
 if TYPE_CHECKING:
     from ._envelope import Envelope
 
@@ -36,23 +39,24 @@ def offloaded_envelope() -> Envelope | None:
     return _offloaded.get()
 
 
-#: How much lower than the event loop's process a CPU-bound worker process runs.
+#: A niceness for worker processes that keeps the loop's process first in line.
 WORKER_NICENESS = 5
 _niced = False
 
 
-def run_niced(function: Callable[[Any], Any], argument: Any) -> Any:
+def run_niced(function: Callable[[Any], Any], argument: Any, niceness: int) -> Any:
     """Call ``function(argument)`` in a worker process that yields the CPU to the loop.
 
-    The first call in each worker process lowers its priority by
-    :data:`WORKER_NICENESS`: with as many busy workers as cores, the process running
-    the event loop is then scheduled first and its lag stays low.
+    The first call in each worker process lowers its priority by ``niceness``
+    (``Bus(worker_niceness=)``): with as many busy workers as cores, the process
+    running the event loop is then scheduled first and its lag stays low. The worker
+    processes are anyio's, shared by the whole program, so this is asked for.
     """
     global _niced
     if not _niced:
         _niced = True
         with contextlib.suppress(OSError, AttributeError):  # not on every platform
-            os.nice(WORKER_NICENESS)
+            os.nice(niceness)
     return function(argument)
 
 
@@ -146,8 +150,6 @@ def _loop_call_soon() -> Callable[..., None]:
     Once the loop is closed (or the trio run is over) the call does nothing: a slot
     of a bus that is gone needs no handing back.
     """
-    from ._runtime import current_backend
-
     schedule: Callable[..., object]
     if current_backend() == "trio":
         import trio
@@ -166,28 +168,29 @@ def _loop_call_soon() -> Callable[..., None]:
     return call_soon
 
 
-#: The GIL hand-over interval while a bus runs sync handlers in threads (GIL builds).
+#: A GIL hand-over interval that keeps the loop's lag low beside busy worker threads.
 SWITCH_INTERVAL = 0.0005
 _switch_holders = 0
 _switch_saved: float | None = None
 
 
-def hold_switch_interval() -> None:
-    """Shorten the interpreter's GIL switch interval while worker threads may be busy.
+def hold_switch_interval(seconds: float) -> None:
+    """Shorten the interpreter's GIL switch interval to ``seconds`` while workers may be busy.
 
     On a GIL build a busy worker thread keeps the GIL until the event loop's thread
     has waited ``sys.getswitchinterval()`` (5 ms by default), which is then the loop's
-    lag on every wake-up. Each running bus with thread-offloaded stages holds the
-    shorter interval; the interpreter's own value comes back when the last one stops.
-    Free-threaded builds have no GIL to hand over and are left alone.
+    lag on every wake-up. Each running bus that asked for it (``Bus(switch_interval=)``)
+    and has thread-offloaded stages holds the shorter interval; the interpreter's own
+    value comes back when the last one stops. Free-threaded builds have no GIL to
+    hand over and are left alone.
     """
     global _switch_holders, _switch_saved
     if _free_threaded():
         return
     if _switch_holders == 0:
         _switch_saved = sys.getswitchinterval()
-        if _switch_saved > SWITCH_INTERVAL:
-            sys.setswitchinterval(SWITCH_INTERVAL)
+    if sys.getswitchinterval() > seconds:
+        sys.setswitchinterval(seconds)
     _switch_holders += 1
 
 
@@ -203,6 +206,4 @@ def release_switch_interval() -> None:
 
 
 def _free_threaded() -> bool:
-    from ._runtime import FREE_THREADED
-
-    return FREE_THREADED
+    return _runtime.FREE_THREADED  # read at each call: tests stand in another build

@@ -1,53 +1,66 @@
-"""A stage: one (pattern, group)'s bounded queue, its consumers and its ledger."""
+"""A stage: one (pattern, group)'s bounded queue, its door and its ledger.
+
+The stage holds what was admitted and not yet taken by a consumer, decides at the
+door what a publish may do (:class:`Backpressure`), re-enters envelopes coming back
+from a retry timer, and counts every envelope's end in its :class:`Ledger`. Its
+consumers (``_consumer``) take envelopes out and settle them; the bus (through
+:class:`StageHost`) records dead letters and wakes ``drain()``.
+"""
 
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from enum import Enum, StrEnum
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from enum import Enum
+from typing import Any, Protocol
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._dead_letters import DeadLetterReason
-from ._dispatch import Dispatch, Outcome, describe_error, handler_failure
+from ._admission import Admission
+from ._backpressure import Backpressure
+from ._control import StageControl
+from ._dead_letters import DeadLetter, DeadLetterReason
 from ._envelope import Envelope
 from ._exceptions import BusClosedError
-from ._instrument import dispatch as instrumented_dispatch
+from ._handling import Handling
+from ._logging import FailureLog
 from ._stats import LatencyHistogram, StageStatistics
+from ._subscription import Subscription
+from .transports.base import Delivery
 
-if TYPE_CHECKING:
-    from ._admission import Admission
-    from ._bus import Bus
-    from ._control import StageControl
-    from ._dead_letters import DeadLetter
-    from ._subscription import Subscription
-    from ._types import Handler
-    from .transports.base import Delivery, Transport
-
-__all__ = ["Backpressure", "DoorOutcome", "Stage"]
+__all__ = ["Backpressure", "DoorOutcome", "Ledger", "Stage", "StageHost"]
 
 _clock = time.perf_counter
-logger = logging.getLogger("asyncbus.stage")
 
 
-class Backpressure(StrEnum):
-    """What a publish does when it finds a stage's queue full."""
+class StageHost(Protocol):
+    """What a stage needs of the bus that runs it."""
 
-    #: Wait for room (up to the publish ``timeout``, then :class:`PublishTimeout`).
-    BLOCK = "block"
-    #: Enqueue nothing for this stage; the receipt lists it in ``rejected``.
-    REJECT = "reject"
-    #: Do not enqueue the new envelope; it is dead-lettered ``dropped``.
-    DROP_NEWEST = "drop_newest"
-    #: Evict (and dead-letter ``dropped``) the oldest queued envelope, admit the new one.
-    DROP_OLDEST = "drop_oldest"
+    #: Writes the log records of envelopes that were not acked.
+    failure_log: FailureLog
+
+    def dead_letter(
+        self,
+        envelope: Envelope,
+        reason: DeadLetterReason,
+        error: str | None,
+        stage: str | None,
+        attempts: int,
+        cause: BaseException | None = None,
+        *,
+        stored: bool = False,
+    ) -> DeadLetter | None:
+        """Record ``envelope`` as dead (the dead-letter queue, ``$deadletter``, a requester)."""
+
+    def settled(self, stage: Stage) -> None:
+        """An envelope of ``stage`` reached its end (wakes ``drain()`` when it is over)."""
+
+    def start_soon(
+        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
+    ) -> None:
+        """Run ``function(*args)`` in the bus's task group."""
 
 
 class DoorOutcome(Enum):
@@ -59,18 +72,71 @@ class DoorOutcome(Enum):
     BLOCKED = "blocked"
 
 
+class Ledger:
+    """Where every envelope admitted to a stage ended, counted in one place.
+
+    ``published == acked + dead_lettered + abandoned + depth + in_flight`` at every
+    moment (depth and in flight are the stage's); ``dropped``, ``expired`` and
+    ``shed`` are parts of ``dead_lettered``; ``rejected`` (at the door) is never in
+    ``published``; ``failed`` and ``retried`` count attempts, not envelopes.
+    """
+
+    __slots__ = (
+        "abandoned",
+        "acked",
+        "dead_lettered",
+        "dropped",
+        "expired",
+        "failed",
+        "published",
+        "rejected",
+        "retried",
+        "shed",
+    )
+
+    def __init__(self) -> None:
+        self.published = self.acked = self.failed = self.retried = 0
+        self.dead_lettered = self.rejected = self.dropped = self.expired = 0
+        self.abandoned = self.shed = 0
+
+    def dead(self, reason: DeadLetterReason) -> None:
+        """Count one envelope dead-lettered for ``reason``."""
+        self.dead_lettered += 1
+        if reason is DeadLetterReason.DROPPED:
+            self.dropped += 1
+        elif reason is DeadLetterReason.EXPIRED:
+            self.expired += 1
+        elif reason is DeadLetterReason.OVERLOAD:
+            self.shed += 1
+
+    def dead_unsettled(self, reason: DeadLetterReason) -> None:
+        """A dead letter the broker did not take: it comes back, so it ends abandoned."""
+        self.dead_lettered -= 1
+        if reason is DeadLetterReason.DROPPED:
+            self.dropped -= 1
+        elif reason is DeadLetterReason.EXPIRED:
+            self.expired -= 1
+        elif reason is DeadLetterReason.OVERLOAD:
+            self.shed -= 1
+        self.abandoned += 1
+
+    def ack_lost(self) -> None:
+        """An ack the broker never got: the envelope comes back, so it ends abandoned."""
+        self.acked -= 1
+        self.abandoned += 1
+
+
 class Stage:
-    """One subscription group on one pattern: a bounded anyio stream plus its consumers.
+    """One subscription group on one pattern: a bounded queue and its ledger.
 
     Every counter here is touched only from the event-loop thread, and every change
-    to the ledger happens without an ``await`` in between, so
-    ``published == acked + dead_lettered + abandoned + depth + in_flight`` holds
-    whenever another task can look.
+    to the ledger happens without an ``await`` in between, so the ledger's equation
+    holds whenever another task can look.
     """
 
     def __init__(
         self,
-        bus: Bus,
+        host: StageHost,
         pattern: str,
         group: str,
         capacity: int,
@@ -79,7 +145,7 @@ class Stage:
         admission: Admission | None = None,
         controlled: bool = False,
     ) -> None:
-        self.bus = bus
+        self.host = host
         self.pattern = pattern
         self.group = group
         self.name = f"{pattern}@{group}"
@@ -88,40 +154,41 @@ class Stage:
         self.capacity = capacity
         self.backpressure = backpressure
         self.subscriptions: list[Subscription] = []
-        self.published = self.acked = self.failed = self.retried = 0
-        self.dead_lettered = self.rejected = self.dropped = self.expired = 0
-        self.abandoned = self.in_flight = self.queued = 0
-        #: Envelopes shed under overload (a part of ``dead_lettered``).
-        self.shed = 0
+        self.ledger = Ledger()
+        #: Envelopes admitted and not yet taken by a consumer.
+        self.queued = 0
+        #: Envelopes taken by a consumer (or waiting for a retry) and not yet settled.
+        self.in_flight = 0
         self.latency = LatencyHistogram()
         self.wait = LatencyHistogram()
-        # Where an admitted, unsettled envelope can be, besides the stream's buffer:
-        # with a consumer (its Dispatch) or on a retry timer (id(envelope) -> envelope).
-        self._dispatches: list[Dispatch] = []
-        self._retrying: dict[int, Envelope] = {}
+        #: The consumers' handlings: an envelope one holds is unsettled until it is None.
+        self.handlings: list[Handling] = []
+        #: Envelopes waiting on a retry timer (id(envelope) -> envelope).
+        self.retrying: dict[int, Envelope] = {}
         #: Over a broker: id(envelope) -> the broker delivery to settle when it is done.
         self.deliveries: dict[int, Delivery] = {}
         self.room_waiters: deque[anyio.Event] = deque()
-        self._send: MemoryObjectSendStream[tuple[float, Envelope]] | None = None
-        self._receive: MemoryObjectReceiveStream[tuple[float, Envelope]] | None = None
+        self.consumer_waiters: deque[anyio.Event] = deque()
+        self._buffer: deque[tuple[float, Envelope]] = deque()
+        self.push: Callable[[tuple[float, Envelope]], None] = self._buffer.append
+        self.pop: Callable[[], tuple[float, Envelope]] = self._buffer.popleft
         #: Whether a pump feeds this stage from the broker.
         self.pumping = False
         #: Set once the pump's broker subscription exists (its group receives publishes).
         self.subscribed: anyio.Event | None = None
-        self._consumer_waiters: deque[anyio.Event] = deque()
         #: Ids of envelopes handled here whose settle the broker did not take (abandoned).
         self.unsettled: list[str] = []
         #: Adaptive concurrency and shedding; ``None`` for a static stage.
         self.control: StageControl | None = None
         if controlled or admission is not None:
-            from ._control import StageControl
-
             self.control = StageControl(self, admission)
+            # Priority lanes, timed with the controllers' clock.
+            self.push, self.pop = self.control.lanes.push, self.control.lanes.pop_oldest
         #: Publishes (and replays) waiting for room or about to be admitted.
         self.entering = 0
         #: Consumers whose handler awaits ``bus.drain()`` (it does not wait for them).
         self.draining = 0
-        #: No stream (not started, or stopped): nothing more may be admitted.
+        #: Not running (not started, or stopped): nothing more may be admitted.
         self.closed = True
 
     # -- life cycle -------------------------------------------------------------
@@ -138,71 +205,36 @@ class Stage:
             total += subscription.concurrency
         return total
 
-    def open_stream(self) -> None:
-        """Create the bounded stream (when the bus starts, or at once if it runs)."""
-        self._send, self._receive = anyio.create_memory_object_stream["tuple[float, Envelope]"](
-            self.capacity
-        )
-        self._push: Callable[[tuple[float, Envelope]], None] = self._send.send_nowait
-        self._pop: Callable[[], tuple[float, Envelope]] = self._receive.receive_nowait
+    def open(self) -> None:
+        """Start admitting (when the bus starts, or at once if it runs)."""
         self.closed = False
-        # The stage alone decides when there is room (``queued < capacity``) and no task
-        # ever waits inside the stream, so its send_nowait/receive_nowait reduce to the
-        # buffer's append/popleft: use those directly where anyio's layout allows.
-        buffer = getattr(getattr(self._send, "_state", None), "buffer", None)
-        if isinstance(buffer, deque):
-            self._push, self._pop = buffer.append, buffer.popleft
-        if self.control is not None:  # priority lanes, timed with the controllers' clock
-            lanes = self.control.lanes
-            self._push, self._pop = lanes.push, lanes.pop_oldest
-
-    def start_consumers(self, subscription: Subscription, chain: Handler) -> None:
-        """Start ``subscription.concurrency`` consumers running ``chain`` in the bus's group."""
-        if self.control is not None:
-            self.control.start(subscription, chain)
-            return
-        task_group = self.bus.task_group
-        assert isinstance(subscription.concurrency, int)
-        for _ in range(subscription.concurrency):
-            task_group.start_soon(self._consume, chain, name=f"asyncbus consumer {self.name}")
 
     def close(self) -> list[str]:
-        """After the consumers are gone: count what is left as abandoned, close the stream.
+        """After the consumers are gone: count what is left as abandoned.
 
         :return: ids of the abandoned envelopes.
         """
         self.closed = True
-        left: list[str] = []
-        if self._receive is not None:
-            while True:
-                try:
-                    left.append(self._receive.receive_nowait()[1].id)
-                except anyio.WouldBlock:
-                    break
+        left = [envelope.id for _, envelope in self._buffer]
+        self._buffer.clear()
         if self.control is not None:
             left += self.control.clear()
-        for dispatch in self._dispatches:
-            if dispatch.envelope is not None and dispatch.outcome in (None, Outcome.SKIPPED):
-                left.append(dispatch.envelope.id)
-        left += [envelope.id for envelope in self._retrying.values()]
-        self._dispatches.clear()
-        self._retrying.clear()
+        left += [h.envelope.id for h in self.handlings if h.envelope is not None]
+        left += [envelope.id for envelope in self.retrying.values()]
+        self.handlings.clear()
+        self.retrying.clear()
         # Unsettled broker deliveries are released by the transport's subscription.
         self.deliveries.clear()
         self.pumping = False
-        self.abandoned += len(left)
-        self.bus.failure_log.abandoned(self.name, left)
+        self.ledger.abandoned += len(left)
+        self.host.failure_log.abandoned(self.name, left)
         left = self.unsettled + left  # (counted, and logged, when their settle failed)
         self.unsettled = []
         self.queued = self.in_flight = 0
         for waiter in self.room_waiters:
             waiter.set()
         self.room_waiters.clear()
-        self._consumer_waiters.clear()
-        if self._send is not None and self._receive is not None:
-            self._send.close()
-            self._receive.close()
-        self._send = self._receive = None
+        self.consumer_waiters.clear()
         return left
 
     # -- the door ---------------------------------------------------------------
@@ -220,13 +252,20 @@ class Stage:
         if policy is Backpressure.BLOCK:
             return DoorOutcome.BLOCKED
         if policy is Backpressure.REJECT:
-            self.rejected += 1
-            self.bus.failure_log.rejected_at_door(self.name, self.capacity, envelope)
+            self.ledger.rejected += 1
+            self.host.failure_log.rejected_at_door(self.name, self.capacity, envelope)
             return DoorOutcome.REJECTED
         if policy is Backpressure.DROP_NEWEST:
-            return self._drop_at_door(envelope)
+            self.ledger.published += 1
+            self.ledger.dead(DeadLetterReason.DROPPED)
+            self.host.dead_letter(envelope, DeadLetterReason.DROPPED, None, self.name, 0)
+            return DoorOutcome.DROPPED
         while self.queued >= self.capacity:
-            self._evict_oldest()
+            _, oldest = self.pop()
+            self.queued -= 1
+            self.ledger.dead(DeadLetterReason.DROPPED)
+            self.host.dead_letter(oldest, DeadLetterReason.DROPPED, None, self.name, 0)
+            self.host.settled(self)
         self.admit(envelope)
         return DoorOutcome.ACCEPTED
 
@@ -239,15 +278,17 @@ class Stage:
         # appearing and this envelope taking it.
         self.entering += 1
         try:
-            await self._wait_for_room()
+            await self.wait_for_room()
             self.admit(envelope)
         finally:
             self.entering -= 1
-            if self.bus.idle_waiters:
-                self.bus.settled(self)
+            self.host.settled(self)
 
-    async def _wait_for_room(self, bound: Callable[[], int] | None = None) -> None:
-        # ``bound``: a lower ceiling than ``capacity``, read again at every wake-up.
+    async def wait_for_room(self, bound: Callable[[], int] | None = None) -> None:
+        """Wait until the queue holds fewer than ``capacity`` (or ``bound()``) envelopes.
+
+        :raises BusClosedError: when the stage stops first.
+        """
         while True:
             if self.closed:
                 # Woken by the stop (or by room, too late): admitting now would put the
@@ -263,23 +304,30 @@ class Stage:
                 try:
                     self.room_waiters.remove(waiter)
                 except ValueError:
-                    self._wake_one()  # we were handed the room: pass it on
+                    self.wake_one()  # we were handed the room: pass it on
                 raise
         if self.room_waiters and self.queued < (self.capacity if bound is None else bound()):
-            self._wake_one()  # room for more than us: keep the queue of waiters moving
+            self.wake_one()  # room for more than us: keep the queue of waiters moving
 
-    def _wake_one(self) -> None:
+    def wake_one(self) -> None:
+        """Hand the room that appeared to the first publish waiting for it."""
         if self.room_waiters:
             self.room_waiters.popleft().set()
 
+    def wake_consumer(self) -> None:
+        """Wake one parked consumer for an envelope that arrived."""
+        if self.consumer_waiters:
+            self.consumer_waiters.popleft().set()
+
     def admit(self, envelope: Envelope) -> None:
         """Enqueue ``envelope`` as a new publish; the caller checked :meth:`has_room`."""
-        self.published += 1
+        ledger = self.ledger
+        ledger.published += 1
         # Timings are sampled at admission: the 1st, 9th, 17th, ... envelope.
-        self._push((_clock() if self.published & 7 == 1 else 0.0, envelope))
+        self.push((_clock() if ledger.published & 7 == 1 else 0.0, envelope))
         self.queued += 1
-        if self._consumer_waiters:
-            self._consumer_waiters.popleft().set()
+        if self.consumer_waiters:
+            self.consumer_waiters.popleft().set()
 
     @property
     def idle(self) -> bool:
@@ -291,255 +339,28 @@ class Stage:
         """Idle but for consumers whose handler is itself in ``bus.drain()``."""
         return not (self.queued or self.entering) and self.in_flight <= self.draining
 
-    def _drop_at_door(self, envelope: Envelope) -> DoorOutcome:
-        self.published += 1
-        self._count_dead(DeadLetterReason.DROPPED)
-        self.bus.dead_letter(envelope, DeadLetterReason.DROPPED, None, self.name, 0)
-        return DoorOutcome.DROPPED
+    # -- retries ----------------------------------------------------------------
 
-    def _evict_oldest(self) -> None:
-        _, oldest = self._pop()
-        self.queued -= 1
-        self._count_dead(DeadLetterReason.DROPPED)
-        self.bus.dead_letter(oldest, DeadLetterReason.DROPPED, None, self.name, 0)
-        self.bus.settled(self)
+    async def retry_later(self, envelope: Envelope, delay: float) -> None:
+        """Re-enter ``envelope`` (in flight, in :attr:`retrying`) after ``delay`` seconds.
 
-    # -- settling ---------------------------------------------------------------
-
-    def _count_dead(self, reason: DeadLetterReason) -> None:
-        self.dead_lettered += 1
-        if reason is DeadLetterReason.DROPPED:
-            self.dropped += 1
-        elif reason is DeadLetterReason.EXPIRED:
-            self.expired += 1
-        elif reason is DeadLetterReason.OVERLOAD:
-            self.shed += 1
-
-    def settle_dead(
-        self,
-        envelope: Envelope,
-        reason: DeadLetterReason,
-        error: str | None,
-        *,
-        failed: bool,
-        cause: BaseException | None = None,
-    ) -> DeadLetter | None:
-        """The envelope in flight is dead: count it and hand it to the dead-letter queue."""
-        if failed:
-            self.failed += 1
-        self._count_dead(reason)
-        self.in_flight -= 1
-        entry = self.bus.dead_letter(
-            envelope,
-            reason,
-            error,
-            self.name,
-            envelope.attempt,
-            cause,
-            stored=id(envelope) in self.deliveries,
-        )
-        self.bus.settled(self)
-        return entry
-
-    def schedule_retry(self, envelope: Envelope, delay: float) -> None:
-        """Count a failed attempt and re-enter the envelope after ``delay`` seconds."""
-        self.failed += 1
-        self.retried += 1
-        self._retrying[id(envelope)] = envelope
-        self.bus.task_group.start_soon(self._retry_later, envelope, delay)
-
-    async def _retry_later(self, envelope: Envelope, delay: float) -> None:
+        It waits for room whatever the policy (it was admitted already); a stage that
+        stops first keeps it in :attr:`retrying`, so the close lists it as abandoned.
+        """
         await anyio.sleep(delay)
         again = envelope.evolve(attempt=envelope.attempt + 1)
         try:
-            await self._wait_for_room()
+            await self.wait_for_room()
         except BusClosedError:
-            return  # stopped: it stays in _retrying, so close() lists it as abandoned
-        assert self._send is not None
-        del self._retrying[id(envelope)]
+            return
+        del self.retrying[id(envelope)]
         delivery = self.deliveries.pop(id(envelope), None)
         if delivery is not None:
             self.deliveries[id(again)] = delivery
         self.in_flight -= 1
-        self._push((0.0, again))
+        self.push((0.0, again))
         self.queued += 1
-        self._wake_consumer()
-
-    # -- consuming --------------------------------------------------------------
-
-    async def _consume(self, chain: Handler) -> None:
-        dispatch = Dispatch(self, self.bus)
-        dispatch.activate()
-        self._dispatches.append(dispatch)
-        bus = self.bus
-        stream = self._receive
-        assert stream is not None
-        receive_nowait = self._pop
-        checkpoint = self.bus.yield_now
-        waiters = self._consumer_waiters
-        deliveries = self.deliveries  # the same dict for the stage's life
-        wait_record, latency_record = self.wait.record, self.latency.record
-        while True:
-            # Items always sit in the stream's buffer (no consumer ever waits inside
-            # anyio's receive), so ``queued`` is exactly what a stage holds and nothing
-            # is ever in a hand-over that cancellation could lose.
-            await checkpoint()  # the one yield per envelope
-            if not self.queued:
-                # Still empty after a yield: park until an admission wakes us. (The
-                # yield first lets a publisher that runs in step with us refill the
-                # stage without anyone paying for an Event.)
-                waiter = anyio.Event()
-                waiters.append(waiter)
-                try:
-                    await waiter.wait()  # the yield, when the stage was empty
-                except BaseException:  # deliberate: however the wait ends, no wake-up is lost
-                    if waiter in waiters:
-                        waiters.remove(waiter)
-                    elif self.queued:
-                        self._wake_consumer()  # we were woken for an item: pass it on
-                    raise
-                if not self.queued:
-                    continue
-            admitted_at, envelope = receive_nowait()
-            self.queued -= 1
-            if self.room_waiters:
-                self._wake_one()
-            self.in_flight += 1
-            if admitted_at:  # sampled at admission: one envelope in 8
-                started = _clock()
-                wait_record(started - admitted_at)
-            dispatch.envelope = envelope
-            dispatch.outcome = None
-            instrumentation = bus._instrumentation
-            if instrumentation is None:
-                try:
-                    await chain(envelope)
-                except Exception as error:  # the chain's outermost dead-letter layer
-                    dispatch.fail(error)
-                except BaseException as error:  # deliberate: a stray cancellation is a failure
-                    failure = handler_failure(error)
-                    if failure is None:
-                        raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
-                    dispatch.fail(failure)
-            else:  # the same, between the observers' enter and exit (tracing)
-                await instrumented_dispatch(instrumentation, chain, dispatch, envelope)
-            outcome = dispatch.outcome
-            if outcome is None or outcome is Outcome.SKIPPED:
-                # Acked: counted here, inline, as this runs once per envelope.
-                self.acked += 1
-                self.in_flight -= 1
-                if bus.idle_waiters and not self.queued and self.in_flight <= self.draining:
-                    bus.wake_drainers()
-            if deliveries and outcome is not Outcome.DEFERRED:
-                await self._settle_delivery(
-                    envelope, dispatch.dead if outcome is Outcome.DEAD else None
-                )
-            if admitted_at:
-                latency_record(_clock() - started)
-            dispatch.envelope = None
-
-    async def _settle_delivery(self, envelope: Envelope, dead: DeadLetter | None) -> None:
-        delivery = self.deliveries.pop(id(envelope), None)
-        if delivery is None:
-            return
-        broker = self.bus.transport
-        assert broker is not None  # deliveries come from a broker
-        try:
-            if dead is None and (ack_nowait := getattr(delivery, "ack_nowait", None)):
-                ack_nowait()  # only queued for the transport's writer: nothing to shield
-                return
-            # Shielded (a settle is not skipped because the bus is closing), bounded by
-            # the bus's close deadline.
-            with broker.cleanup_scope() as scope:
-                if dead is None:
-                    await delivery.ack()
-                else:
-                    await reject_delivery(
-                        delivery, dead.reason.value, dead.error, self.name, dead.attempts
-                    )
-            if not scope.cancelled_caught:
-                return
-            logger.warning("could not settle %s with the broker before closing", envelope.id)
-        except Exception:
-            logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
-        self._unsettled(envelope, dead)
-
-    def _unsettled(self, envelope: Envelope, dead: DeadLetter | None) -> None:
-        """The broker did not take the settle: it delivers the envelope again (at-least-once).
-
-        So it ends here as abandoned, not as acked or dead-lettered (the dead-letter
-        queue keeps the entry the bus recorded).
-        """
-        if dead is None:
-            self.ack_lost(envelope.id)
-            return
-        self.dead_lettered -= 1
-        if dead.reason is DeadLetterReason.DROPPED:
-            self.dropped -= 1
-        elif dead.reason is DeadLetterReason.EXPIRED:
-            self.expired -= 1
-        self.abandoned += 1
-        self.unsettled.append(envelope.id)
-
-    def ack_lost(self, envelope_id: str) -> None:
-        """An envelope counted acked here whose ack the broker never got: abandoned."""
-        self.acked -= 1
-        self.abandoned += 1
-        self.unsettled.append(envelope_id)
-
-    async def pump(self, transport: Transport) -> None:
-        """Feed this stage from the broker: at most ``capacity`` deliveries held here.
-
-        No delivery ends the pump: one that cannot be taken in (undecodable, delivered
-        too often, or anything unexpected) is dead-lettered ``rejected`` and rejected.
-        A controlled stage queues at most ``min(capacity, limit)`` of them (plus the
-        ones its consumers hold), so the rest stays in the broker for other replicas.
-        """
-        subscription = transport.subscribe(self.pattern, group=self.group, prefetch=self.capacity)
-        bound = self.control.local_bound if self.control is not None else None
-        async with subscription as deliveries:
-            if self.subscribed is not None:
-                self.subscribed.set()  # the group exists in the broker from here on
-            async for delivery in deliveries:
-                try:
-                    envelope = delivery.envelope
-                    refused = getattr(delivery, "error", None)  # beyond the Delivery protocol
-                    if refused is None:
-                        await self._wait_for_room(bound)
-                        self.deliveries[id(envelope)] = delivery
-                        self.admit(envelope)
-                        continue
-                except Exception as error:  # a broken delivery must not end the pump
-                    logger.exception("stage %s could not take in a delivery", self.name)
-                    refused = f"the delivery could not be taken in: {describe_error(error)}"
-                await self._refuse(delivery, str(refused))
-
-    async def _refuse(self, delivery: Delivery, error: str) -> None:
-        """Count ``delivery`` in, dead-letter it ``rejected`` and reject it, never handled."""
-        envelope = getattr(delivery, "envelope", None)
-        if not isinstance(envelope, Envelope):
-            envelope = Envelope(topic=self.pattern, payload=None)
-        self.published += 1
-        self._count_dead(DeadLetterReason.REJECTED)
-        entry = self.bus.dead_letter(
-            envelope, DeadLetterReason.REJECTED, error, self.name, envelope.attempt, stored=True
-        )
-        try:
-            with anyio.CancelScope(shield=True):
-                await reject_delivery(
-                    delivery,
-                    DeadLetterReason.REJECTED.value,
-                    entry.error if entry else error,
-                    self.name,
-                    envelope.attempt,
-                )
-        except Exception:
-            # Left unsettled: the broker delivers it again, and it is refused again.
-            logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
-
-    def _wake_consumer(self) -> None:
-        if self._consumer_waiters:
-            self._consumer_waiters.popleft().set()
+        self.wake_consumer()
 
     # -- statistics -------------------------------------------------------------
 
@@ -547,19 +368,20 @@ class Stage:
         """Snapshot this stage's ledger and timings."""
         control = self.control
         limit = control.limit if control is not None else self.concurrency
+        ledger = self.ledger
         return StageStatistics(
             name=self.name,
             topic=self.pattern,
             group=self.group,
-            published=self.published,
-            acked=self.acked,
-            failed=self.failed,
-            retried=self.retried,
-            dead_lettered=self.dead_lettered,
-            rejected=self.rejected,
-            dropped=self.dropped,
-            expired=self.expired,
-            abandoned=self.abandoned,
+            published=ledger.published,
+            acked=ledger.acked,
+            failed=ledger.failed,
+            retried=ledger.retried,
+            dead_lettered=ledger.dead_lettered,
+            rejected=ledger.rejected,
+            dropped=ledger.dropped,
+            expired=ledger.expired,
+            abandoned=ledger.abandoned,
             depth=self.queued,
             in_flight=self.in_flight,
             concurrency=self.concurrency,
@@ -569,40 +391,9 @@ class Stage:
             wait_p99=_finite(self.wait.quantile(0.99)),
             limit=limit,
             shedding=control is not None and control.shedding,
-            shed=self.shed,
+            shed=ledger.shed,
             saturation=self.in_flight / limit if limit else 0.0,
         )
-
-
-async def reject_delivery(
-    delivery: Delivery, reason: str, error: str | None, stage: str, attempts: int
-) -> None:
-    """``delivery.reject(reason)``, with each of the dead letter's details it takes.
-
-    The public ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
-    also take ``error``, ``stage`` and ``attempts`` (:class:`DetailedDelivery`) so the
-    broker's copy of the dead letter matches the bus's. A transport that takes only
-    some of them gets those; one written to the protocol alone still works.
-    """
-    details = {"error": error, "stage": stage, "attempts": attempts}
-    accepted = _reject_keywords(type(delivery))
-    reject: Callable[..., Awaitable[None]] = delivery.reject
-    await reject(reason, **{name: details[name] for name in accepted})
-
-
-_REJECT_DETAILS = frozenset({"error", "stage", "attempts"})
-
-
-@functools.cache
-def _reject_keywords(delivery_type: type[Delivery]) -> frozenset[str]:
-    try:
-        parameters = inspect.signature(delivery_type.reject).parameters.values()
-    except (AttributeError, TypeError, ValueError):
-        return frozenset()
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return _REJECT_DETAILS
-    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return _REJECT_DETAILS & {p.name for p in parameters if p.kind in named}
 
 
 def _finite(value: float) -> float:

@@ -14,12 +14,17 @@ import os
 
 from asyncbus import Envelope
 
-__all__ = ["describe_envelope", "square", "tag_with_pid"]
+__all__ = ["describe_envelope", "niceness", "square", "tag_with_pid"]
 
 
 def square(number: int) -> int:
     """Return ``number`` squared."""
     return number * number
+
+
+def niceness(_: object) -> int:
+    """Return the niceness of the process that ran it."""
+    return os.nice(0)
 
 
 def tag_with_pid(value: object) -> tuple[int, object]:

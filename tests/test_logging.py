@@ -127,7 +127,7 @@ async def test_a_topic_nobody_subscribes_to_is_logged_once_per_interval_with_a_c
 ) -> None:
     bus = Bus()
     clock = FakeClock()
-    bus.failure_log.clock = clock
+    bus._services.failure_log.clock = clock
     bus.subscribe("orders.created", lambda order: None, group="audit")
 
     with anyio.fail_after(10):
@@ -146,7 +146,7 @@ async def test_a_topic_nobody_subscribes_to_is_logged_once_per_interval_with_a_c
             assert fields(ours(records)[0]) == expected
             assert ours(records)[0].exc_info is None
 
-            clock.now += bus.failure_log.interval  # the next interval
+            clock.now += bus._services.failure_log.interval  # the next interval
             later = await bus.publish("ordrs.created", {"id": 51})
             # Within this interval again: counted, not written; told when the bus closes.
             await bus.publish("ordrs.created", {"id": 52})
@@ -314,7 +314,7 @@ async def test_a_flood_of_handler_failures_in_one_stage_is_rate_limited(
     records: pytest.LogCaptureFixture,
 ) -> None:
     bus = Bus()
-    bus.failure_log.clock = FakeClock()
+    bus._services.failure_log.clock = FakeClock()
 
     @bus.subscribe("flaky", group="g", concurrency=4)
     async def flaky(n: int) -> None:

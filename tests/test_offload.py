@@ -387,7 +387,7 @@ async def test_a_timed_out_thread_keeps_its_worker_slot_until_it_returns() -> No
 
 async def test_thread_stages_shorten_the_gil_switch_interval_while_the_bus_runs() -> None:
     before = sys.getswitchinterval()
-    bus = Bus()
+    bus = Bus(switch_interval=0.0005)
 
     @bus.subscribe("work", group="g")
     def work(n: int) -> int:
@@ -399,6 +399,31 @@ async def test_thread_stages_shorten_the_gil_switch_interval_while_the_bus_runs(
         else:
             assert sys.getswitchinterval() == min(before, 0.0005)
     assert sys.getswitchinterval() == before
+
+
+async def test_a_default_bus_changes_nothing_of_the_process() -> None:
+    """The switch interval and the worker processes' niceness are settings, off by default."""
+    before = sys.getswitchinterval()
+    bus = Bus()
+    bus.subscribe("work", lambda n: n, group="threads")
+    bus.subscribe("nice", process_handlers.niceness, offload="process", group="processes")
+    with anyio.fail_after(30):
+        async with bus:
+            assert sys.getswitchinterval() == before
+            await bus.publish("work", 1)
+            result = await bus.request("nice", None)
+            assert sys.getswitchinterval() == before
+    assert result == os.nice(0)
+    assert sys.getswitchinterval() == before
+
+
+def test_process_settings_are_checked() -> None:
+    with pytest.raises(asyncbus.ConfigurationError):
+        Bus(switch_interval=0)
+    with pytest.raises(asyncbus.ConfigurationError):
+        Bus(worker_niceness=0)
+    with pytest.raises(asyncbus.ConfigurationError):
+        Bus(worker_niceness=1.5)  # type: ignore[arg-type]
 
 
 @middleware

@@ -654,10 +654,10 @@ async def test_timed_out_drains_leave_no_waiter_behind() -> None:
                     await bus.drain(timeout=0)
             with anyio.move_on_after(0.01):
                 await bus.drain()  # cancelled, not timed out: the same
-            assert len(bus.idle_waiters) == 0
+            assert len(bus._services.idle_waiters) == 0
             never.set()
             await bus.drain(timeout=5)
-            assert len(bus.idle_waiters) == 0
+            assert len(bus._services.idle_waiters) == 0
 
 
 @pytest.mark.timeout(20)

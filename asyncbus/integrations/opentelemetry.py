@@ -67,16 +67,10 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 
 from .. import __version__
 from .._bus import Bus
+from .._carry import set_headers
 from .._envelope import Envelope, Receipt
-from .._instrument import (
-    Consumer,
-    Instrumentation,
-    Result,
-    SendKind,
-    attach,
-    detach,
-    set_headers,
-)
+from .._instrument import Consumer, Instrumentation, Result, SendKind
+from .._observe import attach, detach
 
 __all__ = ["instrument", "uninstrument"]
 

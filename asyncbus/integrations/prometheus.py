@@ -79,7 +79,8 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 
 from .._bus import DEADLETTER_TOPIC, Bus
 from .._exceptions import BusClosedError, ConfigurationError
-from .._instrument import bus_state, dead_letter_counts, on_loop, stage_timings
+from .._observe import bus_state, dead_letter_counts, on_loop, stage_timings
+from .._observe import task_group as bus_task_group
 from .._stats import BusStatistics, LatencyHistogram
 
 __all__ = ["BusCollector", "exposition"]
@@ -253,7 +254,7 @@ class BusCollector(Collector):
         if not watched.over_broker:
             return
         try:
-            task_group = watched.bus.task_group
+            task_group = bus_task_group(watched.bus)
         except BusClosedError:
             return
         if task_group is not watched.refreshing_in:

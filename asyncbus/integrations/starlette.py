@@ -69,7 +69,7 @@ from .._bus import DEADLETTER_TOPIC, Bus
 from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import ConfigurationError
-from .._instrument import bus_state, stages_subscribed
+from .._observe import bus_state, stages_subscribed
 from ._json import json_safe
 
 __all__ = ["admin_app", "get_bus", "lifespan"]
@@ -388,9 +388,7 @@ async def _transport_problem(bus: Bus) -> str | None:
     transport = bus.transport
     if transport is None or transport.direct:
         return None
-    stage = next(
-        (each for each in bus.statistics().stages if each.topic != DEADLETTER_TOPIC), None
-    )
+    stage = next((each for each in bus.statistics().stages if each.topic != DEADLETTER_TOPIC), None)
     if stage is None:
         return None  # nothing subscribed: nothing to ask
     try:

@@ -1,5 +1,10 @@
 """The built-in middleware, one per module, each an ordinary :data:`Middleware`.
 
+A middleware settles an envelope otherwise than by an ack by *returning* a verdict
+(:class:`Skip`, :class:`RetryAfter`, :class:`DeadLetterNow`) instead of a result; the
+stage's consumer carries it out. The built-ins use nothing else, so a user's
+middleware written against these names can replace any of them.
+
 Default order around every handler (first listed outermost)::
 
     dead_letter ▸ routing_slip ▸ expire ▸ retry ▸ timeout ▸ bus middleware ▸
@@ -19,6 +24,10 @@ from typing import Any
 from .._envelope import Envelope
 from .._types import Handler, Middleware
 from .._types import middleware as middleware
+from .._verdicts import DeadLetterNow as DeadLetterNow
+from .._verdicts import RetryAfter as RetryAfter
+from .._verdicts import Skip as Skip
+from .._verdicts import Verdict as Verdict
 from .dead_letter import dead_letter as dead_letter
 from .deduplicate import Claim as Claim
 from .deduplicate import DedupStore as DedupStore
@@ -32,10 +41,14 @@ from .timeout import timeout as timeout
 
 __all__ = [
     "Claim",
+    "DeadLetterNow",
     "DedupStore",
     "HandlerTimeout",
     "MemoryDedupStore",
     "Retry",
+    "RetryAfter",
+    "Skip",
+    "Verdict",
     "dead_letter",
     "deduplicate",
     "expire",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._dispatch import current_dispatch, handler_failure
 from .._envelope import Envelope
+from .._failures import handler_failure
 from .._types import Handler, Middleware
+from .._verdicts import DeadLetterNow
 from ._builtin import mark_builtin
 
 __all__ = ["dead_letter"]
@@ -15,9 +16,11 @@ __all__ = ["dead_letter"]
 def dead_letter() -> Middleware:
     """Dead-letter an envelope whose handling raised.
 
-    ``Reject(reason)`` becomes ``rejected``, a handler timeout ``timeout``, any other
-    exception ``handler_failed`` with the error's type, message and last frames. The
-    exception never reaches the stage, so a failing handler never stops it.
+    The exception becomes the verdict :meth:`DeadLetterNow.for_failure` gives:
+    ``Reject(reason)`` is ``rejected``, a :class:`HandlerTimeout` ``timeout``, any
+    other exception ``handler_failed`` with the error's type, message and last frames.
+    The exception never reaches the stage, so a failing handler never stops it. (The
+    bus's own cancellation passes through: it stops the consumer.)
     """
 
     def wrap(call_next: Handler) -> Handler:
@@ -25,12 +28,10 @@ def dead_letter() -> Middleware:
             try:
                 return await call_next(envelope)
             except BaseException as error:  # deliberate: a stray cancellation fails too
-                dispatch = current_dispatch()
                 failure = handler_failure(error)
-                if dispatch is None or failure is None:
-                    raise  # outside a bus, or the bus's own cancellation
-                dispatch.fail(failure)
-                return None
+                if failure is None:
+                    raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
+                return DeadLetterNow.for_failure(failure)
 
         return handle
 

@@ -22,16 +22,19 @@ from .._checks import check_count, check_seconds
 from .._dedup import Claim as Claim
 from .._dedup import DedupStore as DedupStore
 from .._dedup import MemoryDedupStore as MemoryDedupStore
-from .._dispatch import Dispatch, current_dispatch
 from .._envelope import HEADER_REPLAYED, Envelope
 from .._exceptions import ConfigurationError
+from .._handling import Handling, current_handling
 from .._types import Handler, Middleware
+from .._verdicts import Skip, Verdict
 from ._builtin import mark_builtin
 
 __all__ = ["Claim", "DedupStore", "MemoryDedupStore", "deduplicate"]
 
 logger = logging.getLogger("asyncbus.middleware.deduplicate")
 
+#: A duplicate is acked unhandled, and not forwarded along its slip again.
+_SKIP = Skip()
 #: Longest pause between two looks at a key another owner is handling.
 _BUSY_POLL = 1.0
 #: Seconds marking or releasing a key may take after the handler ended.
@@ -82,13 +85,9 @@ def deduplicate(
                     break
                 del seen[oldest]
             if envelope.id in seen and HEADER_REPLAYED not in envelope.headers:
-                dispatch = current_dispatch()
-                if dispatch is not None:
-                    dispatch.skip()
-                return None
+                return _SKIP
             result = await call_next(envelope)
-            dispatch = current_dispatch()
-            if dispatch is None or dispatch.outcome is None:
+            if not isinstance(result, Verdict):
                 seen[envelope.id] = now
                 seen.move_to_end(envelope.id)
                 if len(seen) > maxlen:
@@ -96,37 +95,29 @@ def deduplicate(
             return result
 
         async def handle(envelope: Envelope) -> Any:
-            dispatch = current_dispatch()
+            handling = current_handling()
             if not chosen:
-                chosen.append(_broker_store(dispatch, window))
+                chosen.append(handling.host.dedup_store(window) if handling is not None else None)
             found = chosen[0]
             if found is None:
                 return await in_memory(envelope)
-            return await _claimed(found, envelope, dispatch, call_next, window, lease)
+            return await _claimed(found, envelope, handling, call_next, window, lease)
 
         return handle
 
     return mark_builtin(wrap, "deduplicate")
 
 
-def _broker_store(dispatch: Dispatch | None, window: float) -> DedupStore | None:
-    """The store of the broker the current envelope came from, if it has one."""
-    transport = dispatch.bus.transport if dispatch is not None else None
-    if transport is None or transport.direct:
-        return None
-    return transport.dedup_store(window)
-
-
 async def _claimed(
     store: DedupStore,
     envelope: Envelope,
-    dispatch: Dispatch | None,
+    handling: Handling | None,
     call_next: Handler,
     window: float,
     lease: float,
 ) -> Any:
     """Handle ``envelope`` under a claim in ``store`` (see the module docstring)."""
-    key = f"{dispatch.stage.name if dispatch is not None else ''}/{envelope.id}"
+    key = f"{handling.stage.name if handling is not None else ''}/{envelope.id}"
     owner = secrets.token_hex(8)
     if HEADER_REPLAYED not in envelope.headers:  # a replay always runs
         pause = min(lease / 8, _BUSY_POLL)
@@ -136,16 +127,14 @@ async def _claimed(
             await anyio.sleep(pause)
             pause = min(pause * 2, _BUSY_POLL)
         if state is Claim.DONE:
-            if dispatch is not None:
-                dispatch.skip()
-            return None
+            return _SKIP
     holding = anyio.Event()
-    if dispatch is not None:
-        dispatch.bus.task_group.start_soon(_keep_claim, store, key, owner, lease, holding)
+    if handling is not None:
+        handling.host.start_soon(_keep_claim, store, key, owner, lease, holding)
     succeeded = False
     try:
         result = await call_next(envelope)
-        succeeded = dispatch is None or dispatch.outcome is None
+        succeeded = not isinstance(result, Verdict)
     finally:
         holding.set()
         # Shielded: a cancelled handling still gives its claim back (bounded).

@@ -6,12 +6,15 @@ import time
 from typing import Any
 
 from .._dead_letters import DeadLetterReason
-from .._dispatch import current_dispatch
 from .._envelope import Envelope
 from .._types import Handler, Middleware
+from .._verdicts import DeadLetterNow
 from ._builtin import mark_builtin
 
 __all__ = ["expire"]
+
+#: No exception happened: the reason says it all (``error`` stays None).
+_EXPIRED = DeadLetterNow(DeadLetterReason.EXPIRED)
 
 
 def expire() -> Middleware:
@@ -21,7 +24,7 @@ def expire() -> Middleware:
         def handle(envelope: Envelope) -> Any:
             ttl = envelope.ttl
             if ttl is not None and time.time() >= envelope.timestamp + ttl:
-                return _expired(envelope)
+                return _expired()
             return call_next(envelope)
 
         return handle
@@ -29,8 +32,5 @@ def expire() -> Middleware:
     return mark_builtin(wrap, "expire")
 
 
-async def _expired(envelope: Envelope) -> None:
-    dispatch = current_dispatch()
-    if dispatch is not None:
-        # No exception happened: ``error`` stays None; the reason says it all.
-        dispatch.dead_letter(DeadLetterReason.EXPIRED, None)
+async def _expired() -> DeadLetterNow:
+    return _EXPIRED

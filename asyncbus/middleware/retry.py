@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_count, check_seconds
-from .._dispatch import current_dispatch, handler_failure
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, DecodeError, Reject
+from .._failures import handler_failure
 from .._types import Handler
+from .._verdicts import RetryAfter
 
 __all__ = ["Retry"]
 
@@ -105,7 +106,7 @@ class Retry:
         return "retry"
 
     def __call__(self, call_next: Handler) -> Handler:
-        """Wrap ``call_next``: a retryable failure schedules the next attempt and returns."""
+        """Wrap ``call_next``: a retryable failure returns :class:`RetryAfter` the delay."""
         max_attempts = self.max_attempts
         retry_on = self.retry_on
         delay = self.delay
@@ -116,12 +117,10 @@ class Retry:
             except (Reject, DecodeError):
                 raise
             except retry_on as error:
-                dispatch = current_dispatch()
-                if dispatch is None or envelope.attempt >= max_attempts:
+                if envelope.attempt >= max_attempts:
                     raise
                 if handler_failure(error) is None:
                     raise  # the bus's own cancellation (retry_on=BaseException): not a failure
-                dispatch.retry(delay(envelope.attempt), error)
-                return None
+                return RetryAfter(delay(envelope.attempt), error)
 
         return handle

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-from .._dispatch import current_dispatch
 from .._envelope import Envelope
+from .._handling import current_handling
 from .._types import Handler, Middleware
+from .._verdicts import Verdict
 from ._builtin import mark_builtin
 
 __all__ = ["routing_slip"]
@@ -20,15 +21,17 @@ def routing_slip() -> Middleware:
     once to the next topic of ``envelope.slip`` as a new envelope (new id, same
     correlation id, ``causation_id`` = this id, same timestamp and ttl). At the end of
     the slip the return value answers a pending :meth:`Bus.request`. Nothing is
-    forwarded for an envelope that was dead-lettered, deferred to a retry or skipped.
+    forwarded when an inner layer returned a verdict (dead letter, retry, skip).
     """
 
     def wrap(call_next: Handler) -> Handler:
         async def handle_and_forward(envelope: Envelope) -> Any:
             result = await call_next(envelope)
-            dispatch = current_dispatch()
-            if dispatch is not None and dispatch.outcome is None:
-                await dispatch.bus.forward(envelope, result)
+            if isinstance(result, Verdict):
+                return result
+            handling = current_handling()
+            if handling is not None:
+                await handling.host.forward(envelope, result)
             return result
 
         def handle(envelope: Envelope) -> Awaitable[Any]:

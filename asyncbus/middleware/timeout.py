@@ -8,14 +8,11 @@ import anyio
 
 from .._checks import check_seconds
 from .._envelope import Envelope
+from .._exceptions import HandlerTimeout
 from .._types import Handler, Middleware
 from ._builtin import mark_builtin
 
 __all__ = ["HandlerTimeout", "timeout"]
-
-
-class HandlerTimeout(TimeoutError):
-    """The handler ran longer than its stage's ``timeout``; dead-lettered as ``timeout``."""
 
 
 def timeout(seconds: float) -> Middleware:

@@ -12,6 +12,7 @@ import anyio
 from .._bus import Bus
 from .._checks import check_wait
 from .._envelope import Envelope
+from .._observe import observers
 from .._routing import compile_pattern
 
 __all__ = ["Captured", "Record", "capture"]
@@ -158,12 +159,12 @@ def capture(bus: Bus, topic: str | None = None) -> Iterator[Captured]:
     """
     captured = Captured(topic)
     observer = captured._observe
-    bus.observers.append(observer)
+    observers(bus).append(observer)
     try:
         yield captured
     finally:
         # Remove this exact observer: another capture may have appended an equal one.
-        for index, existing in enumerate(bus.observers):
+        for index, existing in enumerate(observers(bus)):
             if existing is observer:
-                del bus.observers[index]
+                del observers(bus)[index]
                 break

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 
@@ -60,7 +61,7 @@ async def test_readyz_turns_503_as_soon_as_aclose_begins_while_healthz_stays_ali
                 async with anyio.create_task_group() as group:
                     group.start_soon(bus.aclose)
                     while bus.running:  # until aclose has begun (it waits for the drain)
-                        await bus.yield_now()
+                        await anyio.lowlevel.checkpoint()
                     assert await probe(client, "/readyz") == (
                         503,
                         {

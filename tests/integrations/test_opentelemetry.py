@@ -33,7 +33,8 @@ from asyncbus import (
     Reject,
     Retry,
 )
-from asyncbus._instrument import Instrumentation, attach
+from asyncbus._instrument import Instrumentation
+from asyncbus._observe import attach
 from asyncbus.integrations.opentelemetry import instrument, uninstrument
 
 _TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -502,10 +503,10 @@ async def test_without_an_sdk_provider_nothing_is_attached() -> None:
     for provider in (trace.NoOpTracerProvider(), trace.ProxyTracerProvider()):
         bus = Bus()
         instrument(bus, tracer_provider=provider)
-        assert bus._instrumentation is None  # the hot path stays as fast as ever
+        assert bus._services.instrumentation is None  # the hot path stays as fast as ever
     bus = Bus()
     instrument(bus)  # the global provider: the API's proxy while no SDK is set
-    assert bus._instrumentation is None
+    assert bus._services.instrumentation is None
 
 
 async def test_uninstrument_stops_tracing_and_instrument_twice_traces_once(
@@ -526,7 +527,7 @@ async def test_uninstrument_stops_tracing_and_instrument_twice_traces_once(
     assert tree(finished(exporter)) == "\n".join(
         ["publish t [PRODUCER]", "  process t [CONSUMER] group=g attempt=1 outcome=acked"]
     )
-    assert bus._instrumentation is None
+    assert bus._services.instrumentation is None
 
 
 async def test_contextvars_and_tracing_together(

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from asyncbus import Backpressure, Bus, ConfigurationError, Envelope, MemoryTransport, Retry
-from asyncbus._instrument import stage_timings
+from asyncbus._observe import stage_timings
 from asyncbus.integrations.prometheus import BusCollector
 from asyncbus.integrations.starlette import admin_app
 

@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from asyncbus import HEADER_REPLAYED, Bus, ConfigurationError, Envelope
+from asyncbus._observe import observers
 from asyncbus.testing import Captured, Record, capture
 
 pytestmark = pytest.mark.anyio
@@ -73,7 +74,7 @@ def test_capture_rejects_an_invalid_pattern() -> None:
     bus = Bus()
     with pytest.raises(ConfigurationError), capture(bus, "orders.>.late"):
         pass
-    assert bus.observers == []
+    assert observers(bus) == []
 
 
 async def test_capture_records_every_routing_slip_hop(bus: Bus) -> None:
@@ -136,20 +137,20 @@ async def test_capture_records_a_replay_into_its_stage(bus: Bus) -> None:
 
 
 async def test_capture_stops_recording_and_removes_its_observer_on_exit(bus: Bus) -> None:
-    assert bus.observers == []
+    assert observers(bus) == []
     with capture(bus) as published:
-        assert len(bus.observers) == 1
+        assert len(observers(bus)) == 1
         await bus.publish("a", 1)
     await bus.publish("a", 2)
 
-    assert bus.observers == []
+    assert observers(bus) == []
     assert published.payloads() == [1]
 
 
 async def test_capture_removes_its_observer_when_the_block_raises(bus: Bus) -> None:
     with pytest.raises(RuntimeError, match="inside"), capture(bus):
         raise RuntimeError("inside")
-    assert bus.observers == []
+    assert observers(bus) == []
 
 
 async def test_nested_captures_record_independently(bus: Bus) -> None:
@@ -158,10 +159,10 @@ async def test_nested_captures_record_independently(bus: Bus) -> None:
         with capture(bus) as inner:
             await bus.publish("a", 2)
         await bus.publish("a", 3)
-        assert len(bus.observers) == 1
+        assert len(observers(bus)) == 1
     assert outer.payloads() == [1, 2, 3]
     assert inner.payloads() == [2]
-    assert bus.observers == []
+    assert observers(bus) == []
 
 
 def test_capture_works_on_a_bus_that_is_not_running() -> None:
@@ -170,7 +171,7 @@ def test_capture_works_on_a_bus_that_is_not_running() -> None:
         pass
     assert len(published) == 0
     assert not published
-    assert bus.observers == []
+    assert observers(bus) == []
 
 
 async def test_clear_forgets_what_was_recorded_and_keeps_recording(bus: Bus) -> None:

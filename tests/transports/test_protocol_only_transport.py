@@ -134,7 +134,7 @@ class SomeDetailsDelivery(ProtocolDelivery):
 
 
 async def test_reject_gets_each_detail_it_takes() -> None:
-    from asyncbus._stage import reject_delivery
+    from asyncbus._consumer import reject_delivery
 
     settled: list[tuple[str, str, object]] = []
     envelope = Envelope(topic="jobs")

@@ -1,0 +1,212 @@
+"""How a subscription's handler becomes a stage's chain: the handler adapted, then wrapped.
+
+The innermost layer calls the user's function the way it asks (envelope, payload or
+decoded payload; on the loop, a worker thread or a worker process); the middleware
+wrap it, first listed outermost, with the built-ins at their default places unless
+the user listed one of the same kind.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_process
+
+from ._decoding import payload_decoder
+from ._envelope import Envelope
+from ._exceptions import Reject
+from ._failures import handler_failure
+from ._offload import WorkerPool, run_niced
+from ._subscription import Subscription
+from ._types import Handler, Middleware
+from .middleware.dead_letter import dead_letter
+from .middleware.expire import expire
+from .middleware.routing_slip import routing_slip
+from .middleware.timeout import timeout as timeout_middleware
+
+__all__ = ["adapt_handler", "argument_of", "build_chain", "first_parameter_type"]
+
+#: Built-ins that act only on envelopes with a slip, a reply address or a ttl.
+_PASS_THROUGH = frozenset({"routing_slip", "expire"})
+
+
+def first_parameter_type(handler: Any) -> object:
+    """The resolved annotation of the handler's first parameter (``None`` when absent)."""
+    try:
+        parameters = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not parameters or parameters[0].annotation is inspect.Parameter.empty:
+        return None
+    annotation: object = parameters[0].annotation
+    if isinstance(annotation, str):
+        written = annotation
+        try:
+            annotation = typing.get_type_hints(handler).get(parameters[0].name, written)
+        except Exception:
+            return Envelope if written.rpartition(".")[2] == "Envelope" else None
+    return annotation
+
+
+def argument_of(handler: Any) -> Callable[[Envelope], Any] | None:
+    """How to get the handler's argument from an envelope; ``None`` means the raw payload."""
+    annotation = first_parameter_type(handler)
+    if annotation is Envelope:
+        return _identity
+    decoder = payload_decoder(annotation)
+    if decoder is None:
+        return None
+    return lambda envelope: decoder(envelope.payload)
+
+
+def _identity(envelope: Envelope) -> Envelope:
+    return envelope
+
+
+def _payload(envelope: Envelope) -> Any:
+    return envelope.payload
+
+
+def adapt_handler(
+    subscription: Subscription, pool: WorkerPool, niceness: int | None = None
+) -> Handler:
+    """Turn the user's function into a :data:`Handler` (the innermost, offloading layer).
+
+    The handler gets the envelope when its first parameter is annotated
+    :class:`Envelope`, the payload decoded when annotated with a dataclass, msgspec
+    Struct or pydantic model (:class:`DecodeError` otherwise), else the raw payload.
+    A sync function that returns an awaitable (an async function behind a plain
+    wrapper) has it awaited on the loop: its work runs before the envelope is acked.
+
+    :param niceness: lower the priority of the worker processes by this much (see
+        :func:`run_niced`); ``None`` leaves them as they are.
+    """
+    function = subscription.handler
+    argument = argument_of(function)
+    if subscription.offload is None:
+        if argument is _identity:
+            return typing.cast("Handler", function)
+        if argument is None:
+
+            def call_async(env: Envelope) -> Any:
+                return function(env.payload)
+
+            call_async.payload_function = function  # type: ignore[attr-defined]
+            return call_async
+
+        def call_async_typed(env: Envelope) -> Any:
+            return function(argument(env))
+
+        return call_async_typed
+    extract = argument or _payload
+    if subscription.offload == "inline":
+
+        async def call_inline(env: Envelope) -> Any:
+            return await _settled(function(extract(env)))
+
+        return call_inline
+    if subscription.offload == "process":
+
+        async def call_in_process(env: Envelope) -> Any:
+            value = extract(env)
+            try:
+                pickle.dumps((function, value))
+            except Exception as error:  # pickle raises anything a __reduce__ raises
+                raise Reject(
+                    f"offload='process' needs a picklable handler and payload; pickling "
+                    f"failed: {type(error).__name__}: {error}"
+                ) from error
+            if niceness is None:
+                return await anyio.to_process.run_sync(
+                    function, value, cancellable=True, limiter=pool.limiter
+                )
+            return await anyio.to_process.run_sync(
+                run_niced, function, value, niceness, cancellable=True, limiter=pool.limiter
+            )
+
+        return call_in_process
+
+    async def call_in_thread(env: Envelope) -> Any:
+        return await _settled(await pool.run(function, extract(env), env))
+
+    return call_in_thread
+
+
+async def _settled(result: Any) -> Any:
+    """``result``, awaited first when a sync handler returned an awaitable."""
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+def build_chain(
+    subscription: Subscription, handler: Handler, bus_middleware: Sequence[Middleware]
+) -> Handler:
+    """Wrap ``handler`` in the stage's middleware, first listed outermost.
+
+    Default order: ``dead_letter ▸ routing_slip ▸ expire ▸ retry ▸ timeout ▸ bus
+    middleware ▸ subscription middleware ▸ handler``. A built-in the user lists
+    replaces the default of its kind, at the place the user put it.
+    """
+    user = [*bus_middleware, *subscription.middleware]
+    listed = {getattr(layer, "asyncbus_builtin", None) for layer in user}
+    defaults: list[Middleware] = [dead_letter(), routing_slip(), expire()]
+    if subscription.retry is not None:
+        defaults.append(subscription.retry)
+    if subscription.timeout is not None:
+        defaults.append(timeout_middleware(subscription.timeout))
+    layers = [layer for layer in defaults if getattr(layer, "asyncbus_builtin", None) not in listed]
+    layers += user
+    if layers and getattr(layers[0], "asyncbus_builtin", None) == "dead_letter":
+        # Outermost, the dead-letter layer would catch exactly what the consumer
+        # catches and give the same verdict for it: skip the extra frame.
+        layers = layers[1:]
+    if not {getattr(layer, "asyncbus_builtin", None) for layer in layers} <= _PASS_THROUGH:
+        # Retry, timeouts and the user's middleware see a stray cancellation as the
+        # failure it is (the consumer does the same for the fused chain below).
+        chain = _failing_on_stray_cancellation(handler)
+        for layer in reversed(layers):
+            chain = layer(chain)
+        return chain
+    chain = handler
+    for layer in reversed(layers):
+        chain = layer(chain)
+    # Only layers that do nothing for a plain envelope: test that once and call the
+    # handler directly, instead of passing through each layer in turn.
+    general = chain
+    on_payload = getattr(handler, "payload_function", None)
+    if on_payload is not None:  # an async handler of the payload: call it directly
+
+        def fused_payload(envelope: Envelope) -> Awaitable[Any]:
+            if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
+                return general(envelope)
+            return on_payload(envelope.payload)  # type: ignore[no-any-return]
+
+        return fused_payload
+
+    def fused(envelope: Envelope) -> Awaitable[Any]:
+        if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
+            return general(envelope)
+        return handler(envelope)
+
+    return fused
+
+
+def _failing_on_stray_cancellation(handler: Handler) -> Handler:
+    """``handler``, raising :class:`HandlerCancelled` for a cancellation that is not ours."""
+
+    async def guarded(envelope: Envelope) -> Any:
+        try:
+            return await handler(envelope)
+        except BaseException as error:  # deliberate: only a stray cancellation is changed
+            failure = handler_failure(error)
+            if failure is None or failure is error:
+                raise
+            raise failure from error
+
+    return guarded

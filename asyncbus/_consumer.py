@@ -1,0 +1,483 @@
+"""A stage's consumers: take an envelope, run the chain, and settle it in one place.
+
+Each consumer task loops: one yield, take the oldest envelope (or park until one is
+admitted), run the chain, then :func:`settle` what the chain decided. The chain's
+result is either a verdict (``_verdicts``: skip, retry after a delay, dead-letter)
+or anything else, which acks; an exception that escapes the chain is a failure and
+dead-letters. ``settle`` is the only place that moves the stage's ledger for an
+envelope a consumer held, starts retry timers, records dead letters and, over a
+broker, acks or rejects the delivery.
+
+A controlled stage (adaptive concurrency, shedding) runs :func:`consume_controlled`,
+the same loop obeying its controllers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import anyio
+
+from . import _instrument
+from ._control import Crew
+from ._dead_letters import DeadLetter, DeadLetterReason
+from ._envelope import Envelope
+from ._failures import describe_error, handler_failure
+from ._handling import Handling, HandlingHost
+from ._instrument import Instrumentation, Result
+from ._stage import Stage, StageHost
+from ._subscription import Subscription
+from ._types import Handler
+from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
+from .transports.base import Delivery
+
+__all__ = [
+    "ConsumerHost",
+    "consume",
+    "consume_controlled",
+    "pump",
+    "reject_delivery",
+    "settle",
+    "start_consumers",
+]
+
+_clock = time.perf_counter
+logger = logging.getLogger("asyncbus.stage")
+
+
+class ConsumerHost(StageHost, HandlingHost, Protocol):
+    """What consumers need of the bus that runs them (one object per bus)."""
+
+    #: The backend's checkpoint: the consumer's one yield per envelope.
+    yield_now: Callable[[], Awaitable[None]]
+    #: Told around each dispatch when set (tracing, carried contextvars).
+    instrumentation: Instrumentation | None
+    #: ``drain()`` calls waiting; the consumer tells the host only when there are some.
+    idle_waiters: list[Any]
+
+    def consumer_info(self, stage: Stage) -> _instrument.Consumer:
+        """How ``stage`` is described to the instrumentation."""
+
+    def cleanup_scope(self) -> AbstractContextManager[anyio.CancelScope]:
+        """A shielded scope for settling with the broker, bounded by the close deadline."""
+
+
+def start_consumers(
+    stage: Stage, subscription: Subscription, chain: Handler, host: ConsumerHost
+) -> None:
+    """Start ``subscription``'s consumers on ``stage``, each running ``chain``."""
+    name = f"asyncbus consumer {stage.name}"
+    control = stage.control
+    if control is not None:
+
+        def spawn(crew: Crew) -> None:
+            host.start_soon(consume_controlled, stage, crew, host, name=name)
+
+        control.start(subscription, chain, spawn)
+        return
+    assert isinstance(subscription.concurrency, int)
+    for _ in range(subscription.concurrency):
+        host.start_soon(consume, stage, chain, host, name=name)
+
+
+async def _run(chain: Handler, envelope: Envelope) -> Any:
+    """``chain(envelope)``'s verdict or result; a failure that escaped it as a verdict."""
+    try:
+        return await chain(envelope)
+    except Exception as error:  # the chain's outermost dead-letter layer
+        return DeadLetterNow.for_failure(error)
+    except BaseException as error:  # deliberate: a stray cancellation is a failure
+        failure = handler_failure(error)
+        if failure is None:
+            raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
+        return DeadLetterNow.for_failure(failure)
+
+
+async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
+    """One consumer of a static stage: take, run, settle; one yield per envelope."""
+    handling = Handling(stage, host)
+    handling.activate()
+    stage.handlings.append(handling)
+    checkpoint = host.yield_now
+    waiters = stage.consumer_waiters
+    ledger = stage.ledger
+    pop = stage.pop
+    wait_record, latency_record = stage.wait.record, stage.latency.record
+    while True:
+        # Items always sit in the stage's buffer (no consumer ever waits inside a
+        # stream), so ``queued`` is exactly what a stage holds and nothing is ever in a
+        # hand-over that cancellation could lose.
+        await checkpoint()  # the one yield per envelope
+        if not stage.queued:
+            # Still empty after a yield: park until an admission wakes us. (The yield
+            # first lets a publisher that runs in step with us refill the stage without
+            # anyone paying for an Event.)
+            waiter = anyio.Event()
+            waiters.append(waiter)
+            try:
+                await waiter.wait()  # the yield, when the stage was empty
+            except BaseException:  # deliberate: however the wait ends, no wake-up is lost
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                elif stage.queued:
+                    stage.wake_consumer()  # we were woken for an item: pass it on
+                raise
+            if not stage.queued:
+                continue
+        admitted_at, envelope = pop()
+        stage.queued -= 1
+        if stage.room_waiters:
+            stage.wake_one()
+        stage.in_flight += 1
+        if admitted_at:  # sampled at admission: one envelope in 8
+            started = _clock()
+            wait_record(started - admitted_at)
+        handling.envelope = envelope
+        instrumentation = host.instrumentation
+        if instrumentation is not None:  # the same, between the observers' enter and exit
+            await _dispatch_observed(instrumentation, chain, stage, envelope, handling, host)
+        else:
+            result = await _run(chain, envelope)
+            if not isinstance(result, Verdict) and not stage.deliveries:
+                # Acked, in memory: counted here, inline, as this runs once per envelope.
+                handling.envelope = None
+                ledger.acked += 1
+                stage.in_flight -= 1
+                if host.idle_waiters:
+                    host.settled(stage)
+            else:
+                await settle(stage, handling, envelope, result, host)
+        if admitted_at:
+            latency_record(_clock() - started)
+
+
+async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> None:
+    """One consumer of a controlled stage's ``crew``: the consumer loop, under control.
+
+    Like the static loop it yields once per envelope; it also retires between
+    envelopes when the crew shrinks, sheds stale envelopes while the stage is
+    shedding, and feeds each handling latency to the crew's limiter.
+    """
+    control = stage.control
+    assert control is not None
+    handling = Handling(stage, host)
+    handling.activate()
+    stage.handlings.append(handling)
+    chain = crew.chain
+    clock, lanes, shedder, limiter = control.clock, control.lanes, control.shedder, crew.limiter
+    checkpoint = host.yield_now
+    waiters = stage.consumer_waiters
+    while True:
+        await checkpoint()  # the one yield per envelope
+        if crew.retiring:
+            # An envelope boundary: nothing is held, so leaving loses nothing.
+            crew.retiring -= 1
+            crew.running -= 1
+            stage.handlings.remove(handling)
+            if stage.queued:
+                stage.wake_consumer()  # an admission may have woken us for an item
+            return
+        if not stage.queued:
+            if shedder is not None:
+                shedder.idle()
+            waiter = anyio.Event()
+            waiters.append(waiter)
+            crew.parked.append(waiter)
+            try:
+                await waiter.wait()
+            except BaseException:  # deliberate: however the wait ends, no wake-up is lost
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                elif stage.queued:
+                    stage.wake_consumer()  # we were woken for an item: pass it on
+                raise
+            finally:
+                if waiter in crew.parked:
+                    crew.parked.remove(waiter)
+            continue
+        now = clock()
+        newest_first = False
+        if shedder is not None and shedder.observe(now - lanes.oldest_admitted(), now):
+            stale = lanes.take_stale(shedder.shed_before(now))
+            if stale:
+                shedder.note_shed(now)
+                await shed(stage, stale, host)
+                if not stage.queued:
+                    continue
+            newest_first = control.lifo
+        admitted_at, envelope = lanes.take(newest_first)
+        stage.queued -= 1
+        if stage.room_waiters:
+            stage.wake_one()
+        stage.in_flight += 1
+        crew.in_flight += 1
+        in_flight = crew.in_flight
+        stage.wait.record(now - admitted_at)
+        handling.envelope = envelope
+        instrumentation = host.instrumentation
+        if instrumentation is not None:  # the same, between the observers' enter and exit
+            await _dispatch_observed(instrumentation, chain, stage, envelope, handling, host)
+            crew.in_flight -= 1
+        else:
+            result = await _run(chain, envelope)
+            crew.in_flight -= 1
+            await settle(stage, handling, envelope, result, host)
+        latency = clock() - now
+        stage.latency.record(latency)
+        if limiter is not None and limiter.record(latency, in_flight):
+            control.resize(crew)
+
+
+async def settle(
+    stage: Stage, handling: Handling, envelope: Envelope, verdict: Any, host: ConsumerHost
+) -> None:
+    """Carry out what the chain decided for ``envelope``, which a consumer of ``stage`` held.
+
+    ``verdict`` is a :class:`Verdict`, or any other result (an ack). The ledger moves
+    for it before any await (:func:`conclude`); then, over a broker, the delivery is
+    acked or rejected (a retry keeps it until the last attempt).
+    """
+    retrying, dead = conclude(stage, handling, envelope, verdict, host)
+    if stage.deliveries and not retrying:
+        await _settle_delivery(stage, envelope, dead, host)
+
+
+def conclude(
+    stage: Stage, handling: Handling, envelope: Envelope, verdict: Any, host: ConsumerHost
+) -> tuple[bool, DeadLetter | None]:
+    """The ledger's part of :func:`settle`, without an await.
+
+    :return: whether a retry keeps the envelope, and its dead letter when it died.
+    """
+    ledger = stage.ledger
+    handling.envelope = None  # settled from here on: the close does not list it
+    if isinstance(verdict, RetryAfter):
+        ledger.failed += 1
+        ledger.retried += 1
+        host.failure_log.retrying(stage.name, envelope, verdict.delay, verdict.cause)
+        stage.retrying[id(envelope)] = envelope  # still in flight while it waits
+        host.start_soon(stage.retry_later, envelope, verdict.delay)
+        return True, None
+    if isinstance(verdict, DeadLetterNow):
+        if verdict.cause is not None:
+            ledger.failed += 1
+        ledger.dead(verdict.reason)
+        stage.in_flight -= 1
+        dead = host.dead_letter(
+            envelope,
+            verdict.reason,
+            verdict.error,
+            stage.name,
+            envelope.attempt,
+            verdict.cause,
+            stored=id(envelope) in stage.deliveries,
+        )
+        host.settled(stage)
+        return False, dead
+    # An ack: a result, or Skip.
+    ledger.acked += 1
+    stage.in_flight -= 1
+    if host.idle_waiters:
+        host.settled(stage)
+    return False, None
+
+
+async def _settle_delivery(
+    stage: Stage, envelope: Envelope, dead: DeadLetter | None, host: ConsumerHost
+) -> None:
+    delivery = stage.deliveries.pop(id(envelope), None)
+    if delivery is None:
+        return
+    try:
+        if dead is None and (ack_nowait := getattr(delivery, "ack_nowait", None)):
+            ack_nowait()  # only queued for the transport's writer: nothing to shield
+            return
+        # Shielded (a settle is not skipped because the bus is closing), bounded by the
+        # bus's close deadline.
+        with host.cleanup_scope() as scope:
+            if dead is None:
+                await delivery.ack()
+            else:
+                await reject_delivery(
+                    delivery, dead.reason.value, dead.error, stage.name, dead.attempts
+                )
+        if not scope.cancelled_caught:
+            return
+        logger.warning("could not settle %s with the broker before closing", envelope.id)
+    except Exception:
+        logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
+    # The broker did not take the settle: it delivers the envelope again
+    # (at-least-once), so it ends here as abandoned, not as acked or dead-lettered
+    # (the dead-letter queue keeps the entry the bus recorded).
+    if dead is None:
+        stage.ledger.ack_lost()
+    else:
+        stage.ledger.dead_unsettled(dead.reason)
+    stage.unsettled.append(envelope.id)
+
+
+async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
+    """Dead-letter ``stale`` (already out of the lanes) as ``overload``."""
+    reason = DeadLetterReason.OVERLOAD
+    held: list[tuple[Envelope, Delivery]] = []
+    # The ledger moves for all of them before any await: queued -> dead_lettered.
+    stage.queued -= len(stale)
+    for envelope in stale:
+        delivery = stage.deliveries.pop(id(envelope), None)
+        stage.ledger.dead(reason)
+        host.dead_letter(envelope, reason, None, stage.name, 0, stored=delivery is not None)
+        if delivery is not None:
+            held.append((envelope, delivery))
+    for _ in range(len(stale)):
+        if not stage.room_waiters:
+            break
+        stage.wake_one()
+    host.settled(stage)
+    for envelope, delivery in held:
+        try:
+            with anyio.CancelScope(shield=True):
+                await reject_delivery(delivery, reason.value, None, stage.name, 0)
+        except Exception:
+            # The broker will deliver it again (at-least-once); locally it is shed.
+            logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
+
+
+async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
+    """Feed ``stage`` from the broker: at most ``capacity`` deliveries held here.
+
+    No delivery ends the pump: one that cannot be taken in (undecodable, delivered
+    too often, or anything unexpected) is dead-lettered ``rejected`` and rejected.
+    A controlled stage queues at most ``min(capacity, limit)`` of them (plus the
+    ones its consumers hold), so the rest stays in the broker for other replicas.
+    """
+    subscription = transport.subscribe(stage.pattern, group=stage.group, prefetch=stage.capacity)
+    bound = stage.control.local_bound if stage.control is not None else None
+    async with subscription as deliveries:
+        if stage.subscribed is not None:
+            stage.subscribed.set()  # the group exists in the broker from here on
+        async for delivery in deliveries:
+            try:
+                envelope = delivery.envelope
+                refused = getattr(delivery, "error", None)  # beyond the Delivery protocol
+                if refused is None:
+                    await stage.wait_for_room(bound)
+                    stage.deliveries[id(envelope)] = delivery
+                    stage.admit(envelope)
+                    continue
+            except Exception as error:  # a broken delivery must not end the pump
+                logger.exception("stage %s could not take in a delivery", stage.name)
+                refused = f"the delivery could not be taken in: {describe_error(error)}"
+            await _refuse(stage, delivery, str(refused), host)
+
+
+async def _refuse(stage: Stage, delivery: Delivery, error: str, host: ConsumerHost) -> None:
+    """Count ``delivery`` in, dead-letter it ``rejected`` and reject it, never handled."""
+    envelope = getattr(delivery, "envelope", None)
+    if not isinstance(envelope, Envelope):
+        envelope = Envelope(topic=stage.pattern, payload=None)
+    stage.ledger.published += 1
+    stage.ledger.dead(DeadLetterReason.REJECTED)
+    entry = host.dead_letter(
+        envelope, DeadLetterReason.REJECTED, error, stage.name, envelope.attempt, stored=True
+    )
+    try:
+        with anyio.CancelScope(shield=True):
+            await reject_delivery(
+                delivery,
+                DeadLetterReason.REJECTED.value,
+                entry.error if entry else error,
+                stage.name,
+                envelope.attempt,
+            )
+    except Exception:
+        # Left unsettled: the broker delivers it again, and it is refused again.
+        logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
+
+
+async def reject_delivery(
+    delivery: Delivery, reason: str, error: str | None, stage: str, attempts: int
+) -> None:
+    """``delivery.reject(reason)``, with each of the dead letter's details it takes.
+
+    The public ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
+    also take ``error``, ``stage`` and ``attempts`` (:class:`DetailedDelivery`) so the
+    broker's copy of the dead letter matches the bus's. A transport that takes only
+    some of them gets those; one written to the protocol alone still works.
+    """
+    details = {"error": error, "stage": stage, "attempts": attempts}
+    accepted = _reject_keywords(type(delivery))
+    reject: Callable[..., Awaitable[None]] = delivery.reject
+    await reject(reason, **{name: details[name] for name in accepted})
+
+
+_REJECT_DETAILS = frozenset({"error", "stage", "attempts"})
+
+
+@functools.cache
+def _reject_keywords(delivery_type: type[Delivery]) -> frozenset[str]:
+    try:
+        parameters = inspect.signature(delivery_type.reject).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return _REJECT_DETAILS
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return _REJECT_DETAILS & {p.name for p in parameters if p.kind in named}
+
+
+# -- instrumented dispatch -------------------------------------------------------
+
+
+async def _dispatch_observed(
+    instrumentation: Instrumentation,
+    chain: Handler,
+    stage: Stage,
+    envelope: Envelope,
+    handling: Handling,
+    host: ConsumerHost,
+) -> None:
+    """Run and settle ``envelope`` between the instrumentation's ``enter`` and ``exit``.
+
+    The exit comes once the ledger moved (a dead letter is recorded, and announced,
+    inside the dispatch), before the broker is told.
+    """
+    token = _instrument.enter(instrumentation, host.consumer_info(stage), envelope)
+    try:
+        result = await chain(envelope)
+    except Exception as error:  # the chain's outermost dead-letter layer, as in the consumer
+        result = DeadLetterNow.for_failure(error)
+    except BaseException as error:  # cancelled: the attempt is abandoned; close what opened
+        failure = handler_failure(error)
+        if failure is None:  # the bus's own cancellation (else a stray one: a failure)
+            _instrument.exit(instrumentation, token, Result("abandoned", exception=error))
+            raise
+        result = DeadLetterNow.for_failure(failure)
+    retrying, dead = conclude(stage, handling, envelope, result, host)
+    _instrument.exit(instrumentation, token, _result(result))
+    if stage.deliveries and not retrying:
+        await _settle_delivery(stage, envelope, dead, host)
+
+
+def _result(verdict: Any) -> Result:
+    if isinstance(verdict, DeadLetterNow):
+        return Result(
+            "dead_lettered",
+            reason=verdict.reason.value,
+            error=verdict.error,
+            exception=verdict.cause,
+        )
+    if isinstance(verdict, RetryAfter):
+        return Result("retry", delay=verdict.delay, exception=verdict.cause)
+    if isinstance(verdict, Skip):
+        return _SKIPPED
+    return _ACKED
+
+
+_ACKED = Result("acked")
+_SKIPPED = Result("skipped")

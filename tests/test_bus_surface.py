@@ -1,0 +1,32 @@
+"""``Bus`` shows DESIGN's surface and what the guide documents, and nothing else."""
+
+from __future__ import annotations
+
+from asyncbus import Bus
+
+#: DESIGN's methods, plus ``running`` and ``subscribed()`` (documented in the guide).
+DOCUMENTED_METHODS = {
+    "aclose",
+    "drain",
+    "publish",
+    "publish_nowait",
+    "publish_threadsafe",
+    "request",
+    "running",
+    "statistics",
+    "subscribe",
+    "subscribed",
+}
+#: Attributes of an instance: DESIGN's ``dead_letters`` and what the constructor was given.
+DOCUMENTED_ATTRIBUTES = {"dead_letters", "name", "transport", "workers"}
+
+
+def test_the_class_has_only_the_documented_public_names() -> None:
+    assert {name for name in dir(Bus) if not name.startswith("_")} == DOCUMENTED_METHODS
+
+
+def test_an_instance_has_only_the_documented_public_names() -> None:
+    bus = Bus(workers=2, name="svc")
+    public = {name for name in dir(bus) if not name.startswith("_")}
+    assert public == DOCUMENTED_METHODS | DOCUMENTED_ATTRIBUTES
+    assert (bus.name, bus.workers, bus.transport) == ("svc", 2, None)
