@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
 from types import MappingProxyType, TracebackType
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, NoReturn, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -52,7 +52,7 @@ from ._exceptions import (
     PublishTimeout,
     TransportError,
 )
-from ._failures import describe_error, short_traceback
+from ._failures import describe_error, short_traceback, stray_cancellation
 from ._handling import current_handling, handled_envelope
 from ._logging import FailureLog, dead_letter_logger
 from ._offload import (
@@ -235,6 +235,10 @@ class _Services:
         assert broker is not None  # deliveries come from a broker
         return broker.cleanup_scope()
 
+    async def halt(self, error: BaseException) -> NoReturn:
+        """A handler raised ``error`` (``KeyboardInterrupt``, ...): stop the bus (``Bus._halt``)."""
+        await self._bus._halt(error)
+
 
 class Bus:
     """An in-process message bus of SEDA stages; ``async with bus:`` runs it.
@@ -337,6 +341,12 @@ class Bus:
         self._stop_deadline = math.inf
         self._deadline_scope: anyio.CancelScope | None = None
         self._drained = False
+        #: What stopped the bus without a stop being asked for (a handler's
+        #: KeyboardInterrupt or SystemExit, or its task group ending by itself): raised
+        #: from ``async with bus`` / ``aclose`` once the bus has stopped.
+        self._fatal: BaseException | None = None
+        self._fatal_raised = False
+        self._exiting = False
         #: Called with every envelope routed (publishes, slip hops, replays); for test
         #: helpers such as :func:`asyncbus.testing.capture`.
         self._observers: list[Callable[[Envelope], None]] = []
@@ -392,6 +402,9 @@ class Bus:
         self._stop_deadline = math.inf
         self._drained = False
         self._report = None
+        self._exiting = False
+        self._fatal = None
+        self._fatal_raised = False
         # The bus's own task group runs inside a runner task, so the task that entered
         # ``async with bus`` is never inside the cancel scope that stops the bus:
         # ``aclose()`` works from any task and inside any cancel scope.
@@ -425,6 +438,7 @@ class Bus:
                 await self._stopped.wait()
             self._host = None
             await host.__aexit__(None, None, None)
+            self._raise_fatal()  # (a handler stopped the bus while it started)
             raise
         return self
 
@@ -446,6 +460,7 @@ class Bus:
         the stop happens whatever becomes of the caller that asked for it.
         """
         self._runner = anyio.get_current_task().id
+        asked = True  # (set again when the task group ends: was a stop asked for?)
         try:
             async with AsyncExitStack() as stack:
                 broker = self._broker
@@ -463,9 +478,8 @@ class Bus:
                     for stage in self._stages.values():
                         stage.open()
                     task_status.started()
-                    assert self._stop_requested is not None
-                    await self._stop_requested.wait()
                     try:
+                        await self._wait_for_stop_request()
                         with anyio.CancelScope(deadline=self._stop_deadline) as deadline:
                             self._deadline_scope = deadline
                             try:
@@ -481,6 +495,7 @@ class Bus:
                             else:
                                 self._drained = True
                     finally:
+                        asked = self._stop_requested is not None and self._stop_requested.is_set()
                         self._deadline_scope = None
                         with anyio.CancelScope(shield=True):
                             for pending in self._requests.values():
@@ -492,6 +507,17 @@ class Bus:
                             self._portal = None
                             await portal.stop(cancel_remaining=True)
                         task_group.cancel_scope.cancel()
+            if not asked:
+                # The task group ended without a stop asked for: its scope was
+                # cancelled by something else (a task of the bus cancelled from
+                # outside). Never a silent stop: ``async with bus`` raises this.
+                self._fail(
+                    BusClosedError(
+                        "the bus stopped by itself: its task group ended without a "
+                        "stop being requested (was its task group or one of its "
+                        "tasks cancelled from outside the bus?)"
+                    )
+                )
         finally:
             self._task_group = None
             self._portal = None
@@ -499,6 +525,53 @@ class Bus:
             self._finish(self._drained)
             if self._stopped is not None:
                 self._stopped.set()
+            host = self._host
+            if self._fatal is not None and host is not None and not self._exiting:
+                # Interrupt the body of ``async with bus``: its exit raises the error.
+                host.cancel_scope.cancel()
+
+    async def _wait_for_stop_request(self) -> None:
+        """Wait until a stop is requested; a stray cancellation of the runner is ignored."""
+        assert self._stop_requested is not None
+        while True:
+            try:
+                await self._stop_requested.wait()
+                return
+            except anyio.get_cancelled_exc_class():
+                if not stray_cancellation():
+                    raise  # the bus's own, or the scope of its task group
+                logger.warning(
+                    "the runner task of bus %r was cancelled from outside the bus; ignored",
+                    self.name,
+                )
+
+    def _fail(self, error: BaseException) -> None:
+        """Stop the bus at once for ``error``, which its ``async with`` then raises."""
+        if self._fatal is None:
+            self._fatal = error
+            logger.error("bus %r stops: %s", self.name, describe_error(error), exc_info=error)
+        if self._state in ("running", "closing", "starting"):
+            self._request_stop(-math.inf)
+
+    async def _halt(self, error: BaseException) -> NoReturn:
+        """A handler raised ``error`` (``KeyboardInterrupt``, ``SystemExit``): stop the bus.
+
+        Not a handler failure: the bus stops at once, as on an exception in the body
+        of ``async with bus``, whose exit (or ``aclose``) then raises ``error`` itself
+        (the body is interrupted). The calling consumer keeps its envelope until the
+        stop cancels it, so the envelope is listed in ``ShutdownReport.abandoned``:
+        neither acked nor dead-lettered. Never returns.
+        """
+        self._fail(error)
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _raise_fatal(self, *, again: bool = False) -> None:
+        """Raise what stopped the bus by itself: once, or ``again`` (the ``async with`` exit)."""
+        fatal = self._fatal
+        if fatal is not None and (again or not self._fatal_raised):
+            self._fatal_raised = True
+            raise fatal
 
     async def __aexit__(
         self,
@@ -506,6 +579,7 @@ class Bus:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._exiting = True
         try:
             if exc_type is not None:
                 if self._state in ("running", "closing"):
@@ -521,6 +595,9 @@ class Bus:
                 # The runner has finished: the host group is empty. The body's own
                 # exception (if any) propagates unwrapped once this returns.
                 await host.__aexit__(None, None, None)
+        # What stopped the bus by itself replaces the body's exception (most often the
+        # cancellation that interrupted the body for it), which stays its context.
+        self._raise_fatal(again=True)
 
     async def aclose(self, timeout: float | None = 30.0) -> ShutdownReport:
         """Stop accepting outside publishes, drain, cancel what is left, and report.
@@ -545,6 +622,7 @@ class Bus:
             assert self._started is not None
             await self._started.wait()
         if self._state == "closed" or self._state == "new":
+            self._raise_fatal()
             if self._report is None:
                 self._report = self._make_report(drained=True, abandoned=[])
             return self._report
@@ -561,6 +639,7 @@ class Bus:
             # goes on in the runner task, now, so later calls return in their own time.
             self._request_stop(-math.inf)
             raise
+        self._raise_fatal()
         assert self._report is not None
         return self._report
 

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import anyio
 
@@ -28,7 +28,7 @@ from . import _instrument
 from ._control import Crew
 from ._dead_letters import DeadLetter, DeadLetterReason
 from ._envelope import Envelope
-from ._failures import describe_error, handler_failure
+from ._failures import describe_error, handler_failure, stray_cancellation
 from ._handling import Handling, HandlingHost
 from ._instrument import Instrumentation, Result
 from ._stage import Stage, StageHost
@@ -67,6 +67,14 @@ class ConsumerHost(StageHost, HandlingHost, Protocol):
     def cleanup_scope(self) -> AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
 
+    async def halt(self, error: BaseException) -> NoReturn:
+        """A handler raised ``error`` (``KeyboardInterrupt``, ``SystemExit``): stop the bus.
+
+        The bus stops at once and its ``async with`` raises ``error``; the calling
+        consumer keeps its envelope until the stop cancels it (listed as abandoned).
+        Never returns.
+        """
+
 
 def start_consumers(
     stage: Stage, subscription: Subscription, chain: Handler, host: ConsumerHost
@@ -86,16 +94,18 @@ def start_consumers(
         host.start_soon(consume, stage, chain, host, name=name)
 
 
-async def _run(chain: Handler, envelope: Envelope) -> Any:
+async def _run(chain: Handler, envelope: Envelope, host: ConsumerHost) -> Any:
     """``chain(envelope)``'s verdict or result; a failure that escaped it as a verdict."""
     try:
         return await chain(envelope)
     except Exception as error:  # the chain's outermost dead-letter layer
         return DeadLetterNow.for_failure(error)
-    except BaseException as error:  # deliberate: a stray cancellation is a failure
+    except BaseException as error:  # deliberate: see handler_failure
         failure = handler_failure(error)
         if failure is None:
-            raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
+            if isinstance(error, anyio.get_cancelled_exc_class()):
+                raise  # the bus's own cancellation
+            await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
         return DeadLetterNow.for_failure(failure)
 
 
@@ -109,11 +119,18 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
     ledger = stage.ledger
     pop = stage.pop
     wait_record, latency_record = stage.wait.record, stage.latency.record
+    cancelled = anyio.get_cancelled_exc_class()
     while True:
         # Items always sit in the stage's buffer (no consumer ever waits inside a
         # stream), so ``queued`` is exactly what a stage holds and nothing is ever in a
         # hand-over that cancellation could lose.
-        await checkpoint()  # the one yield per envelope
+        try:
+            await checkpoint()  # the one yield per envelope
+        except cancelled:
+            if not stray_cancellation():
+                raise
+            _cancelled_from_outside(stage)
+            continue
         if not stage.queued:
             # Still empty after a yield: park until an admission wakes us. (The yield
             # first lets a publisher that runs in step with us refill the stage without
@@ -122,12 +139,15 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
             waiters.append(waiter)
             try:
                 await waiter.wait()  # the yield, when the stage was empty
-            except BaseException:  # deliberate: however the wait ends, no wake-up is lost
+            except BaseException as error:  # deliberate: however it ends, no wake-up is lost
                 if waiter in waiters:
                     waiters.remove(waiter)
                 elif stage.queued:
                     stage.wake_consumer()  # we were woken for an item: pass it on
-                raise
+                if not isinstance(error, cancelled) or not stray_cancellation():
+                    raise
+                _cancelled_from_outside(stage)
+                continue
             if not stage.queued:
                 continue
         admitted_at, envelope = pop()
@@ -143,7 +163,7 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
         if instrumentation is not None:  # the same, between the observers' enter and exit
             await _dispatch_observed(instrumentation, chain, stage, envelope, handling, host)
         else:
-            result = await _run(chain, envelope)
+            result = await _run(chain, envelope, host)
             if not isinstance(result, Verdict) and not stage.deliveries:
                 # Acked, in memory: counted here, inline, as this runs once per envelope.
                 handling.envelope = None
@@ -173,8 +193,15 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
     clock, lanes, shedder, limiter = control.clock, control.lanes, control.shedder, crew.limiter
     checkpoint = host.yield_now
     waiters = stage.consumer_waiters
+    cancelled = anyio.get_cancelled_exc_class()
     while True:
-        await checkpoint()  # the one yield per envelope
+        try:
+            await checkpoint()  # the one yield per envelope
+        except cancelled:
+            if not stray_cancellation():
+                raise
+            _cancelled_from_outside(stage)
+            continue
         if crew.retiring:
             # An envelope boundary: nothing is held, so leaving loses nothing.
             crew.retiring -= 1
@@ -191,12 +218,14 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
             crew.parked.append(waiter)
             try:
                 await waiter.wait()
-            except BaseException:  # deliberate: however the wait ends, no wake-up is lost
+            except BaseException as error:  # deliberate: however it ends, no wake-up is lost
                 if waiter in waiters:
                     waiters.remove(waiter)
                 elif stage.queued:
                     stage.wake_consumer()  # we were woken for an item: pass it on
-                raise
+                if not isinstance(error, cancelled) or not stray_cancellation():
+                    raise
+                _cancelled_from_outside(stage)
             finally:
                 if waiter in crew.parked:
                     crew.parked.remove(waiter)
@@ -225,13 +254,21 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
             await _dispatch_observed(instrumentation, chain, stage, envelope, handling, host)
             crew.in_flight -= 1
         else:
-            result = await _run(chain, envelope)
+            result = await _run(chain, envelope, host)
             crew.in_flight -= 1
             await settle(stage, handling, envelope, result, host)
         latency = clock() - now
         stage.latency.record(latency)
         if limiter is not None and limiter.record(latency, in_flight):
             control.resize(crew)
+
+
+def _cancelled_from_outside(stage: Stage) -> None:
+    """A consumer between envelopes met a stray cancellation: it goes on consuming."""
+    logger.warning(
+        "a consumer of stage %r was cancelled from outside the bus (not a stop); it goes on",
+        stage.name,
+    )
 
 
 async def settle(
@@ -456,7 +493,9 @@ async def _dispatch_observed(
         failure = handler_failure(error)
         if failure is None:  # the bus's own cancellation (else a stray one: a failure)
             _instrument.exit(instrumentation, token, Result("abandoned", exception=error))
-            raise
+            if isinstance(error, anyio.get_cancelled_exc_class()):
+                raise
+            await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
         result = DeadLetterNow.for_failure(failure)
     retrying, dead = conclude(stage, handling, envelope, result, host)
     _instrument.exit(instrumentation, token, _result(result))

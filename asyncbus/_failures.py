@@ -11,7 +11,14 @@ import anyio
 
 from ._runtime import current_backend
 
-__all__ = ["HandlerCancelled", "describe_error", "handler_failure", "short_traceback"]
+__all__ = [
+    "HandlerCancelled",
+    "HandlerExited",
+    "describe_error",
+    "handler_failure",
+    "short_traceback",
+    "stray_cancellation",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -35,32 +42,61 @@ class HandlerCancelled(Exception):
     """A handler raised a cancellation that was not its own (a failure, not a stop).
 
     On asyncio, awaiting a task or future that someone else cancelled raises
-    ``CancelledError`` in the awaiting handler although nothing cancelled the handler.
-    The bus turns it into this exception, so it is retried and dead-lettered like any
-    other failure instead of stopping the consumer; ``__cause__`` is the original.
+    ``CancelledError`` in the awaiting handler although nothing cancelled the handler;
+    so does a ``task.cancel()`` of the consumer's task made by anything but the bus
+    (the handler itself, or another task). The bus turns it into this exception, so it
+    is retried and dead-lettered like any other failure instead of stopping the
+    consumer; ``__cause__`` is the original.
     """
+
+
+class HandlerExited(Exception):
+    """A handler raised ``GeneratorExit``: a failure like any exception, not a stop.
+
+    ``__cause__`` is the original ``GeneratorExit``.
+    """
+
+
+def stray_cancellation() -> bool:
+    """Whether the cancellation exception being handled is not the bus's own.
+
+    Call it only while handling the backend's cancellation exception. The bus stops
+    its tasks through cancel scopes alone, so a cancellation is its own (or that of
+    any enclosing scope) exactly when a scope around the calling task was cancelled.
+    Anything else is stray: on asyncio, a ``task.cancel()`` made by someone else, or
+    a ``CancelledError`` of something else that was awaited. A stray cancellation
+    requested on the calling task itself is taken back (``uncancel``): the task was
+    not asked to stop by its owner, and goes on.
+    """
+    if anyio.current_effective_deadline() == -math.inf:
+        return False  # a scope around us was cancelled: this is ours
+    if current_backend() == "asyncio":
+        task = asyncio.current_task()
+        if task is not None:
+            while task.cancelling():
+                task.uncancel()
+    return True
 
 
 def handler_failure(error: BaseException) -> Exception | None:
     """What the bus treats as the handler's failure for ``error``, ``None`` to re-raise it.
 
-    An ``Exception`` is a failure as it is. A cancellation exception is the bus's own
-    (shutdown, a stage timeout, any enclosing cancel scope) when a cancel scope around
-    the calling task was cancelled, or, on asyncio, when the task itself was asked to
-    cancel; otherwise it came from something else that was cancelled, and it is a
-    :class:`HandlerCancelled` failure. Anything else (``KeyboardInterrupt``,
-    ``SystemExit``, ...) is re-raised.
+    An ``Exception`` is a failure as it is, and so is ``GeneratorExit`` (as a
+    :class:`HandlerExited`). A cancellation exception is the bus's own (shutdown, a
+    stage timeout, any enclosing cancel scope) when a cancel scope around the calling
+    task was cancelled; any other is a :class:`HandlerCancelled` failure (see
+    :func:`stray_cancellation`). ``KeyboardInterrupt`` and ``SystemExit`` (and any
+    other ``BaseException``) are not failures: ``None``, and the consumer stops the
+    bus with them (the host's ``halt``).
     """
     if isinstance(error, Exception):
         return error
-    if not isinstance(error, anyio.get_cancelled_exc_class()):
+    if isinstance(error, GeneratorExit):
+        exited = HandlerExited("the handler raised GeneratorExit")
+        exited.__cause__ = error
+        return exited
+    if not isinstance(error, anyio.get_cancelled_exc_class()) or not stray_cancellation():
         return None
-    if anyio.current_effective_deadline() == -math.inf:
-        return None  # a scope around us was cancelled: this is ours
-    if current_backend() == "asyncio":
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            return None  # task.cancel() was called on this very task
     failure = HandlerCancelled(
         f"the handler raised {type(error).__name__}"
         f"{f' ({error})' if str(error) else ''} without being cancelled"

@@ -15,6 +15,7 @@ import anyio
 import anyio.to_thread
 
 from . import _runtime
+from ._failures import HandlerExited
 from ._runtime import current_backend
 
 if TYPE_CHECKING:
@@ -117,6 +118,11 @@ class WorkerPool:
                 # Boxed: trio refuses a thread function that returns a coroutine, and a
                 # sync wrapper of an async handler returns one (awaited on the loop).
                 return (function(argument),)
+            except GeneratorExit as error:
+                # A failure like any exception (see handler_failure), turned into one
+                # here: a GeneratorExit must not cross the thread hand-over (on asyncio
+                # it breaks the next coroutine that awaits a worker thread).
+                raise HandlerExited("the handler raised GeneratorExit") from error
             finally:
                 with slot.lock:
                     slot.finished = True
