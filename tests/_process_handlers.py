@@ -14,7 +14,7 @@ import os
 
 from asyncbus import Envelope
 
-__all__ = ["describe_envelope", "niceness", "square", "tag_with_pid"]
+__all__ = ["describe_envelope", "niceness", "raise_named", "square", "tag_with_pid"]
 
 
 def square(number: int) -> int:
@@ -35,3 +35,12 @@ def tag_with_pid(value: object) -> tuple[int, object]:
 def describe_envelope(env: Envelope) -> tuple[str, object, dict[str, str]]:
     """Return the topic, payload and headers of the envelope it was handed."""
     return env.topic, env.payload, dict(env.headers)
+
+
+def raise_named(name: str) -> None:
+    """Raise the built-in exception called ``name`` (``KeyboardInterrupt``, ...)."""
+    raise {
+        "KeyboardInterrupt": KeyboardInterrupt,
+        "SystemExit": SystemExit,
+        "GeneratorExit": GeneratorExit,
+    }[name]()
