@@ -865,7 +865,8 @@ class Bus:
 
         As a decorator it returns the function unchanged; called with ``handler`` it
         returns the :class:`Subscription`. Subscribing while the bus runs takes effect
-        at once.
+        at once, from any thread (from another thread than the event loop's, the stage
+        and its consumers are made on the loop before this returns).
 
         :param concurrency: consumer tasks, or :class:`Adaptive` to let the stage find
             its own number from the handler's latency.
@@ -873,6 +874,7 @@ class Bus:
             ``overload``) when the stage's queue stands; every subscription of a stage
             must give the same.
 
+        :raises BusClosedError: called from another thread while the bus stops.
         :raises ConfigurationError: for a malformed pattern, ``capacity`` or
             ``concurrency`` below 1, a non-callable handler, or a stage (same pattern
             and group) already configured with another capacity or back-pressure.
@@ -899,6 +901,28 @@ class Bus:
         return self._subscribe(make_subscription(topic, handler, **options))
 
     def _subscribe(self, subscription: Subscription) -> Subscription:
+        if self._task_group is not None and threading.get_ident() != self._loop_thread:
+            # From another thread (a sync handler's worker, say) while the bus runs: the
+            # stage and its consumers are made on the event loop, or not at all.
+            portal = self._portal
+            ran = False
+
+            def on_loop() -> Subscription:
+                nonlocal ran
+                ran = True
+                return self._subscribe(subscription)
+
+            try:
+                if portal is None:
+                    raise RuntimeError("the portal is closed")
+                return portal.call(on_loop)
+            except RuntimeError as error:
+                if ran:
+                    raise  # what subscribing raised on the loop
+                raise BusClosedError(
+                    f"subscribe({subscription.topic!r}): the bus stopped before the "
+                    "subscription could start"
+                ) from error
         key = (subscription.topic, subscription.group)
         stage = self._stages.get(key)
         if stage is not None:

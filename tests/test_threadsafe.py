@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 from collections.abc import Callable
 
 import anyio
@@ -114,3 +115,68 @@ async def test_publish_threadsafe_reports_a_bad_timeout_through_its_future(
             )
             assert isinstance(await _outcome(future), ConfigurationError)
             assert bus.statistics().published == 0
+
+
+async def test_subscribe_from_a_sync_handler_thread_starts_its_consumers(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    handled: list[object] = []
+    refused: list[BaseException] = []
+    bus = Bus()
+
+    def late(payload: object) -> None:
+        handled.append(payload)
+
+    @bus.subscribe("setup", group="setup")  # a sync handler: runs in a worker thread
+    def setup(_: object) -> None:
+        bus.subscribe("late", late, group="late")
+        bus.subscribe("late.decorated", group="decorated")(late)
+        try:
+            bus.subscribe("late.bad", late, group="bad", capacity=0)
+        except ConfigurationError as error:
+            refused.append(error)
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("setup", None)
+            await bus.drain()
+            first = await bus.publish("late", 1)
+            second = await bus.publish("late.decorated", 2)
+            await bus.drain()
+            report = await bus.aclose(timeout=5)
+
+    assert (first.accepted, second.accepted) == (("late@late",), ("late.decorated@decorated",))
+    assert sorted(handled) == [1, 2]  # type: ignore[type-var]
+    assert len(refused) == 1
+    assert [stage.name for stage in bus.statistics().stages] == [
+        "setup@setup",
+        "late@late",
+        "late.decorated@decorated",
+    ]
+    assert report.drained
+    assert_settled(bus)
+
+
+async def test_subscribe_from_a_thread_of_its_own_starts_its_consumers(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    handled: list[object] = []
+    bus = Bus()
+
+    async def late(payload: object) -> None:
+        handled.append(payload)
+
+    with anyio.fail_after(10):
+        async with bus:
+            made: list[object] = []
+            thread = threading.Thread(
+                target=lambda: made.append(bus.subscribe("late", late, group="late"))
+            )
+            thread.start()
+            await anyio.to_thread.run_sync(thread.join)
+            assert len(made) == 1
+            await bus.publish("late", 1)
+            await bus.drain()
+
+    assert handled == [1]
+    assert_settled(bus)
