@@ -1148,10 +1148,22 @@ class Bus:
         Takes the arguments of :meth:`publish`; ``timeout`` is accepted and has nothing
         to bound, since this never waits.
 
+        Call it on the event loop's thread only (a handler, any task); from another
+        thread (a sync handler's worker, say) use :meth:`publish_threadsafe`.
+
         :raises anyio.WouldBlock: when a matching ``BLOCK`` stage has no room.
         :raises BusClosedError: before start or after ``aclose`` began.
+        :raises RuntimeError: called from another thread than the event loop's; nothing
+            is admitted.
         """
         self._check_open()
+        if threading.get_ident() != self._loop_thread:
+            # The stages' queues and wake-ups belong to the loop: touched from another
+            # thread, a consumer may never wake (trio) or the loop never notice.
+            raise RuntimeError(
+                f"publish_nowait({topic!r}) was called from a thread other than the event "
+                "loop's: use bus.publish_threadsafe(...) from other threads"
+            )
         if timeout is not None:
             check_wait(timeout, f"publish_nowait({topic!r}): timeout")
         if self._broker is not None:

@@ -180,3 +180,42 @@ async def test_subscribe_from_a_thread_of_its_own_starts_its_consumers(
 
     assert handled == [1]
     assert_settled(bus)
+
+
+@pytest.mark.parametrize("where", ["sync handler", "thread of its own"])
+async def test_publish_nowait_from_another_thread_is_refused_and_admits_nothing(
+    where: str, assert_settled: Callable[[Bus], None]
+) -> None:
+    refused: list[BaseException] = []
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(_: object) -> None:
+        pass
+
+    def publish_from_thread(_: object = None) -> None:
+        try:
+            bus.publish_nowait("jobs", 1)
+        except RuntimeError as error:
+            refused.append(error)
+
+    bus.subscribe("setup", publish_from_thread, group="setup", offload="thread")
+
+    with anyio.fail_after(10):
+        async with bus:
+            if where == "sync handler":
+                await bus.publish("setup", None)
+                await bus.drain()
+            else:
+                thread = threading.Thread(target=publish_from_thread)
+                thread.start()
+                await anyio.to_thread.run_sync(thread.join)
+            assert bus.statistics().stage("jobs@g").published == 0
+            bus.publish_nowait("jobs", 2)  # on the loop's thread: fine
+            await bus.drain()
+
+    assert len(refused) == 1
+    assert isinstance(refused[0], RuntimeError)
+    assert "publish_threadsafe" in str(refused[0])
+    assert bus.statistics().stage("jobs@g").acked == 1
+    assert_settled(bus)
