@@ -138,9 +138,21 @@ def adapt_handler(
 
 
 async def _settled(result: Any) -> Any:
-    """``result``, awaited first when a sync handler returned an awaitable."""
+    """``result``, awaited first when a sync handler returned an awaitable.
+
+    :raises TypeError: for an async generator or async iterator: work that only runs
+        when iterated, which the bus cannot do; the envelope is dead-lettered
+        (``handler_failed``), never acked for work that did not run.
+    """
     if inspect.isawaitable(result):
         return await result
+    if inspect.isasyncgen(result) or hasattr(type(result), "__anext__"):
+        kind = "an async generator" if inspect.isasyncgen(result) else "an async iterator"
+        raise TypeError(
+            f"the handler returned {kind} ({result!r}), whose body never runs: a handler "
+            "must be a plain or async function (not an async generator, nor a function "
+            "returning one)"
+        )
     return result
 
 

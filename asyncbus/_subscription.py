@@ -6,7 +6,7 @@ import functools
 import inspect
 import itertools
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,8 +95,6 @@ def make_subscription(
     """
     compile_pattern(topic)
     where = f"subscribe({topic!r})"
-    if not callable(handler):
-        raise ConfigurationError(f"{where}: handler must be callable, got {handler!r}")
     _check_handler(handler, where)
     for name, value in (("concurrency", concurrency), ("capacity", capacity)):
         if name == "concurrency" and isinstance(value, Adaptive):
@@ -159,20 +157,55 @@ def _is_async(handler: Any) -> bool:
     )
 
 
+def _layers(handler: Any) -> Iterator[Any]:
+    """``handler``, then what it wraps, down to the function whose body does the work.
+
+    Through ``functools.partial``, ``staticmethod``/``classmethod`` objects, bound
+    methods and ``functools.wraps`` wrappers (``__wrapped__``); it stops at a coroutine
+    function (an async wrapper's own body decides what runs).
+    """
+    seen: set[int] = set()
+    current = handler
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        if inspect.iscoroutinefunction(current):
+            return
+        if isinstance(current, functools.partial):
+            current = current.func
+        elif isinstance(current, staticmethod | classmethod) or inspect.ismethod(current):
+            current = current.__func__
+        else:
+            try:
+                current = inspect.getattr_static(current, "__wrapped__", None)
+            except Exception:  # an object whose attribute lookup itself fails
+                return
+
+
 def _check_handler(handler: Any, where: str) -> None:
     """Refuse what cannot be a handler: a generator function, or a wrong signature.
 
     Calling a generator function only makes a generator; its body would never run,
-    and the envelope would be acked for work that was not done.
+    and the envelope would be acked for work that was not done. An async generator
+    function is refused behind any plain wrapper too (a ``functools.wraps``
+    decorator, a partial, a static or class method, a bound method).
     """
-    function = unwrap_partial(handler)
-    call = getattr(function, "__call__", None)  # noqa: B004 - an instance's own __call__
-    for candidate in (function, call):
-        if inspect.isasyncgenfunction(candidate) or inspect.isgeneratorfunction(candidate):
-            raise ConfigurationError(
-                f"{where}: {handler!r} is a generator function; a handler must be a "
-                "plain or async function (its body would never run)"
-            )
+    for depth, layer in enumerate(_layers(handler)):
+        call = getattr(layer, "__call__", None)  # noqa: B004 - an instance's own __call__
+        for candidate in (layer, call):
+            if inspect.isasyncgenfunction(candidate) or (
+                depth == 0 and inspect.isgeneratorfunction(candidate)
+            ):
+                raise ConfigurationError(
+                    f"{where}: {handler!r} is a generator function"
+                    + (f" (it wraps {layer!r})" if layer is not handler else "")
+                    + "; a handler must be a plain or async function (its body would "
+                    "never run)"
+                )
+    if not callable(handler):
+        raise ConfigurationError(f"{where}: handler must be callable, got {handler!r}")
+    if isinstance(handler, staticmethod | classmethod):
+        return  # (its function's signature is checked through the bus's call of it)
     try:
         signature = inspect.signature(handler)
     except (TypeError, ValueError):

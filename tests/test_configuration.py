@@ -300,6 +300,115 @@ def test_what_cannot_be_a_handler_is_refused_at_subscribe(bad: Any) -> None:
     assert bus.statistics().stages == ()
 
 
+def passes_through(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain ``functools.wraps`` decorator: it returns what the function returns."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+class AsyncGenMethods:
+    async def method(self, _: object) -> AsyncIterator[None]:
+        yield None
+
+    @staticmethod
+    async def static(_: object) -> AsyncIterator[None]:
+        yield None
+
+    @classmethod
+    async def klass(cls, _: object) -> AsyncIterator[None]:
+        yield None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        passes_through(agen_handler),
+        passes_through(passes_through(agen_handler)),
+        functools.partial(passes_through(agen_handler)),
+        passes_through(functools.partial(agen_handler)),
+        AsyncGenMethods().method,
+        AsyncGenMethods.__dict__["static"],
+        AsyncGenMethods.static,
+        AsyncGenMethods.__dict__["klass"],
+        AsyncGenMethods.klass,
+        staticmethod(passes_through(agen_handler)),
+    ],
+    ids=[
+        "wraps",
+        "wraps twice",
+        "partial of wraps",
+        "wraps of partial",
+        "bound method",
+        "staticmethod object",
+        "staticmethod",
+        "classmethod object",
+        "classmethod",
+        "staticmethod of wraps",
+    ],
+)
+def test_an_async_generator_function_behind_a_wrapper_is_refused_at_subscribe(bad: Any) -> None:
+    bus = Bus()
+    with pytest.raises(ConfigurationError, match="generator"):
+        bus.subscribe("jobs", bad, group="g")
+    with pytest.raises(ConfigurationError, match="generator"):
+        bus.subscribe("jobs", group="g")(bad)
+    assert bus.statistics().stages == ()
+
+
+def test_an_async_wrapper_of_an_async_generator_is_a_handler() -> None:
+    @functools.wraps(agen_handler)
+    async def consumes(payload: object) -> None:
+        async for _ in agen_handler(payload):
+            pass
+
+    bus = Bus()
+    bus.subscribe("jobs", consumes, group="a")
+    bus.subscribe("jobs", staticmethod(handler), group="b")
+    assert len(bus.statistics().stages) == 2
+
+
+@pytest.mark.parametrize("offload", [None, "thread", "inline"])
+@pytest.mark.parametrize("returned", ["async generator", "async iterator"])
+async def test_a_sync_handler_returning_an_async_generator_is_dead_lettered_not_acked(
+    offload: Any, returned: str, assert_settled: Callable[[Bus], None]
+) -> None:
+    ran: list[object] = []
+
+    async def work(payload: object) -> AsyncIterator[object]:
+        ran.append(payload)
+        yield payload
+
+    class Ticks:
+        def __aiter__(self) -> Ticks:
+            return self
+
+        async def __anext__(self) -> object:
+            ran.append("tick")
+            raise StopAsyncIteration
+
+    bus = Bus()
+    if returned == "async generator":
+        bus.subscribe("jobs", lambda payload: work(payload), group="g", offload=offload)
+    else:
+        bus.subscribe("jobs", lambda payload: Ticks(), group="g", offload=offload)
+    with anyio.fail_after(10):
+        async with bus:
+            receipt = await bus.publish("jobs", 1)
+            await bus.drain()
+
+    assert ran == []
+    letter = bus.dead_letters.get(receipt.id)
+    assert letter is not None and letter.reason is DeadLetterReason.HANDLER_FAILED
+    assert letter.error is not None and f"returned an {returned}" in letter.error
+    stats = bus.statistics().stage("jobs@g")
+    assert (stats.acked, stats.dead_lettered) == (0, 1)
+    assert_settled(bus)
+
+
 def test_handlers_with_optional_extra_parameters_are_fine() -> None:
     async def extra(payload: object, flag: bool = False, *rest: object, **options: object) -> None:
         return None
