@@ -65,7 +65,7 @@ from ._routing import Router, compile_pattern, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Backpressure, DoorOutcome, Stage
 from ._stats import BusStatistics, ShutdownReport
-from ._subscription import Subscription, check_middleware, make_subscription
+from ._subscription import Subscription, check_middleware, check_options, make_subscription
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
 from .transports.base import Transport
@@ -891,7 +891,19 @@ class Bus:
             "admission": admission,
         }
         if handler is None:
-            compile_pattern(topic)  # a malformed pattern fails here, not at decoration
+            # A malformed pattern or option fails here, as in the direct form, not when
+            # the decorator is applied.
+            policy, _, _ = check_options(topic, **options)
+            joined = self._stages.get((topic, group)) if group is not None else None
+            if joined is not None:
+                _check_joins(
+                    joined,
+                    None,
+                    capacity=capacity,
+                    backpressure=policy,
+                    admission=admission,
+                    concurrency=concurrency,
+                )
 
             def decorator(function: F) -> F:
                 self._subscribe(make_subscription(topic, function, **options))
@@ -1821,25 +1833,36 @@ def _priority_text(topic: str, priority: Priority | int) -> str:
 _PRIORITIES = frozenset(int(level) for level in Priority)
 
 
-def _check_joins(stage: Stage, subscription: Subscription) -> None:
-    """Raise :class:`ConfigurationError` unless ``subscription`` can join ``stage``."""
-    if (stage.capacity, stage.backpressure) != (
-        subscription.capacity,
-        subscription.backpressure,
-    ):
+def _check_joins(
+    stage: Stage,
+    subscription: Subscription | None,
+    *,
+    capacity: int = 0,
+    backpressure: Backpressure = Backpressure.BLOCK,
+    admission: Admission | None = None,
+    concurrency: int | Adaptive = 1,
+) -> None:
+    """Raise :class:`ConfigurationError` unless ``subscription`` can join ``stage``.
+
+    Without a subscription (the decorator form, before its handler is given), the
+    options it will have are checked.
+    """
+    if subscription is not None:
+        capacity, backpressure = subscription.capacity, subscription.backpressure
+        admission, concurrency = subscription.admission, subscription.concurrency
+    if (stage.capacity, stage.backpressure) != (capacity, backpressure):
         raise ConfigurationError(
             f"stage {stage.name!r} already has capacity={stage.capacity}, "
             f"backpressure={stage.backpressure.name}; a subscription in the same group "
-            f"asked for capacity={subscription.capacity}, "
-            f"backpressure={subscription.backpressure.name}"
+            f"asked for capacity={capacity}, backpressure={backpressure.name}"
         )
-    if (stage.control.admission if stage.control else None) != subscription.admission:
+    if (stage.control.admission if stage.control else None) != admission:
         raise ConfigurationError(
             f"stage {stage.name!r} already has admission="
             f"{stage.control.admission if stage.control else None!r}; a subscription in "
-            f"the same group asked for admission={subscription.admission!r}"
+            f"the same group asked for admission={admission!r}"
         )
-    if stage.control is None and isinstance(subscription.concurrency, Adaptive):
+    if stage.control is None and isinstance(concurrency, Adaptive):
         raise ConfigurationError(
             f"stage {stage.name!r} runs a fixed concurrency; a subscription in the same "
             "group cannot be Adaptive (give the group's first subscription Adaptive or "

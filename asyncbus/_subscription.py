@@ -23,6 +23,7 @@ __all__ = [
     "Offload",
     "Subscription",
     "check_middleware",
+    "check_options",
     "default_group",
     "make_subscription",
     "unwrap_partial",
@@ -96,6 +97,59 @@ def make_subscription(
     compile_pattern(topic)
     where = f"subscribe({topic!r})"
     _check_handler(handler, where)
+    policy, seconds, layers = check_options(
+        topic,
+        group=group,
+        concurrency=concurrency,
+        capacity=capacity,
+        backpressure=backpressure,
+        retry=retry,
+        timeout=timeout,
+        offload=offload,
+        middleware=middleware,
+        admission=admission,
+    )
+    is_async = _is_async(handler)
+    if is_async and offload in ("thread", "process"):
+        raise ConfigurationError(f"{where}: offload={offload!r} needs a sync handler")
+    return Subscription(
+        topic=topic,
+        handler=handler,
+        group=group if group is not None else default_group(handler),
+        concurrency=concurrency,
+        capacity=capacity,
+        backpressure=policy,
+        retry=retry,
+        timeout=seconds,
+        offload=None if is_async else typing.cast("Offload", offload or "thread"),
+        middleware=layers,
+        admission=admission,
+    )
+
+
+def check_options(
+    topic: str,
+    *,
+    group: str | None,
+    concurrency: int | Adaptive,
+    capacity: int,
+    backpressure: Backpressure | str,
+    retry: Retry | None,
+    timeout: float | None,
+    offload: str | None,
+    middleware: Sequence[Middleware],
+    admission: Admission | None = None,
+) -> tuple[Backpressure, float | None, tuple[Middleware, ...]]:
+    """Validate ``subscribe``'s options, all but what depends on the handler.
+
+    The decorator form checks them when ``subscribe(...)`` is called, before any
+    handler is given, exactly as the direct form does.
+
+    :return: the back-pressure policy, the timeout in seconds and the middleware.
+    :raises ConfigurationError: naming the argument that cannot work.
+    """
+    compile_pattern(topic)
+    where = f"subscribe({topic!r})"
     for name, value in (("concurrency", concurrency), ("capacity", capacity)):
         if name == "concurrency" and isinstance(value, Adaptive):
             continue  # validated when it was made
@@ -122,25 +176,9 @@ def make_subscription(
         raise ConfigurationError(
             f"{where}: offload must be one of {', '.join(_OFFLOADS)} or None, got {offload!r}"
         )
-    is_async = _is_async(handler)
-    if is_async and offload in ("thread", "process"):
-        raise ConfigurationError(f"{where}: offload={offload!r} needs a sync handler")
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigurationError(f"{where}: group must be a non-empty string, got {group!r}")
-    layers = check_middleware(middleware, where)
-    return Subscription(
-        topic=topic,
-        handler=handler,
-        group=group if group is not None else default_group(handler),
-        concurrency=concurrency,
-        capacity=capacity,
-        backpressure=policy,
-        retry=retry,
-        timeout=seconds,
-        offload=None if is_async else typing.cast("Offload", offload or "thread"),
-        middleware=layers,
-        admission=admission,
-    )
+    return policy, seconds, check_middleware(middleware, where)
 
 
 def unwrap_partial(handler: Any) -> Any:

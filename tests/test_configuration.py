@@ -67,6 +67,48 @@ def test_subscribe_concurrency_and_capacity_must_be_positive_ints(name: str, val
         Bus().subscribe("jobs", handler, **{name: value})
 
 
+BAD_SUBSCRIBE_OPTIONS = [
+    {"concurrency": -1},
+    {"concurrency": 0},
+    {"concurrency": 1.5},
+    {"capacity": 0},
+    {"capacity": True},
+    {"timeout": math.nan},
+    {"timeout": 0},
+    {"timeout": "1"},
+    {"backpressure": "sometimes"},
+    {"retry": 3},
+    {"offload": "gpu"},
+    {"group": ""},
+    {"group": 5},
+    {"middleware": handler},
+    {"middleware": [5]},
+    {"admission": "yes"},
+]
+
+
+@pytest.mark.parametrize("options", BAD_SUBSCRIBE_OPTIONS, ids=lambda o: repr(o))
+def test_the_decorator_form_refuses_bad_options_when_subscribe_is_called(
+    options: dict[str, Any],
+) -> None:
+    bus = Bus()
+    with pytest.raises(ConfigurationError) as direct:
+        bus.subscribe("jobs", handler, **options)
+    with pytest.raises(ConfigurationError) as decorator:
+        bus.subscribe("jobs", **options)  # not applied to anything yet
+    assert str(decorator.value) == str(direct.value)
+    assert bus.statistics().stages == ()
+
+
+def test_the_decorator_form_refuses_joining_a_stage_with_other_options_at_once() -> None:
+    bus = Bus()
+    bus.subscribe("jobs", handler, group="g", capacity=5)
+    with pytest.raises(ConfigurationError, match="capacity=5"):
+        bus.subscribe("jobs", group="g", capacity=6)
+    bus.subscribe("jobs", group="g", capacity=5)(handler)
+    assert bus.statistics().stage("jobs@g").concurrency == 2
+
+
 @pytest.mark.parametrize("name", ["backoff", "max_backoff"])
 @pytest.mark.parametrize("value", [v for v in NOT_SECONDS if v is not None])
 def test_retry_backoffs_must_be_finite_and_not_negative(name: str, value: Any) -> None:
