@@ -1445,9 +1445,7 @@ class Bus:
         :return: the entry, ``None`` for a ``$deadletter`` envelope (never re-queued).
         """
         if envelope.topic == DEADLETTER_TOPIC:
-            dead_letter_logger.warning(
-                "a $deadletter envelope failed in %s (%s); discarded", stage, reason
-            )
+            self._services.failure_log.discarded(envelope, reason, error, stage, attempts, cause)
             return None
         trace = None
         if cause is not None and reason is DeadLetterReason.HANDLER_FAILED:

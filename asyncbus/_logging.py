@@ -8,6 +8,7 @@ core calls it from a few places only:
   exception (reason ``retrying``);
 * dead-lettered, for any reason: ``asyncbus.dead_letters``, WARNING (reason: the
   dead letter's); a handler's own failure (``handler_failed``) carries its traceback;
+  a ``$deadletter`` envelope that fails is discarded instead, told the same way;
 * turned away at a full ``REJECT`` stage's door: ``asyncbus.stage``, WARNING
   (reason ``rejected_at_door``);
 * abandoned at shutdown: ``asyncbus.stage``, WARNING, one record per stage (reason
@@ -193,6 +194,43 @@ class FailureLog:
             _fields(entry.stage, envelope, entry.attempts, reason.value),
             suppressed,
             with_trace,
+        )
+
+    def discarded(
+        self,
+        envelope: Envelope,
+        reason: DeadLetterReason,
+        error: str | None,
+        stage: str | None,
+        attempts: int,
+        cause: BaseException | None,
+    ) -> None:
+        """A ``$deadletter`` announcement failed in ``stage``: it is discarded, not re-queued.
+
+        Written like a dead letter (same logger, level, fields and rate limit), since
+        a dead letter never begets another one.
+        """
+        if not dead_letter_logger.isEnabledFor(logging.WARNING):
+            return
+        suppressed = self._admit(dead_letter_logger, reason.value, stage, envelope.topic)
+        if suppressed is None:
+            return
+        message = "discarded %s: $deadletter envelope %s (about %s) in stage %r"
+        args: list[object] = [reason.value, envelope.id, envelope.causation_id, stage]
+        if error:
+            if attempts:
+                message += " after %d attempt(s)"
+                args.append(attempts)
+            message += ": %s"
+            args.append(error)
+        self._write(
+            dead_letter_logger,
+            logging.WARNING,
+            message,
+            args,
+            _fields(stage, envelope, attempts, reason.value),
+            suppressed,
+            cause if reason is DeadLetterReason.HANDLER_FAILED else None,
         )
 
     def rejected_at_door(self, stage: str, capacity: int, envelope: Envelope) -> None:

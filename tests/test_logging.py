@@ -355,3 +355,59 @@ async def test_nothing_is_written_below_the_configured_level(
 
     assert ours(caplog) == []
     assert bus.statistics().dead_lettered == 1 and len(bus.dead_letters) == 2
+
+
+async def test_a_failing_deadletter_handler_is_told_through_the_failure_log(
+    records: pytest.LogCaptureFixture,
+) -> None:
+    bus = Bus()
+    bus._services.failure_log.clock = FakeClock()
+
+    @bus.subscribe("jobs", group="jobs")
+    async def handle(n: int) -> None:
+        raise ValueError(n)
+
+    @bus.subscribe("$deadletter", group="alerts")
+    async def alert(_: object) -> None:
+        raise RuntimeError("pager down")
+
+    with anyio.fail_after(10):
+        async with bus:
+            first = await bus.publish("jobs", 0)
+            await bus.drain()
+            for n in range(1, 10):
+                await bus.publish("jobs", n)
+            await bus.drain()
+            announcements = [
+                record for record in ours(records) if record.getMessage().startswith("discarded")
+            ]
+            assert len(announcements) == 1  # the other nine are rate-limited
+
+    (record,) = announcements
+    assert record.name == "asyncbus.dead_letters" and record.levelno == logging.WARNING
+    stage, envelope_id, topic, attempt, reason, correlation_id = fields(record)
+    assert (stage, topic, attempt, reason, correlation_id) == (
+        "$deadletter@alerts",
+        "$deadletter",
+        1,
+        "handler_failed",
+        first.id,
+    )
+    assert record.getMessage() == (
+        f"discarded handler_failed: $deadletter envelope {envelope_id} (about {first.id}) in "
+        "stage '$deadletter@alerts' after 1 attempt(s): RuntimeError: pager down"
+    )
+    assert record.exc_info is not None and record.exc_info[0] is RuntimeError
+    assert record.asyncbus_suppressed == 0  # type: ignore[attr-defined]
+    told = [
+        said(record)
+        for record in ours(records)
+        if "record(s) for stage '$deadletter@alerts'" in record.getMessage()
+    ]
+    assert told == [
+        (
+            "asyncbus.dead_letters",
+            logging.WARNING,
+            "9 more handler_failed record(s) for stage '$deadletter@alerts' were suppressed",
+        )
+    ]
