@@ -41,6 +41,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ._checks import check_count, check_number
 from ._exceptions import ConfigurationError
 
 __all__ = ["Adaptive", "ConcurrencyLimit"]
@@ -89,24 +90,15 @@ class Adaptive:
 
     def __post_init__(self) -> None:
         for name in ("min", "max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"Adaptive: {name} must be an int >= 1, got {value!r}")
+            check_count(getattr(self, name), f"Adaptive: {name}", 1)
         if self.max < self.min:
             raise ConfigurationError(
                 f"Adaptive: max must be >= min, got min={self.min!r}, max={self.max!r}"
             )
         target = self.target_latency
         if target is not None:
-            if isinstance(target, bool) or not isinstance(target, int | float):
-                raise ConfigurationError(
-                    f"Adaptive: target_latency must be a number or None, got {target!r}"
-                )
-            if not (math.isfinite(target) and target > 0):
-                raise ConfigurationError(
-                    f"Adaptive: target_latency must be positive and finite, got {target!r}"
-                )
-            object.__setattr__(self, "target_latency", float(target))
+            target = check_number(target, "Adaptive: target_latency (or None)", above=0)
+            object.__setattr__(self, "target_latency", target)
 
 
 class ConcurrencyLimit:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from enum import IntEnum
 
+from ._checks import check_number
 from ._exceptions import ConfigurationError
 
 __all__ = ["Admission", "Priority", "SojournShedder"]
@@ -67,14 +68,8 @@ class Admission:
 
     def __post_init__(self) -> None:
         for name in ("target_wait", "interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigurationError(f"Admission: {name} must be a number, got {value!r}")
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigurationError(
-                    f"Admission: {name} must be positive and finite, got {value!r}"
-                )
-            object.__setattr__(self, name, float(value))
+            value = check_number(getattr(self, name), f"Admission: {name}", above=0)
+            object.__setattr__(self, name, value)
         if not isinstance(self.lifo, bool):
             raise ConfigurationError(f"Admission: lifo must be a bool, got {self.lifo!r}")
 

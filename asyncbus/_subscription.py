@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ._adaptive import Adaptive
 from ._admission import Admission
 from ._backpressure import Backpressure
-from ._checks import check_seconds
+from ._checks import MAX_COUNT, check_seconds
 from ._exceptions import ConfigurationError
 from ._routing import compile_pattern
 from ._types import Middleware
@@ -153,7 +153,7 @@ def check_options(
     for name, value in (("concurrency", concurrency), ("capacity", capacity)):
         if name == "concurrency" and isinstance(value, Adaptive):
             continue  # validated when it was made
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
             raise ConfigurationError(
                 f"{where}: {name} must be an int >= 1"
                 + (" or an Adaptive" if name == "concurrency" else "")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import decimal
+import fractions
 import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -9,9 +11,18 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 
-from asyncbus import Bus, ConfigurationError, DeadLetterReason, Envelope, Retry
+from asyncbus import (
+    Adaptive,
+    Admission,
+    Bus,
+    ConfigurationError,
+    DeadLetterReason,
+    Envelope,
+    Retry,
+)
 from asyncbus.middleware import deduplicate, timeout
 from asyncbus.testing import capture
 
@@ -184,6 +195,89 @@ def test_deduplicate_maxlen_must_be_a_positive_int(value: Any) -> None:
 def test_the_timeout_middleware_needs_finite_positive_seconds(value: Any) -> None:
     with pytest.raises(ConfigurationError, match="seconds"):
         timeout(value)
+
+
+#: Not finite real numbers, or not numbers: each refused by every numeric option.
+NOT_FINITE_REALS = [
+    10**400,
+    -(10**400),
+    math.nan,
+    -math.inf,
+    math.inf,
+    True,
+    False,
+    "1",
+    1j,
+    decimal.Decimal("NaN"),
+    decimal.Decimal("Infinity"),
+    decimal.Decimal("1e400"),
+    fractions.Fraction(10**400, 3),
+]
+
+#: Every public option that takes a number, as a call that raises at the door.
+NUMERIC_OPTIONS: dict[str, Callable[[Any], object]] = {
+    "Bus(dead_letter_ttl)": lambda v: Bus(dead_letter_ttl=v),
+    "Bus(dead_letter_maxlen)": lambda v: Bus(dead_letter_maxlen=v),
+    "Bus(workers)": lambda v: Bus(workers=v),
+    "subscribe(timeout)": lambda v: Bus().subscribe("jobs", handler, timeout=v),
+    "subscribe(capacity)": lambda v: Bus().subscribe("jobs", handler, capacity=v),
+    "subscribe(concurrency)": lambda v: Bus().subscribe("jobs", handler, concurrency=v),
+    "Retry(max_attempts)": lambda v: Retry(max_attempts=v),
+    "Retry(backoff)": lambda v: Retry(backoff=v),
+    "Retry(multiplier)": lambda v: Retry(multiplier=v),
+    "Retry(max_backoff)": lambda v: Retry(max_backoff=v),
+    "deduplicate(window)": lambda v: deduplicate(window=v),
+    "deduplicate(lease)": lambda v: deduplicate(lease=v),
+    "deduplicate(maxlen)": lambda v: deduplicate(maxlen=v),
+    "timeout(seconds)": lambda v: timeout(v),
+    "Adaptive(min)": lambda v: Adaptive(min=v),
+    "Adaptive(max)": lambda v: Adaptive(max=v),
+    "Adaptive(target_latency)": lambda v: Adaptive(target_latency=v),
+    "Admission(target_wait)": lambda v: Admission(target_wait=v),
+    "Admission(interval)": lambda v: Admission(interval=v),
+}
+
+
+@pytest.mark.parametrize("value", NOT_FINITE_REALS, ids=lambda v: repr(v)[:20])
+@pytest.mark.parametrize("option", list(NUMERIC_OPTIONS))
+def test_every_numeric_option_refuses_what_is_not_a_finite_number(option: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError):
+        NUMERIC_OPTIONS[option](value)
+
+
+@pytest.mark.parametrize("value", [decimal.Decimal("1.5"), fractions.Fraction(3, 2), 10**300])
+def test_durations_take_any_finite_real_number_as_a_float(value: Any) -> None:
+    assert Retry(backoff=value).backoff == float(value)
+    assert Admission(target_wait=value).target_wait == float(value)
+    assert Adaptive(target_latency=value).target_latency == float(value)
+    assert Bus().subscribe("jobs", handler, timeout=value).timeout == float(value)
+
+
+@pytest.mark.parametrize("value", NOT_FINITE_REALS, ids=lambda v: repr(v)[:20])
+async def test_every_runtime_timeout_refuses_what_is_not_a_finite_number(value: Any) -> None:
+    bus = Bus()
+    bus.subscribe("jobs", handler, group="g")
+    with anyio.fail_after(10):
+        async with bus:
+            with pytest.raises(ConfigurationError):
+                await bus.publish("jobs", 1, timeout=value)
+            with pytest.raises(ConfigurationError):
+                await bus.publish("jobs", 1, ttl=value)
+            with pytest.raises(ConfigurationError):
+                bus.publish_nowait("jobs", 1, timeout=value)
+            future = bus.publish_threadsafe("jobs", 1, timeout=value)
+            assert isinstance(
+                await anyio.to_thread.run_sync(lambda: future.exception(timeout=5)),
+                ConfigurationError,
+            )
+            with pytest.raises(ConfigurationError):
+                await bus.request("jobs", 1, timeout=value)
+            with pytest.raises(ConfigurationError):
+                await bus.drain(timeout=value)
+            with pytest.raises(ConfigurationError):
+                await bus.aclose(timeout=value)
+            assert bus.running
+            assert bus.statistics().published == 0
 
 
 @pytest.fixture

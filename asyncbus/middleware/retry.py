@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_count, check_seconds
+from .._checks import check_count, check_number, check_seconds
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, DecodeError, Reject
 from .._failures import handler_failure
@@ -44,17 +44,8 @@ class Retry:
             object.__setattr__(
                 self, name, check_seconds(getattr(self, name), f"Retry: {name}", zero=True)
             )
-        multiplier = self.multiplier
-        if (
-            not isinstance(multiplier, int | float)
-            or isinstance(multiplier, bool)
-            or not math.isfinite(multiplier)
-            or multiplier < 1
-        ):
-            raise ConfigurationError(
-                f"Retry: multiplier must be a finite number >= 1, got {multiplier!r}"
-            )
-        object.__setattr__(self, "multiplier", float(multiplier))
+        multiplier = check_number(self.multiplier, "Retry: multiplier", above=1, inclusive=True)
+        object.__setattr__(self, "multiplier", multiplier)
         if not isinstance(self.jitter, bool):
             raise ConfigurationError(f"Retry: jitter must be a bool, got {self.jitter!r}")
         retry_on = self.retry_on
