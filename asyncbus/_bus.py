@@ -1549,8 +1549,11 @@ class Bus:
                 self._wake_drainers()
 
     async def _resend(self, entry: DeadLetter) -> Receipt:
-        if self._state not in ("running", "closing"):
-            raise BusClosedError("replay needs a running bus")
+        # As a publish: refused once ``aclose`` began, but from the bus's own handlers
+        # (the entry stays in the queue).
+        state = self._state
+        if not (state == "running" or (state == "closing" and current_handling() is not None)):
+            raise BusClosedError(f"replay needs a running bus; the bus is {state}")
         envelope = with_headers(
             entry.envelope.evolve(attempt=1, timestamp=time.time()), {HEADER_REPLAYED: "1"}
         )

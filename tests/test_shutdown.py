@@ -18,6 +18,7 @@ from asyncbus import (
     BusClosedError,
     ConfigurationError,
     Envelope,
+    Receipt,
     ShutdownReport,
     StageStatistics,
 )
@@ -685,4 +686,49 @@ async def test_drain_from_a_handler_waits_for_the_rest_but_not_for_itself(
             await bus.drain()
 
     assert order == ["down 0", "down 1", "down 2", "drained"]
+    assert_settled(bus)
+
+
+async def test_a_replay_after_aclose_began_is_refused_and_keeps_its_dead_letter(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    failing = True
+    release = anyio.Event()
+    replayed_inside: list[Receipt] = []
+    bus = Bus()
+    dead_ids: list[str] = []
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(payload: object) -> None:
+        if payload == "hold":
+            await release.wait()  # keeps the bus closing
+            # A handler of the bus may still replay while it drains, as it may publish.
+            replayed_inside.extend(await bus.dead_letters.replay(dead_ids[1]))
+            return
+        if failing:
+            raise ValueError(payload)
+
+    with anyio.fail_after(10):
+        async with bus:
+            dead_ids.append((await bus.publish("jobs", "one")).id)
+            dead_ids.append((await bus.publish("jobs", "two")).id)
+            await bus.drain()
+            failing = False
+            await bus.publish("jobs", "hold")
+            async with anyio.create_task_group() as closing:
+                closing.start_soon(bus.aclose, 5)
+                await anyio.wait_all_tasks_blocked()
+                with pytest.raises(BusClosedError, match="closing"):
+                    await bus.dead_letters.replay(dead_ids[0])
+                with pytest.raises(BusClosedError):
+                    await bus.dead_letters.replay(*dead_ids)
+                assert [bus.dead_letters.get(id) is not None for id in dead_ids] == [True, True]
+                release.set()
+
+    assert [receipt.id for receipt in replayed_inside] == [dead_ids[1]]
+    assert [entry.envelope.id for entry in bus.dead_letters.list()] == [dead_ids[0]]
+    with pytest.raises(BusClosedError, match="closed"):
+        await bus.dead_letters.replay(dead_ids[0])
+    assert len(bus.dead_letters) == 1
+    assert bus.statistics().stage("jobs@g").acked == 2  # "hold" and the replay
     assert_settled(bus)
