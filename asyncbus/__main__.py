@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
@@ -51,17 +52,43 @@ def _bench(rest: list[str]) -> int:
     return int(suite.main(rest))
 
 
+def _int_in(low: int, high: int | None) -> Callable[[str], int]:
+    """An argparse ``type``: an int from ``low`` to ``high`` (no bound when ``None``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen command."""
     parser = argparse.ArgumentParser(prog="python -m asyncbus")
     parser.add_argument("--version", action="version", version=f"asyncbus {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run an orders pipeline and print its statistics")
-    demo.add_argument("--orders", type=int, default=2000, help="how many orders to publish")
+    demo.add_argument(
+        "--orders",
+        type=_int_in(1, None),
+        default=2000,
+        help="how many orders to publish (at least 1)",
+    )
     demo.add_argument(
         "--serve", action="store_true", help="also serve the live admin dashboard on 127.0.0.1"
     )
-    demo.add_argument("--port", type=int, default=8000, help="the dashboard's port (0: any)")
+    demo.add_argument(
+        "--port",
+        type=_int_in(0, 65535),
+        default=8000,
+        help="the dashboard's port, 0 to 65535 (0: any)",
+    )
     commands.add_parser(
         "bench",
         help="run the benchmark suite of a checkout (see --help there); 'bench brokers' and "

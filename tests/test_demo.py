@@ -141,3 +141,48 @@ def test_version() -> None:
         check=True,
     )
     assert result.stdout == f"asyncbus {importlib.metadata.version('asyncbus')}\n"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--port", "abc"], "argument --port: must be an integer, got 'abc'"),
+        (["--port", "70000"], "argument --port: must be an integer from 0 to 65535, got 70000"),
+        (["--port", "-1"], "argument --port: must be an integer from 0 to 65535, got -1"),
+        (["--serve", "--port", "65536"], "argument --port: must be an integer from 0 to 65535"),
+        (["--orders", "-1"], "argument --orders: must be an integer >= 1, got -1"),
+        (["--orders", "0"], "argument --orders: must be an integer >= 1, got 0"),
+        (["--orders", "1.5"], "argument --orders: must be an integer, got '1.5'"),
+        (["--orders", "many"], "argument --orders: must be an integer, got 'many'"),
+    ],
+)
+def test_bad_demo_arguments_are_one_clear_line_and_exit_2(
+    arguments: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncbus.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", *arguments])
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"python -m asyncbus demo: error: {said}"), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_port_out_of_range_exits_2_from_the_command_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncbus", "demo", "--serve", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[-1] == (
+        "python -m asyncbus demo: error: argument --port: must be an integer from 0 to 65535, "
+        "got 70000"
+    )
