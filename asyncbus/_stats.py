@@ -104,9 +104,12 @@ class StageStatistics:
     latency_p50: float
     latency_p99: float
     wait_p99: float
-    #: Added after the documented fields (kept last, so their order holds).
-    abandoned: int
-    capacity: int
+    # Added after the documented fields, each with a default: a StageStatistics made
+    # with the documented fields alone (by position or by name) still works.
+    #: Envelopes listed as abandoned at shutdown.
+    abandoned: int = 0
+    #: The stage's queue capacity (0 when not given).
+    capacity: int = 0
     #: Consumers the stage should run now: ``concurrency`` for a static stage; the
     #: controller's current limit for ``concurrency=Adaptive(...)`` (``concurrency``
     #: then counts the consumers alive, retiring ones included).
@@ -133,11 +136,14 @@ class BusStatistics:
     rejected: int
     dropped: int
     expired: int
-    abandoned: int
-    depth: int
-    in_flight: int
-    dead_letter_queue: int
-    free_threaded: bool
+    # The totals past ``expired`` have defaults: made without them, they are zero.
+    abandoned: int = 0
+    depth: int = 0
+    in_flight: int = 0
+    #: Entries in the dead-letter queue.
+    dead_letter_queue: int = 0
+    #: Whether sync handlers run truly in parallel (a free-threaded build).
+    free_threaded: bool = False
 
     def stage(self, name: str) -> StageStatistics:
         """Return the statistics of the stage called ``name`` (``"pattern@group"``).

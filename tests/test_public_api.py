@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 import asyncbus
-from asyncbus import Bus, Envelope, ShutdownReport, StageStatistics
+from asyncbus import Bus, BusStatistics, Envelope, ShutdownReport, StageStatistics
 
 TRANSPORT_NAMES = (
     "Transport",
@@ -83,6 +83,63 @@ def test_stage_statistics_fields_in_design_order() -> None:
     ]
     names = [field.name for field in dataclasses.fields(StageStatistics)]
     assert names[: len(design)] == design
+
+
+DESIGN_STAGE_FIELDS: dict[str, object] = {
+    "name": "jobs@g",
+    "topic": "jobs",
+    "group": "g",
+    "published": 5,
+    "acked": 3,
+    "failed": 2,
+    "retried": 1,
+    "dead_lettered": 1,
+    "rejected": 1,
+    "dropped": 0,
+    "expired": 0,
+    "depth": 1,
+    "in_flight": 0,
+    "concurrency": 2,
+    "latency_p50": 0.01,
+    "latency_p99": 0.02,
+    "wait_p99": 0.03,
+}
+
+
+def test_stage_statistics_can_be_made_with_the_design_fields_alone() -> None:
+    by_name = StageStatistics(**DESIGN_STAGE_FIELDS)  # type: ignore[arg-type]
+    by_position = StageStatistics(*DESIGN_STAGE_FIELDS.values())  # type: ignore[arg-type]
+    assert by_name == by_position
+    assert {name: getattr(by_name, name) for name in DESIGN_STAGE_FIELDS} == DESIGN_STAGE_FIELDS
+    later = {
+        field.name: getattr(by_name, field.name)
+        for field in dataclasses.fields(StageStatistics)
+        if field.name not in DESIGN_STAGE_FIELDS
+    }
+    assert later == {
+        "abandoned": 0,
+        "capacity": 0,
+        "limit": 0,
+        "shedding": False,
+        "shed": 0,
+        "saturation": 0.0,
+    }
+
+
+def test_bus_statistics_can_be_made_without_the_later_totals() -> None:
+    stats = BusStatistics(
+        stages=(),
+        published=0,
+        acked=0,
+        failed=0,
+        retried=0,
+        dead_lettered=0,
+        rejected=0,
+        dropped=0,
+        expired=0,
+    )
+    assert (stats.abandoned, stats.depth, stats.in_flight, stats.dead_letter_queue) == (0, 0, 0, 0)
+    assert stats.free_threaded is False
 
 
 def test_shutdown_report_abandoned_is_a_list_of_ids() -> None:
