@@ -56,16 +56,19 @@ def check_number(value: Any, name: str, *, above: float, inclusive: bool = False
     raise ConfigurationError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
-def check_seconds(value: Any, name: str, *, zero: bool = False) -> float:
-    """A duration: a finite number ``> 0`` (``>= 0`` when ``zero``), as a float.
+def check_seconds(value: Any, name: str, *, zero: bool = False, maximum: float = math.inf) -> float:
+    """A duration: a finite number ``> 0`` (``>= 0`` when ``zero``), at most ``maximum``,
+    as a float.
 
     :raises ConfigurationError: for anything else (NaN, an infinity, an int too large
         for a float, a bool, a string).
     """
     number = _as_float(value)
-    if number is not None and (number > 0 or (zero and number == 0)):
+    if number is not None and (number > 0 or (zero and number == 0)) and number <= maximum:
         return number
     bound = ">= 0" if zero else "> 0"
+    if maximum != math.inf:
+        bound += f" and <= {maximum:g}"
     raise ConfigurationError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
 
 
@@ -80,12 +83,13 @@ def check_wait(value: Any, name: str) -> float | None:
 MAX_COUNT = sys.maxsize
 
 
-def check_count(value: Any, name: str, minimum: int) -> int:
-    """An int from ``minimum`` to :data:`MAX_COUNT` (bools refused)."""
-    if isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_COUNT:
+def check_count(value: Any, name: str, minimum: int, maximum: int = MAX_COUNT) -> int:
+    """An int from ``minimum`` to ``maximum`` (:data:`MAX_COUNT` by default; bools
+    refused)."""
+    if isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum:
         return int(value)
     raise ConfigurationError(
-        f"{name} must be an int >= {minimum} (at most {MAX_COUNT}), got {value!r}"
+        f"{name} must be an int >= {minimum} (at most {maximum}), got {value!r}"
     )
 
 

@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol, Self, runtime_checkable
 import anyio
 from anyio.abc import AsyncResource
 
+from .._checks import check_count, check_seconds
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope
@@ -30,12 +31,16 @@ __all__ = [
     "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_MAX_MESSAGE_SIZE",
     "INBOX_GROUP_PREFIX",
+    "MAX_DELIVERIES_LIMIT",
+    "MAX_SECONDS",
     "Capabilities",
     "Delivery",
     "DetailedDelivery",
     "Transport",
     "checked_max_deliveries",
     "checked_max_message_size",
+    "checked_prefetch",
+    "checked_seconds",
     "over_max_deliveries",
     "refuse_oversized",
     "rejected_entry",
@@ -49,10 +54,29 @@ DEFAULT_MAX_MESSAGE_SIZE = 16 * 1024 * 1024
 
 
 def checked_max_message_size(value: int) -> int:
-    """``value`` as a size limit; :class:`ConfigurationError` unless it is > 0."""
-    if not (isinstance(value, int) and value > 0):
+    """``value`` as a size limit; :class:`ConfigurationError` unless it is an int > 0."""
+    if isinstance(value, bool) or not (isinstance(value, int) and value > 0):
         raise ConfigurationError(f"max_message_size must be an int > 0, got {value!r}")
     return value
+
+
+#: Longest timeout or interval a broker transport takes (about 31 years): brokers keep
+#: some of them as 64-bit nanoseconds, so a longer one would fail there, not here.
+MAX_SECONDS = 1e9
+
+
+def checked_seconds(value: float, name: str, *, zero: bool = False) -> float:
+    """``value`` as a transport's timeout or interval: a finite number of seconds ``> 0``
+    (``>= 0`` when ``zero``) up to :data:`MAX_SECONDS`.
+
+    :raises ConfigurationError: for NaN, an infinity, a bool, a huge number, a string.
+    """
+    return check_seconds(value, name, zero=zero, maximum=MAX_SECONDS)
+
+
+def checked_prefetch(value: int) -> int:
+    """``subscribe``'s ``prefetch``: an int ``>= 1`` (bools refused)."""
+    return check_count(value, "prefetch", 1)
 
 
 #: Default number of deliveries of one message, none of them settled, after which the
@@ -65,11 +89,14 @@ DEFAULT_MAX_DELIVERIES = 10
 INBOX_GROUP_PREFIX = "_reply."
 
 
+#: Largest ``max_deliveries``: more deliveries than that of one message is a loop.
+MAX_DELIVERIES_LIMIT = 1_000_000
+
+
 def checked_max_deliveries(value: int) -> int:
-    """``value`` as a delivery cap; :class:`ConfigurationError` unless it is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"max_deliveries must be an int >= 1, got {value!r}")
-    return value
+    """``value`` as a delivery cap; :class:`ConfigurationError` unless it is an int from 1
+    to :data:`MAX_DELIVERIES_LIMIT`."""
+    return check_count(value, "max_deliveries", 1, MAX_DELIVERIES_LIMIT)
 
 
 def over_max_deliveries(deliveries: int, limit: int) -> str | None:

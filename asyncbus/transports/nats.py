@@ -105,6 +105,8 @@ from .base import (
     Delivery,
     Transport,
     checked_max_deliveries,
+    checked_prefetch,
+    checked_seconds,
     over_max_deliveries,
     rejected_entry,
     unrouted_entry,
@@ -545,7 +547,8 @@ class NatsTransport(Transport):
     :param max_deliveries: deliveries of one message (``num_delivered``), none
         settled, after which the next one is handed over with ``error`` set (the bus
         dead-letters it ``rejected``).
-    :raises ConfigurationError: for a bad prefix, a non-positive timeout or cap.
+    :raises ConfigurationError: for a bad prefix, or a timeout, window or cap that is
+        not a positive number in range (NaN, infinities, bools, huge values included).
     """
 
     #: Seconds without a pull after which the server deletes a request inbox's
@@ -583,28 +586,33 @@ class NatsTransport(Transport):
             publish_timeout = request_timeout
         validate_topic(prefix)
         _check_subject_text("prefix", prefix)
-        for label, value in (
-            ("ack_timeout", ack_timeout),
-            ("connect_timeout", connect_timeout),
-            ("request_timeout", request_timeout),
-            ("dedup_window", dedup_window),
-            ("reconnect_wait", reconnect_wait),
-            ("publish_timeout", publish_timeout),
-        ):
-            if not value > 0:
-                raise ConfigurationError(f"NatsTransport: {label} must be > 0, got {value!r}")
-        if max_age is not None and not max_age > 0:
-            raise ConfigurationError(f"NatsTransport: max_age must be > 0, got {max_age!r}")
+        seconds = {
+            label: checked_seconds(value, f"NatsTransport: {label}")
+            for label, value in (
+                ("ack_timeout", ack_timeout),
+                ("connect_timeout", connect_timeout),
+                ("request_timeout", request_timeout),
+                ("dedup_window", dedup_window),
+                ("reconnect_wait", reconnect_wait),
+                ("publish_timeout", publish_timeout),
+            )
+        }
+        if max_age is not None:
+            max_age = checked_seconds(max_age, "NatsTransport: max_age")
+        if not isinstance(keep_alive, bool):
+            raise ConfigurationError(
+                f"NatsTransport: keep_alive must be a bool, got {keep_alive!r}"
+            )
         self.url = url
         self.prefix = prefix
-        self.ack_timeout = float(ack_timeout)
-        self.connect_timeout = float(connect_timeout)
-        self.request_timeout = float(request_timeout)
-        self.publish_timeout = float(publish_timeout)
-        self.dedup_window = float(dedup_window)
+        self.ack_timeout = seconds["ack_timeout"]
+        self.connect_timeout = seconds["connect_timeout"]
+        self.request_timeout = seconds["request_timeout"]
+        self.publish_timeout = seconds["publish_timeout"]
+        self.dedup_window = seconds["dedup_window"]
         self.max_age = max_age
         self.keep_alive = keep_alive
-        self.reconnect_wait = float(reconnect_wait)
+        self.reconnect_wait = seconds["reconnect_wait"]
         self.max_deliveries = checked_max_deliveries(max_deliveries)
         #: Name of the stream of envelopes, and of the stream of dead letters.
         self.stream = _UNSAFE.sub("_", prefix).upper()
@@ -1013,8 +1021,7 @@ class NatsTransport(Transport):
         self, pattern: str, *, group: str, prefetch: int
     ) -> AsyncIterator[AsyncIterator[Delivery]]:
         """Pull from the group's durable consumer; unsettled deliveries go back at the end."""
-        if prefetch < 1:
-            raise ConfigurationError(f"prefetch must be >= 1, got {prefetch}")
+        checked_prefetch(prefetch)
         nc, _ = self._client()
         await self._ensure_consumer(pattern, group)
         consumer = _PullConsumer(self, nc, pattern, group, prefetch)

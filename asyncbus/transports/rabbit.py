@@ -153,6 +153,8 @@ from .base import (
     Transport,
     checked_max_deliveries,
     checked_max_message_size,
+    checked_prefetch,
+    checked_seconds,
     refuse_oversized,
     require_asyncio,
     unrouted_entry,
@@ -278,7 +280,8 @@ class RabbitTransport(Transport):
     :param max_deliveries: deliveries of one message (the quorum queue's
         ``x-delivery-count`` + 1), none settled, after which the next one is handed
         over with ``error`` set (the bus dead-letters it ``rejected``).
-    :raises ConfigurationError: for a non-positive timeout, size or cap, or an unusable
+    :raises ConfigurationError: for a timeout, size or cap that is not a positive
+        number in range (NaN, infinities, bools, huge values included), or an unusable
         prefix.
     """
 
@@ -307,16 +310,22 @@ class RabbitTransport(Transport):
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
-        for label, value in (
-            ("ack_timeout", ack_timeout),
-            ("publish_timeout", publish_timeout),
-            ("connect_timeout", connect_timeout),
-            ("max_backoff", max_backoff),
-        ):
-            if not value > 0:
-                raise ConfigurationError(f"{label} must be > 0, got {value}")
+        ack_timeout, publish_timeout, connect_timeout, max_backoff = (
+            checked_seconds(value, f"RabbitTransport: {label}")
+            for label, value in (
+                ("ack_timeout", ack_timeout),
+                ("publish_timeout", publish_timeout),
+                ("connect_timeout", connect_timeout),
+                ("max_backoff", max_backoff),
+            )
+        )
+        if not isinstance(keep_alive, bool):
+            raise ConfigurationError(
+                f"RabbitTransport: keep_alive must be a bool, got {keep_alive!r}"
+            )
         if (
-            not prefix
+            not isinstance(prefix, str)
+            or not prefix
             or prefix.startswith("amq.")
             or len(prefix) > 100
             or not set(prefix) <= NAME_CHARACTERS
@@ -330,10 +339,10 @@ class RabbitTransport(Transport):
         self.max_message_size = checked_max_message_size(max_message_size)
         self.max_deliveries = checked_max_deliveries(max_deliveries)
         self.keep_alive = keep_alive
-        self.ack_timeout = float(ack_timeout)
-        self.publish_timeout = float(publish_timeout)
-        self.connect_timeout = float(connect_timeout)
-        self.max_backoff = float(max_backoff)
+        self.ack_timeout = ack_timeout
+        self.publish_timeout = publish_timeout
+        self.connect_timeout = connect_timeout
+        self.max_backoff = max_backoff
         self.dead_letter_exchange = f"{prefix}.deadletters"
         self.dead_letter_queue = f"{prefix}.deadletters"
         self._lock_queue = f"{prefix}.deadletters.lock"
@@ -1023,8 +1032,7 @@ class RabbitTransport(Transport):
         Consuming starts at the first iteration; leaving gives back every delivery
         not settled (shielded from cancellation).
         """
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        checked_prefetch(prefetch)
         # AMQP's prefetch count is 16 bits; a bus stage still holds no more than its
         # capacity.
         prefetch = min(prefetch, 65535)

@@ -79,6 +79,7 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
+from .._checks import check_count
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, TransportError
@@ -104,6 +105,8 @@ from .base import (
     Transport,
     checked_max_deliveries,
     checked_max_message_size,
+    checked_prefetch,
+    checked_seconds,
     over_max_deliveries,
     refuse_oversized,
     rejected_entry,
@@ -135,6 +138,8 @@ _RELEASE_TIMEOUT = 5.0
 #: Seconds closing the connections may take.
 _CLOSE_TIMEOUT = 0.5
 _BACKOFF_MAX = 2.0
+#: Longest blocking read (ms): an hour; a read that long holds a pooled connection.
+_BLOCK_MS_MAX = 3_600_000
 #: Seconds the ack writer waits for more acks before writing (bounds their delay).
 _ACK_LINGER = 0.002
 _ROUTE_CACHE_LIMIT = 4096
@@ -319,7 +324,8 @@ class RedisTransport(Transport):
         behind other writes included) before raising :class:`TransportError`; it is
         also the socket timeout of every other call (at least ``block_ms`` plus a
         second), so a server that stops answering fails calls instead of hanging them.
-    :raises ConfigurationError: for a non-positive timeout, interval, size or cap.
+    :raises ConfigurationError: for a timeout, interval, size or cap that is not a
+        positive number in range (NaN, infinities, bools, huge values included).
     """
 
     #: Seconds the inbox of a process that died stays in Redis (see the module docstring).
@@ -350,27 +356,26 @@ class RedisTransport(Transport):
         publish_timeout: float = 10.0,
     ) -> None:
         super().__init__(codec=codec)
-        if not ack_timeout > 0:
-            raise ConfigurationError(f"ack_timeout must be > 0, got {ack_timeout}")
-        if not (publish_timeout > 0 and math.isfinite(publish_timeout)):
+        ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
+        publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")
+        # A blocking read is one call: it must fit well within a socket timeout.
+        block_ms = check_count(block_ms, "RedisTransport: block_ms", 1, _BLOCK_MS_MAX)
+        claim_interval = checked_seconds(claim_interval, "RedisTransport: claim_interval")
+        if not isinstance(keep_alive, bool):
             raise ConfigurationError(
-                f"publish_timeout must be a finite number > 0, got {publish_timeout}"
+                f"RedisTransport: keep_alive must be a bool, got {keep_alive!r}"
             )
-        if not block_ms > 0:
-            raise ConfigurationError(f"block_ms must be > 0, got {block_ms}")
-        if not claim_interval > 0:
-            raise ConfigurationError(f"claim_interval must be > 0, got {claim_interval}")
-        if not prefix:
+        if not isinstance(prefix, str) or not prefix:
             raise ConfigurationError("prefix must be a non-empty string")
         self.url = url
         self.max_message_size = checked_max_message_size(max_message_size)
         self.keep_alive = keep_alive
         self.max_deliveries = checked_max_deliveries(max_deliveries)
         self.prefix = prefix
-        self.ack_timeout = float(ack_timeout)
-        self.block_ms = int(block_ms)
-        self.claim_interval = float(claim_interval)
-        self.publish_timeout = float(publish_timeout)
+        self.ack_timeout = ack_timeout
+        self.block_ms = block_ms
+        self.claim_interval = claim_interval
+        self.publish_timeout = publish_timeout
         self._bindings_key = f"{prefix}:bindings"
         self._version_key = f"{prefix}:bindings:version"
         self._delayed_key = f"{prefix}:delayed"
@@ -675,7 +680,7 @@ class RedisTransport(Transport):
             index: dict[str, int] = {}
             args: list[bytes | str | int] = []
             targets: list[list[str]] = []
-            for (topic, wire, done) in batch:
+            for topic, wire, done in batch:
                 streams = [stream for stream in self._route(topic) if stream not in done]
                 targets.append(streams)
                 if not streams:
@@ -723,8 +728,7 @@ class RedisTransport(Transport):
         :raises ConfigurationError: for a bad pattern or ``prefetch`` < 1.
         """
         compile_pattern(pattern)
-        if prefetch < 1:
-            raise ConfigurationError(f"prefetch must be >= 1, got {prefetch}")
+        checked_prefetch(prefetch)
         stream = await self._bind(pattern, group)
         consumer = _Consumer(self, pattern, group, stream, prefetch)
         self._consumers.add(consumer)

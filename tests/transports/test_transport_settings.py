@@ -1,0 +1,118 @@
+"""Broker transports check their settings where they are given: a number that cannot
+work (NaN, an infinity, a negative or zero duration, a bool, a string, a number too
+large for the broker) is a ``ConfigurationError`` from the constructor, naming it.
+
+The constructors do not touch the broker; ``prefetch`` is checked by ``subscribe``
+before anything is declared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import pytest
+from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+
+from asyncbus import ConfigurationError
+from asyncbus.transports import Transport
+from asyncbus.transports.nats import NatsTransport
+from asyncbus.transports.rabbit import RabbitTransport
+from asyncbus.transports.redis import RedisTransport
+
+pytestmark = pytest.mark.timeout(10)
+
+NAN = float("nan")
+INF = float("inf")
+#: Bad values for any duration (seconds).
+BAD_SECONDS: list[Any] = [NAN, INF, -INF, -1, 0, 0.0, -0.5, True, False, "5", None, 10**400, 1e300]
+
+SECONDS: dict[type[Transport], list[str]] = {
+    RedisTransport: ["ack_timeout", "publish_timeout", "claim_interval"],
+    NatsTransport: [
+        "ack_timeout",
+        "connect_timeout",
+        "request_timeout",
+        "publish_timeout",
+        "dedup_window",
+        "reconnect_wait",
+        "max_age",
+    ],
+    RabbitTransport: ["ack_timeout", "publish_timeout", "connect_timeout", "max_backoff"],
+}
+
+CASES = [
+    (transport, name, value)
+    for transport, names in SECONDS.items()
+    for name in names
+    for value in BAD_SECONDS
+    # max_age=None is "no age limit", publish_timeout=None on NATS is request_timeout.
+    if not (value is None and (name == "max_age" or transport is NatsTransport))
+]
+
+
+@pytest.mark.parametrize(("transport", "name", "value"), CASES)
+def test_a_duration_that_cannot_work_is_refused(
+    transport: Callable[..., Transport], name: str, value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match=name):
+        transport(**{name: value})
+
+
+@pytest.mark.parametrize("transport", list(SECONDS))
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, 3.0, "3", NAN, INF, 10**9, 2**63])
+def test_max_deliveries_must_be_a_sensible_int(
+    transport: Callable[..., Transport], value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match="max_deliveries"):
+        transport(max_deliveries=value)
+
+
+@pytest.mark.parametrize("transport", [RedisTransport, RabbitTransport])
+@pytest.mark.parametrize("value", [True, 0, -1, 2.5, "1024"])
+def test_max_message_size_must_be_an_int_above_zero(
+    transport: Callable[..., Transport], value: Any
+) -> None:
+    with pytest.raises(ConfigurationError, match="max_message_size"):
+        transport(max_message_size=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, 200.0, NAN, INF, "200", 10**12])
+def test_redis_block_ms_must_be_an_int_within_an_hour(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="block_ms"):
+        RedisTransport(block_ms=value)
+
+
+@pytest.mark.parametrize("transport", list(SECONDS))
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_keep_alive_must_be_a_bool(transport: Callable[..., Transport], value: Any) -> None:
+    with pytest.raises(ConfigurationError, match="keep_alive"):
+        transport(keep_alive=value)
+
+
+@pytest.mark.parametrize("transport", list(SECONDS))
+def test_sensible_settings_are_kept(transport: Callable[..., Transport]) -> None:
+    made: Any = transport(ack_timeout=2, publish_timeout=1.5, max_deliveries=1_000_000)
+    assert (made.ack_timeout, made.publish_timeout, made.max_deliveries) == (2.0, 1.5, 1_000_000)
+    assert isinstance(made.ack_timeout, float)
+
+
+@pytest.fixture
+async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
+    shared = url_for(kind, SHARED_PORTS[kind])
+    yield shared
+    with anyio.CancelScope(shield=True):
+        await forget(kind, shared, unique_prefix)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("value", [0, -1, True, 2.5, "8", NAN])
+async def test_a_bad_prefetch_is_a_configuration_error(
+    kind: str, url: str, unique_prefix: str, value: Any
+) -> None:
+    async with make_transport(kind, url, unique_prefix) as transport:
+        with anyio.fail_after(10), pytest.raises(ConfigurationError, match="prefetch"):
+            async with transport.subscribe("settings.check", group="g", prefetch=value):
+                pass
