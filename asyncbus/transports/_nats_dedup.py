@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
 
 from .._dedup import Claim
-from .._exceptions import TransportError
+from .._exceptions import DecodeError, TransportError
+from ._wire_fields import real
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from .nats import NatsTransport
 
 __all__ = ["NatsDedupStore"]
+
+logger = logging.getLogger("asyncbus.transport.nats")
 
 _DONE = b'{"done":true}'
 #: Tries of a claim that keeps meeting concurrent changes before calling it busy.
@@ -44,11 +48,27 @@ def _key(key: str) -> str:
 
 
 def _parse(value: bytes | None) -> dict[str, Any]:
+    """A key's value; ``{}`` (no claim, not done) for one this store did not write.
+
+    Another client may have written anything there (not JSON, JSON nested deeper than
+    any parser recurses, an ``until`` that is no number): such a key is taken over.
+    """
+    data = value or b""
     try:
-        found = json.loads(value or b"")
-    except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
+        found = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        found = None
+    if isinstance(found, dict):
+        if found.get("done") is True:
+            return {"done": True}
+        owner, until = found.get("owner"), found.get("until")
+        if type(owner) is str and type(until) in (int, float):
+            try:
+                return {"owner": owner, "until": real(until, "until")}
+            except DecodeError:
+                pass
+    logger.warning("NATS: deduplicate(): ignoring an unreadable claim %r", data[:80])
+    return {}
 
 
 class NatsDedupStore:
@@ -111,7 +131,7 @@ class NatsDedupStore:
                 found = _parse(entry.value)
                 if found.get("done"):
                     return Claim.DONE
-                if found.get("owner") != owner and float(found.get("until", 0)) > time.time():
+                if found.get("owner") != owner and found.get("until", 0.0) > time.time():
                     return Claim.BUSY
                 try:  # an expired claim (its owner died), or our own: take it over
                     await kv.update(name, mine, last=entry.revision)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, DecodeError
 from .._routing import compile_pattern
+from ._wire_fields import group_from_wire
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,15 +46,14 @@ def group_description(pattern: str, group: str) -> str:
 def _parse(description: str | None) -> tuple[str, str] | None:
     if not description or not description.startswith(_DESCRIPTION):
         return None
-    text = description[len(_DESCRIPTION) :]
+    legacy = _LEGACY.match(description)
+    if legacy is not None:
+        return legacy.group(2), legacy.group(1)
     try:
-        found: Any = json.loads(text)
-    except ValueError:
-        legacy = _LEGACY.match(description)
-        return (legacy.group(2), legacy.group(1)) if legacy else None
-    if isinstance(found, list) and len(found) == 2 and all(isinstance(x, str) for x in found):
-        return found[0], found[1]
-    return None
+        return group_from_wire(description[len(_DESCRIPTION) :])
+    except DecodeError as error:  # another client's consumer: it counts under its name
+        logger.warning("NATS: unreadable group description %r: %s", description[:80], error)
+        return None
 
 
 class GroupDirectory:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, DecodeError
 from .._routing import compile_pattern
 from ._rabbit_dead_letters import QueueScan
+from ._wire_fields import group_from_wire
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
@@ -37,13 +38,12 @@ _ROUTE_CACHE_LIMIT = 4096
 
 
 def _parse(body: bytes) -> tuple[str, str] | None:
+    """The group an announcement records; ``None`` (with a warning) for anything else."""
     try:
-        found: Any = json.loads(body)
-    except ValueError:
+        return group_from_wire(body)
+    except DecodeError as error:  # written by another client: ignored
+        logger.warning("RabbitMQ: ignoring an unreadable group announcement: %s", error)
         return None
-    if isinstance(found, list) and len(found) == 2 and all(isinstance(x, str) for x in found):
-        return found[0], found[1]
-    return None
 
 
 class GroupRegister:

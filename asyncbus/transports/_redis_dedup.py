@@ -2,7 +2,8 @@
 
 ``{prefix}:dedup:{stage}/{id}`` holds ``claim:{owner}`` with a TTL of the lease
 (``SET NX PX``), then ``done`` with a TTL of the window. Each step is one Lua script,
-so a claim never races another; expiry is the server's, so clocks do not matter.
+so a claim never races another; expiry is the server's, so clocks do not matter. A
+key holding anything else (written by another client) counts as absent.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisDedupStore"]
 
-#: KEYS[1] the key; ARGV owner, lease ms. Returns 1 claimed, 2 done, 3 busy.
+#: KEYS[1] the key; ARGV owner, lease ms. Returns 1 claimed, 2 done, 3 busy. A value
+#: this store did not write (another client's: not a string, or neither ``done`` nor a
+#: claim) is taken over, as an absent key would be.
 _CLAIM = """
 local mine = 'claim:' .. ARGV[1]
 if redis.call('SET', KEYS[1], mine, 'NX', 'PX', ARGV[2]) then return 1 end
-local value = redis.call('GET', KEYS[1])
+local value = redis.pcall('GET', KEYS[1])
 if value == 'done' then return 2 end
-if value == mine then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if value == mine or type(value) ~= 'string' or string.sub(value, 1, 6) ~= 'claim:' then
+  redis.call('SET', KEYS[1], mine, 'PX', ARGV[2])
   return 1
 end
 return 3
@@ -33,7 +36,7 @@ return 3
 
 #: KEYS[1] the key; ARGV owner, lease ms. Returns 1 when the owner still held it.
 _EXTEND = """
-if redis.call('GET', KEYS[1]) == 'claim:' .. ARGV[1] then
+if redis.pcall('GET', KEYS[1]) == 'claim:' .. ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
@@ -41,7 +44,7 @@ return 0
 
 #: KEYS[1] the key; ARGV owner. Deletes the owner's claim only.
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == 'claim:' .. ARGV[1] then
+if redis.pcall('GET', KEYS[1]) == 'claim:' .. ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0

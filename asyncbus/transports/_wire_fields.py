@@ -10,15 +10,23 @@ delivery, and an envelope it returns can always be written back (dead-lettered).
 
 from __future__ import annotations
 
+import json
 import math
 from types import MappingProxyType
 from typing import Any
 
 from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._exceptions import ConfigurationError, DecodeError
-from .._routing import validate_topic
+from .._routing import compile_pattern, validate_topic
 
-__all__ = ["MAX_ATTEMPT", "envelope_from_fields", "optional_text", "real", "text"]
+__all__ = [
+    "MAX_ATTEMPT",
+    "envelope_from_fields",
+    "group_from_wire",
+    "optional_text",
+    "real",
+    "text",
+]
 
 #: The largest ``attempt`` accepted on the wire (exact as a float, so any JSON keeps it).
 MAX_ATTEMPT = 2**53
@@ -143,3 +151,29 @@ def _slip(value: Any) -> tuple[str, ...]:
     if type(value) is not list:
         raise DecodeError(f"envelope field 'slip' is not a list of topics: {_show(value)}")
     return tuple(_topic(topic, "slip") for topic in value)
+
+
+def group_from_wire(data: bytes | str) -> tuple[str, str]:
+    """The ``(pattern, group)`` a group registry entry records: ``["pattern", "group"]``.
+
+    Registries (Redis's bindings hash, NATS consumer descriptions, RabbitMQ's group
+    register) are written by every client of the broker, so an entry may be anything:
+    not JSON, JSON nested deeper than any parser recurses, the wrong shape, a pattern
+    that is none.
+
+    :raises DecodeError: for any entry that is not such a pair, whatever the bytes.
+    """
+    try:
+        found = json.loads(data)
+    except RecursionError:
+        raise DecodeError("group entry is not readable: nested too deep") from None
+    except (ValueError, TypeError) as error:  # UnicodeDecodeError is a ValueError
+        raise DecodeError(f"group entry is not JSON: {error}") from None
+    if type(found) is not list or len(found) != 2:
+        raise DecodeError(f"group entry is not a [pattern, group] pair: {_show(found)}")
+    pattern, group = text(found[0], "pattern"), _nonempty(found[1], "group")
+    try:
+        compile_pattern(pattern)
+    except ConfigurationError as error:
+        raise DecodeError(f"group entry: {error}") from None
+    return pattern, group

@@ -756,7 +756,11 @@ class RabbitTransport(Transport):
                     message = await channel.basic_get(self._catalog, no_ack=True)
                     if not message.delivery_tag:
                         break  # Basic.GetEmpty
-                    names.append(message.body.decode())
+                    # Names this prefix's transports wrote; another client's junk
+                    # (not UTF-8, too long for a queue name) is skipped.
+                    name = bytes(message.body or b"").decode("utf-8", "replace")
+                    if name and len(name.encode()) <= KEY_LIMIT:
+                        names.append(name)
             fixed = [
                 self.dead_letter_queue,
                 self._lock_queue,

@@ -96,6 +96,7 @@ from ._codec import (
     envelope_to_wire,
 )
 from ._redis_dedup import RedisDedupStore
+from ._wire_fields import group_from_wire
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -571,15 +572,15 @@ class RedisTransport(Transport):
         names: dict[str, str] = {}
         for stream, value in found.items():
             try:
-                pattern, group = json.loads(value)
-                matches = compile_pattern(pattern)
-            except (ValueError, TypeError) as error:  # ConfigurationError is a ValueError
-                logger.warning("Redis: skipping unreadable binding %r: %s", stream, error)
+                pattern, group = group_from_wire(value)
+                key = _text(stream)
+            except (DecodeError, UnicodeDecodeError) as error:  # written by another client
+                logger.warning("Redis: skipping unreadable binding %r: %s", stream[:200], error)
                 continue
-            bindings.append((matches, _text(stream)))
-            names[_text(stream)] = f"{pattern}@{group}"
-            if _is_inbox(str(group)):
-                inboxes.add(_text(stream))
+            bindings.append((compile_pattern(pattern), key))
+            names[key] = f"{pattern}@{group}"
+            if _is_inbox(group):
+                inboxes.add(key)
         self._bindings = bindings
         self._inbox_streams = inboxes
         self._names = names
