@@ -7,7 +7,42 @@ consumers, moving due retries back.
 
 from __future__ import annotations
 
-__all__ = ["CLAIM", "MOVE_DUE", "PUBLISH", "REAP", "REAP_INBOXES", "RELEASE", "TOUCH"]
+__all__ = [
+    "CLAIM",
+    "COUNT_DELAYED",
+    "MOVE_DUE",
+    "PUBLISH",
+    "REAP",
+    "REAP_INBOXES",
+    "RELEASE",
+    "TOUCH",
+]
+
+#: Lua: add ``delta`` to the count of delayed retries of ``stream`` in hash ``counts``;
+#: a count that is not a whole number >= 0 (another client wrote it) counts as 0, and a
+#: count that reaches 0 is removed. Shared by the scripts below.
+_ADD_DELAYED = """
+local function add_delayed(counts, stream, delta)
+  local ok, found = pcall(redis.call, 'HGET', counts, stream)
+  local n = ok and tonumber(found) or nil
+  if n == nil or n ~= math.floor(n) or n < 0 or n > 2^53 then n = 0 end
+  n = n + delta
+  if n > 0 then
+    redis.pcall('HSET', counts, stream, n)
+  else
+    redis.pcall('HDEL', counts, stream)
+  end
+end
+"""
+
+#: Count one more delayed retry of a stream. KEYS[1] the hash of counts; ARGV stream.
+COUNT_DELAYED = (
+    _ADD_DELAYED
+    + """
+add_delayed(KEYS[1], ARGV[1], 1)
+return 1
+"""
+)
 
 #: XADD a batch of publishes and read the bindings' version, in one command (one reply
 #: to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
@@ -113,22 +148,23 @@ return reaped
 #: KEYS[1] the sorted set of item keys by due time (ms), KEYS[2] the hash of counts
 #: per stream; ARGV now ms, limit. Each item is a hash (stream, meta, body).
 #: Returns {moved, score of the next item or nil}.
-MOVE_DUE = """
+MOVE_DUE = (
+    _ADD_DELAYED
+    + """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
 for _, item in ipairs(due) do
   redis.call('ZREM', KEYS[1], item)
   local fields = redis.call('HMGET', item, 'stream', 'meta', 'body')
   if fields[1] then
     redis.call('XADD', fields[1], '*', 'meta', fields[2], 'body', fields[3])
-    if redis.call('HINCRBY', KEYS[2], fields[1], -1) <= 0 then
-      redis.call('HDEL', KEYS[2], fields[1])
-    end
+    add_delayed(KEYS[2], fields[1], -1)
   end
   redis.call('DEL', item)
 end
 local after = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 return {#due, after[2]}
 """
+)
 
 #: Delete the request inboxes whose expiry passed (their process died): the stream,
 #: its binding and its entry in the sorted set; then change the bindings' version.

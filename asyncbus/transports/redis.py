@@ -900,7 +900,10 @@ class RedisTransport(Transport):
                 item = f"{self._delayed_key}:{secrets.token_hex(12)}"
                 pipe.hset(item, mapping={"stream": consumer.stream, "meta": meta, "body": body})
                 pipe.zadd(self._delayed_key, {item: math.ceil(due * 1000)})  # never early
-                pipe.hincrby(self._delayed_counts_key, consumer.stream, 1)
+                # Not HINCRBY: a count another client garbled must not fail the nack.
+                await self._scripts["COUNT_DELAYED"](
+                    keys=[self._delayed_counts_key], args=[consumer.stream], client=pipe
+                )
             else:
                 pipe.xadd(consumer.stream, {"meta": meta, "body": body})
         if dead is not None:
@@ -1099,7 +1102,17 @@ class RedisTransport(Transport):
             length, delayed = await pipe.execute()
         except self._errors.RedisError as error:
             raise self._failed(f"backlog of {pattern}@{group}", error) from error
-        return int(length) + int(delayed or 0)
+        try:
+            waiting = int(delayed or 0)
+        except ValueError:  # another client wrote it: no count rather than no backlog
+            logger.warning(
+                "Redis: ignoring the unreadable count %r of delayed retries of %s in %s",
+                delayed[:80],
+                stream,
+                self._delayed_counts_key,
+            )
+            waiting = 0
+        return int(length) + max(waiting, 0)
 
     def _queue_dead_letter(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
         if self.dead_letter_maxlen <= 0:

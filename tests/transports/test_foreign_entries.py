@@ -247,3 +247,42 @@ async def _delete_buckets(url: str, stream: str) -> None:
                         await js.delete_stream(info.config.name)
         finally:
             await nc.close()
+
+
+# -- counters ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("garbled", [b"not a number", b"1.5", DEEP.encode()])
+async def test_redis_a_garbled_count_of_delayed_retries_is_ignored(
+    redis_url: str, redis_prefix: str, caplog: pytest.LogCaptureFixture, garbled: bytes
+) -> None:
+    import redis.asyncio as aioredis
+
+    from asyncbus import Envelope
+
+    counts = f"{redis_prefix}:delayed:counts"
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with (
+            RedisTransport(redis_url, prefix=redis_prefix) as transport,
+            transport.subscribe("delay.*", group="g", prefetch=4) as deliveries,
+        ):
+            stream = transport.stream_key("delay.*", "g")
+            await client.hset(counts, stream, garbled)
+            with caplog.at_level(logging.WARNING):
+                assert await transport.backlog("delay.*", "g") == 0
+            assert _warned(caplog, "unreadable count") == 1
+            await transport.publish("delay.one", [Envelope(topic="delay.one", payload=1)])
+            assert await transport.backlog("delay.*", "g") == 1
+            with anyio.fail_after(10):
+                delivery = await anext(deliveries)
+                await delivery.nack(delay=0.2)
+                # Counted again from zero: the retry waiting in the sorted set.
+                assert await client.hget(counts, stream) == b"1"
+                assert await transport.backlog("delay.*", "g") == 1
+                retry = await anext(deliveries)
+            assert (retry.envelope.payload, retry.envelope.attempt) == (1, 2)
+            assert await client.hget(counts, stream) is None  # moved: none waits
+            await retry.ack()
+    finally:
+        await client.aclose()
