@@ -1477,6 +1477,19 @@ class Bus:
                 failure.__cause__ = cause
                 pending.error = failure
                 pending.event.set()
+        elif self._inbox_prefix is not None and envelope.topic.startswith(self._inbox_prefix):
+            # A reply this bus could not take in (undecodable, refused by the inbox):
+            # its request fails now instead of waiting for its timeout.
+            pending = self._requests.get(envelope.topic)
+            if pending is not None and not pending.event.is_set():
+                pending.error = HandlerError(
+                    f"the reply to request {envelope.topic.rpartition('.')[2]} could not be "
+                    f"read ({reason.value}): {error}",
+                    envelope=envelope,
+                    stage=stage,
+                    attempts=attempts,
+                )
+                pending.event.set()
         return entry
 
     async def _store_dead_letter(self, broker: Transport, entry: DeadLetter) -> None:
@@ -1709,17 +1722,27 @@ class Bus:
         pending = self._requests.get(envelope.topic)
         if pending is None or pending.event.is_set():
             return
-        body = envelope.payload if isinstance(envelope.payload, dict) else {}
-        if "error" in body:
-            failure = HandlerError(
-                f"{body.get('reason')} in stage {body.get('stage')}: {body.get('error')}",
+        body = envelope.payload
+        if type(body) is dict and "error" in body:
+            stage, attempts = body.get("stage"), body.get("attempts")
+            pending.error = HandlerError(
+                f"{body.get('reason')} in stage {stage}: {body.get('error')}",
                 envelope=envelope,
-                stage=body.get("stage"),
-                attempts=int(body.get("attempts", 0)),
+                stage=stage if isinstance(stage, str) else None,
+                attempts=attempts if type(attempts) is int and attempts >= 0 else 0,
             )
-            pending.error = failure
+        elif type(body) is dict and "result" in body:
+            pending.value = body["result"]
         else:
-            pending.value = body.get("result")
+            # Not written by a bus (another client wrote to the inbox): the request
+            # fails now, rather than returning what is no answer or waiting for one.
+            pending.error = HandlerError(
+                f"the reply to request {envelope.topic.rpartition('.')[2]} is malformed: "
+                f"expected an object with 'result' or 'error', got {_shown(body)}",
+                envelope=envelope,
+                stage=None,
+                attempts=0,
+            )
         pending.event.set()
 
     def _inbox(self) -> str:
@@ -1819,6 +1842,15 @@ class Bus:
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"
+
+
+def _shown(value: Any) -> str:
+    """A short description of a malformed value: its type, and its start."""
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails (or recurses too deep) shows the type only
+        text = "..."
+    return f"{type(value).__name__} {text[:60]}"
 
 
 def _priority_text(topic: str, priority: Priority | int) -> str:

@@ -94,18 +94,24 @@ class JetStreamPublisher:
             return
         try:
             answer: Any = json.loads(msg.data)
-        except ValueError:
-            answer = {"error": {"description": f"unreadable ack {msg.data[:80]!r}"}}
-        error = answer.get("error") if isinstance(answer, dict) else None
-        if error:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read
+            answer = None
+        if type(answer) is dict and type(answer.get("error")) is dict:
+            error = answer["error"]
             future.set_exception(
                 TransportError(
                     f"JetStream refused the message: {error.get('description', error)} "
                     f"(code {error.get('err_code', error.get('code', '?'))})"
                 )
             )
-        else:
+        elif type(answer) is dict and type(answer.get("stream")) is str and "seq" in answer:
             future.set_result(None)
+        else:
+            # Not an ack JetStream writes (someone else answered on the inbox): the
+            # message may or may not be stored, as after a timeout.
+            future.set_exception(
+                TransportError(f"unreadable ack from JetStream: {msg.data[:80]!r}")
+            )
 
     async def _expire(self) -> None:
         waiting = self._waiting
