@@ -649,7 +649,7 @@ class NatsTransport(Transport):
         if self._nc is not None:
             return
         try:
-            import nats
+            from nats.aio.client import Client as NatsClient
         except ImportError as error:
             raise ConnectError(
                 "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
@@ -664,8 +664,9 @@ class NatsTransport(Transport):
         options: dict[str, Any] = {
             "name": f"asyncbus {self.prefix}",
             "connect_timeout": self.connect_timeout,
-            # The first connection is tried twice, then fails; once connected,
-            # reconnection never gives up (set below).
+            # The first connection is tried twice (a refused one is retried once),
+            # all within connect_timeout; once connected, reconnection never gives up
+            # (set below).
             "allow_reconnect": True,
             "max_reconnect_attempts": 1,
             "reconnect_time_wait": self.reconnect_wait,
@@ -674,12 +675,20 @@ class NatsTransport(Transport):
             "reconnected_cb": self._on_reconnected,
             "closed_cb": self._on_closed,
         }
+        nc = NatsClient()
         try:
-            nc = await nats.connect(self.url, **options)
+            # nats-py gives each attempt connect_timeout; all of them get it together.
+            with anyio.fail_after(self.connect_timeout):
+                await nc.connect(self.url, **options)
         except Exception as error:
-            raise ConnectError(
-                f"NatsTransport cannot connect to {where}: {type(error).__name__}: {error}"
-            ) from error
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
+                _close_failed_attempt(nc)  # an attempt cut short keeps its socket
+                with contextlib.suppress(Exception):
+                    await nc.close()
+            reason = f"{type(error).__name__}: {error}"
+            if isinstance(error, TimeoutError) and not str(error):
+                reason = f"no connection within connect_timeout={self.connect_timeout:g} s"
+            raise ConnectError(f"NatsTransport cannot connect to {where}: {reason}") from error
         nc.options["max_reconnect_attempts"] = -1
         self._server = _server_id(nc)
         js = nc.jetstream(timeout=self.request_timeout)

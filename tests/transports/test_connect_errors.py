@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.abc
 import pytest
 
 from asyncbus import Bus, ConnectError
@@ -33,3 +34,34 @@ async def test_an_unreachable_broker_fails_async_with_bus_naming_host_and_port(m
     message = str(caught.value)
     assert "127.0.0.1:1" in message
     assert "s3cret" not in message
+
+
+async def _hold(stream: anyio.abc.SocketStream) -> None:
+    """A server that accepts and never says a word (a black-holed broker)."""
+    async with stream:
+        await anyio.sleep_forever()
+
+
+@pytest.mark.parametrize("silent", [True, False], ids=["black-holed", "refused"])
+async def test_nats_connect_fails_within_connect_timeout(silent: bool) -> None:
+    """nats-py gives each of its attempts connect_timeout: the transport bounds them all."""
+    connect_timeout = 1.0
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    transport = NatsTransport(
+        f"nats://127.0.0.1:{port}", connect_timeout=connect_timeout, reconnect_wait=0.5
+    )
+    async with listener, anyio.create_task_group() as task_group:
+        if silent:
+            task_group.start_soon(listener.serve, _hold)
+        else:
+            await listener.aclose()  # nothing listens there any more: refused
+        started = anyio.current_time()
+        with anyio.fail_after(10), pytest.raises(ConnectError) as caught:
+            await transport.connect()
+        took = anyio.current_time() - started
+        task_group.cancel_scope.cancel()
+    assert took < connect_timeout + 0.3, took
+    assert f"127.0.0.1:{port}" in str(caught.value)
+    if silent:
+        assert "connect_timeout=1" in str(caught.value)
