@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
@@ -28,6 +29,7 @@ from . import _instrument
 from ._control import Crew
 from ._dead_letters import DeadLetter, DeadLetterReason
 from ._envelope import Envelope
+from ._exceptions import ConfigurationError
 from ._failures import describe_error, handler_failure, stray_cancellation
 from ._handling import Handling, HandlingHost
 from ._instrument import Instrumentation, Result
@@ -38,6 +40,8 @@ from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
 from .transports.base import Delivery
 
 __all__ = [
+    "PUMP_BACKOFF_MAX",
+    "PUMP_BACKOFF_MIN",
     "ConsumerHost",
     "consume",
     "consume_controlled",
@@ -385,6 +389,12 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
             logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
 
 
+#: First pause (seconds) before a stage subscribes to its broker again after a failure.
+PUMP_BACKOFF_MIN = 0.05
+#: Longest pause between two tries: how late consuming resumes once the broker is back.
+PUMP_BACKOFF_MAX = 2.0
+
+
 async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
     """Feed ``stage`` from the broker: at most ``capacity`` deliveries held here.
 
@@ -392,7 +402,37 @@ async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
     too often, or anything unexpected) is dead-lettered ``rejected`` and rejected.
     A controlled stage queues at most ``min(capacity, limit)`` of them (plus the
     ones its consumers hold), so the rest stays in the broker for other replicas.
+
+    Nor does the broker: a subscription that cannot be made or that fails (the
+    broker is down or refuses for a moment) is logged and made again, after a pause
+    that doubles up to :data:`PUMP_BACKOFF_MAX` seconds, until the bus stops. Only a
+    :class:`ConfigurationError` (a pattern or setting the broker can never take)
+    ends it.
     """
+    backoff = PUMP_BACKOFF_MIN
+    while True:
+        began = anyio.current_time()
+        try:
+            await _pump_once(stage, transport, host)
+            return  # the subscription ended: the transport is closing
+        except ConfigurationError:
+            raise
+        except Exception as error:  # deliberate: nothing the broker does ends the bus
+            if anyio.current_time() - began > PUMP_BACKOFF_MAX:
+                backoff = PUMP_BACKOFF_MIN  # it worked for a while: a new failure
+            pause = backoff * random.uniform(0.5, 1.0)
+            logger.warning(
+                "stage %s: subscribing to the broker failed, trying again in %.2f s: %s",
+                stage.name,
+                pause,
+                describe_error(error),
+            )
+        await anyio.sleep(pause)
+        backoff = min(backoff * 2, PUMP_BACKOFF_MAX)
+
+
+async def _pump_once(stage: Stage, transport: Any, host: ConsumerHost) -> None:
+    """One subscription of ``stage``, until it ends."""
     subscription = transport.subscribe(stage.pattern, group=stage.group, prefetch=stage.capacity)
     bound = stage.control.local_bound if stage.control is not None else None
     async with subscription as deliveries:
