@@ -8,7 +8,9 @@ and ``{"done": true}`` once handled. Claiming is ``create`` (refused when the ke
 exists) or, for an expired claim, ``update`` at the revision read (refused when
 someone else moved first), so two processes never both claim it. A claim's expiry is
 compared with this machine's clock: keep the clocks of a group's machines in sync
-(a skew shortens or lengthens a dead owner's lease by as much).
+(a skew shortens or lengthens a dead owner's lease by as much). A bucket that is gone
+(a server restarted with its JetStream state lost, or someone deleted it) is made
+again at its next use; what it remembered is lost with it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._dedup import Claim
 from .._exceptions import DecodeError, TransportError
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["NatsDedupStore"]
 
 logger = logging.getLogger("asyncbus.transport.nats")
+
+T = TypeVar("T")
 
 _DONE = b'{"done":true}'
 #: Tries of a claim that keeps meeting concurrent changes before calling it busy.
@@ -109,15 +114,54 @@ class NatsDedupStore:
             f"NATS: deduplicating {key!r} failed: {type(error).__name__}: {error}"
         )
 
+    async def _call(self, key: str, operation: Callable[[KeyValue], Awaitable[T]]) -> T:
+        """``operation`` on the bucket; a bucket that is gone is made again, once.
+
+        The bucket goes with the server's JetStream state (a restart with its store
+        lost) or with someone deleting it: then a write finds no stream ("no
+        responders") and a read no bucket. What it remembered is lost with it; the
+        claims made from now on are kept again.
+        """
+        from nats.errors import Error as NatsError
+        from nats.errors import NoRespondersError
+        from nats.js.errors import (
+            BucketNotFoundError,
+            KeyNotFoundError,
+            NoStreamResponseError,
+            NotFoundError,
+        )
+
+        try:
+            for attempt in (1, 2):
+                kv = await self._bucket()
+                try:
+                    return await operation(kv)
+                except (NoStreamResponseError, NoRespondersError, BucketNotFoundError) as error:
+                    gone: Exception = error
+                except NotFoundError as error:  # the stream, not a key (operations catch those)
+                    if isinstance(error, KeyNotFoundError):
+                        raise
+                    gone = error
+                if attempt == 2:
+                    raise gone
+                logger.warning(
+                    "NATS: the deduplicate() bucket %s is gone (%s); making it again",
+                    self.bucket,
+                    type(gone).__name__,
+                )
+                self._kv = None
+        except (NatsError, TimeoutError, OSError) as error:
+            raise self._failed(key, error) from error
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def claim(self, key: str, owner: str, lease: float) -> Claim:
         """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""
-        from nats.errors import Error as NatsError
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-        mine = json.dumps({"owner": owner, "until": time.time() + lease}).encode()
         name = _key(key)
-        try:
-            kv = await self._bucket()
+
+        async def claim(kv: KeyValue) -> Claim:
+            mine = json.dumps({"owner": owner, "until": time.time() + lease}).encode()
             for _ in range(_RACES):
                 try:
                     await kv.create(name, mine)
@@ -138,50 +182,49 @@ class NatsDedupStore:
                     return Claim.CLAIMED
                 except KeyWrongLastSequenceError:
                     continue
-        except (NatsError, TimeoutError, OSError) as error:
-            raise self._failed(key, error) from error
-        return Claim.BUSY
+            return Claim.BUSY
+
+        return await self._call(key, claim)
 
     async def extend(self, key: str, owner: str, lease: float) -> bool:
         """Keep ``owner``'s claim ``lease`` more seconds; ``False`` if it is not held."""
-        from nats.errors import Error as NatsError
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
         name = _key(key)
-        try:
-            kv = await self._bucket()
-            entry = await kv.get(name)
-            if _parse(entry.value).get("owner") != owner:
+
+        async def extend(kv: KeyValue) -> bool:
+            try:
+                entry = await kv.get(name)
+                if _parse(entry.value).get("owner") != owner:
+                    return False
+                mine = json.dumps({"owner": owner, "until": time.time() + lease}).encode()
+                await kv.update(name, mine, last=entry.revision)
+            except (KeyNotFoundError, KeyWrongLastSequenceError):
                 return False
-            mine = json.dumps({"owner": owner, "until": time.time() + lease}).encode()
-            await kv.update(name, mine, last=entry.revision)
-        except (KeyNotFoundError, KeyWrongLastSequenceError):
-            return False
-        except (NatsError, TimeoutError, OSError) as error:
-            raise self._failed(key, error) from error
-        return True
+            return True
+
+        return await self._call(key, extend)
 
     async def done(self, key: str, owner: str, ttl: float) -> None:
         """Remember ``key`` as handled (for the bucket's age limit, the window)."""
-        from nats.errors import Error as NatsError
 
-        try:
-            await (await self._bucket()).put(_key(key), _DONE)
-        except (NatsError, TimeoutError, OSError) as error:
-            raise self._failed(key, error) from error
+        async def done(kv: KeyValue) -> None:
+            await kv.put(_key(key), _DONE)
+
+        await self._call(key, done)
 
     async def release(self, key: str, owner: str) -> None:
         """Forget ``owner``'s claim of ``key``."""
-        from nats.errors import Error as NatsError
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
         name = _key(key)
-        try:
-            kv = await self._bucket()
-            entry = await kv.get(name)
-            if _parse(entry.value).get("owner") == owner:
-                await kv.delete(name, last=entry.revision)
-        except (KeyNotFoundError, KeyWrongLastSequenceError):
-            return
-        except (NatsError, TimeoutError, OSError) as error:
-            raise self._failed(key, error) from error
+
+        async def release(kv: KeyValue) -> None:
+            try:
+                entry = await kv.get(name)
+                if _parse(entry.value).get("owner") == owner:
+                    await kv.delete(name, last=entry.revision)
+            except (KeyNotFoundError, KeyWrongLastSequenceError):
+                return
+
+        await self._call(key, release)

@@ -183,3 +183,44 @@ async def test_nats_stream_deleted_by_another_client_is_made_again(
         await _survives(transport, delete_the_streams)
     finally:
         await nc.close()
+
+
+async def test_nats_dedup_bucket_lost_with_the_servers_state_is_made_again(
+    tmp_path: Path,
+) -> None:
+    """deduplicate()'s KV bucket goes with the JetStream store: made again at next use,
+    and claims are kept in it again."""
+    from asyncbus.middleware import Claim, deduplicate
+
+    async with private_nats(tmp_path) as server:
+        transport = NatsTransport(server.url, prefix="dedup", request_timeout=2.0)
+        bus = Bus(transport=transport)
+        handled: list[str] = []
+
+        @bus.subscribe("work", group="g", middleware=[deduplicate()])
+        async def handle(n: str) -> None:
+            handled.append(n)
+
+        with anyio.fail_after(60):
+            async with bus:
+                for envelope_id in ("a", "a"):
+                    await bus.publish("work", envelope_id, id=envelope_id)
+                await bus.drain()
+                assert handled == ["a"]
+                await server.restart(fresh=True)
+                with anyio.fail_after(30):
+                    while True:  # until the server is back (the bucket is made again)
+                        try:
+                            await bus.publish("work", "b", id="b")
+                            break
+                        except TransportError:
+                            await anyio.sleep(0.1)
+                await bus.drain()
+                assert handled == ["a", "b"]
+                assert bus.dead_letters.list() == []
+                # The store made again keeps claims as before.
+                store = transport.dedup_store(300.0)
+                assert await store.claim("work@g/x", "one", 30.0) is Claim.CLAIMED
+                assert await store.claim("work@g/x", "two", 30.0) is Claim.BUSY
+                await store.done("work@g/x", "one", 300.0)
+                assert await store.claim("work@g/x", "two", 30.0) is Claim.DONE
