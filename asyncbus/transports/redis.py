@@ -53,7 +53,9 @@ How it works:
   consumer still owns), so a long handler or a long retry delay is never run twice.
 * **Vanished streams.** A stream deleted under a waiting consumer (``DEL``,
   ``FLUSHDB``, a restart without persistence: ``NOGROUP``, ``UNBLOCKED``) is made
-  again with its group and binding, and consuming goes on.
+  again with its group and binding, and consuming goes on. A binding gone from the
+  hash is registered again within ``claim_interval`` by its process, also while its
+  consumers do not read (a full stage, long handlers), so publishers find the group.
 * **Hand-back.** Leaving ``subscribe`` gives every entry the consumer holds to a
   sentinel consumer, idle enough to be claimed at once and with its delivery count put
   back, then deletes the consumer (one Lua script, shielded). The group's next claim
@@ -478,6 +480,7 @@ class RedisTransport(Transport):
         task_group.start_soon(self._ack_loop)
         task_group.start_soon(self._publishes.run)
         task_group.start_soon(self._inbox_loop)
+        task_group.start_soon(self._binding_loop)
 
     async def aclose(self) -> None:
         """Write pending acks, stop the background tasks, close the connections (shielded)."""
@@ -1041,6 +1044,33 @@ class RedisTransport(Transport):
             except Exception as error:  # keep going: the next round tries again
                 logger.warning("Redis: keeping request inboxes failed: %s", error)
             await anyio.sleep(self.inbox_ttl / 3)
+
+    async def _binding_loop(self) -> None:
+        """Register again, every ``claim_interval``, the bindings of this process's
+        subscriptions that are gone from Redis (a flush, a restart without persistence).
+
+        A consumer that reads finds its stream gone and makes it again at once; one that
+        does not read (its stage is full, its handlers are long) would leave its group
+        unknown to publishers meanwhile, and their publishes dead letters
+        ``no_subscribers``.
+        """
+        while True:
+            await anyio.sleep(self.claim_interval)
+            consumers = list(self._consumers)
+            if not consumers:
+                continue
+            try:
+                found = await self._redis().hmget(self._bindings_key, [c.stream for c in consumers])
+                for consumer, binding in zip(consumers, found, strict=True):
+                    if binding is None and consumer in self._consumers:
+                        logger.warning(
+                            "Redis: the binding of %s@%s is gone; registering it again",
+                            consumer.pattern,
+                            consumer.group,
+                        )
+                        await self._bind_raw(consumer.pattern, consumer.group)
+            except Exception as error:  # keep going: the next round tries again
+                logger.debug("Redis: looking at the bindings failed: %s", error)
 
     async def _keep_alive(self, consumer: _Consumer) -> None:
         """Reset the idle time of what ``consumer`` holds, until it leaves."""

@@ -224,3 +224,50 @@ async def test_nats_dedup_bucket_lost_with_the_servers_state_is_made_again(
                 assert await store.claim("work@g/x", "two", 30.0) is Claim.BUSY
                 await store.done("work@g/x", "one", 300.0)
                 assert await store.claim("work@g/x", "two", 30.0) is Claim.DONE
+
+
+@pytest.mark.parametrize("loss", ["flushdb", "restart"])
+async def test_redis_bindings_lost_under_busy_consumers_are_registered_again(
+    tmp_path: Path, loss: str
+) -> None:
+    """The bindings hash goes with the server's data; a consumer busy with a long
+    handler does not read (so it does not find its stream gone), yet its group must be
+    known again to a process that only publishes, instead of its publishes being dead
+    letters ``no_subscribers``."""
+    async with private_redis(tmp_path) as server:
+        worker = Bus(transport=RedisTransport(server.url, prefix="lost", claim_interval=0.2))
+        handled: list[int] = []
+        busy, release = anyio.Event(), anyio.Event()
+
+        @worker.subscribe("work", group="g", capacity=1, concurrency=1)
+        async def handle(n: int) -> None:
+            if n == 0:
+                busy.set()
+                await release.wait()
+            handled.append(n)
+
+        publisher = Bus(transport=RedisTransport(server.url, prefix="lost"))
+        with anyio.fail_after(30):
+            async with worker, publisher:
+                assert (await publisher.publish("work", 0)).accepted == ("work@g",)
+                await busy.wait()
+                if loss == "restart":
+                    await server.restart(fresh=True)
+                else:
+                    client = await _redis_client(server.url)
+                    try:
+                        await client.flushdb()
+                    finally:
+                        await client.aclose()
+                # Once the worker registered its group again, publishes reach it.
+                receipt = None
+                while receipt is None or receipt.accepted != ("work@g",):
+                    await anyio.sleep(0.05)
+                    try:
+                        receipt = await publisher.publish("work", 1, id=f"one-{len(handled)}")
+                    except TransportError:
+                        continue  # the server is not back yet
+                    assert handled == []  # the worker is still busy all along
+                release.set()
+                await worker.drain()
+        assert handled[0] == 0 and 1 in handled
