@@ -1,8 +1,9 @@
 """Which groups a RabbitMQ publish reaches: groups recorded in the broker, and their news.
 
 AMQP cannot list a topic exchange's bindings, so every transport records each group
-it declares (once) by publishing ``["pattern", "group"]`` to the fanout exchange
-``{prefix}.groups``. Two kinds of queue are bound to it:
+it declares (once per connection: a broker that restarted may have lost the record) by
+publishing ``["pattern", "group"]`` to the fanout exchange ``{prefix}.groups``. Two
+kinds of queue are bound to it:
 
 * ``{prefix}.groups``, durable: the register every process reads when it connects
   (under a lock, like the dead letters: :class:`~._rabbit_dead_letters.QueueScan`),

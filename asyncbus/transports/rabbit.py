@@ -224,6 +224,10 @@ class _Link:
         self.admin_lock = anyio.Lock()
         #: Queues declared and bound on this link.
         self.declared: set[str] = set()
+        #: Queues recorded in the catalog, and groups announced, on this link: again on
+        #: every new link, since a broker that restarted may have lost both records.
+        self.catalogued: set[str] = set()
+        self.announced: set[str] = set()
         #: The channel consuming the news of groups (closed with the connection).
         self.news: AbstractChannel | None = None
         self.lost = anyio.Event()
@@ -370,12 +374,8 @@ class RabbitTransport(Transport):
         self._joining = 0
         self._joins_done = anyio.Event()
         self._dead_args_warned = False
-        #: Queues this transport wrote to the catalog (see :meth:`delete_everything`).
-        self._catalogued: set[str] = set()
         #: Groups recorded in the broker (read at connect, then as announced).
         self._groups = GroupRegister(prefix)
-        #: Queues of groups this transport announced.
-        self._announced: set[str] = set()
 
     # -- names ----------------------------------------------------------------
 
@@ -703,16 +703,22 @@ class RabbitTransport(Transport):
         return queue
 
     async def _catalogue(self, link: _Link, queue: str) -> None:
-        """Record ``queue`` in the catalog (once per transport) for :meth:`delete_everything`."""
-        if queue in self._catalogued:
+        """Record ``queue`` in the catalog (once per link) for :meth:`delete_everything`."""
+        if queue in link.catalogued:
             return
         properties = self._properties_type()(delivery_mode=2, message_id=queue)
         await self._send(link, "", self._catalog, queue.encode(), properties)
-        self._catalogued.add(queue)
+        link.catalogued.add(queue)
 
     async def _announce(self, link: _Link, queue: str, pattern: str, group: str) -> None:
-        """Record a group in the broker (once per transport) for every process's receipts."""
-        if queue in self._announced or group.startswith(INBOX_GROUP_PREFIX):
+        """Record a group in the broker (once per link) for every process's receipts.
+
+        Once per link, not once for all: a broker that restarted with its state lost
+        (then the connections drop) has lost the register too; announced again when
+        the subscription declares its queue on the new link, the group is known again
+        to every process that connects from then on (readers drop the duplicates).
+        """
+        if queue in link.announced or group.startswith(INBOX_GROUP_PREFIX):
             return  # (a reply inbox is one process's, and short-lived)
         self._groups.add(pattern, group)
         properties = self._properties_type()(
@@ -721,7 +727,7 @@ class RabbitTransport(Transport):
         await self._send(
             link, self._groups.exchange, "", self._groups.document(pattern, group), properties
         )
-        self._announced.add(queue)
+        link.announced.add(queue)
 
     async def delete_everything(self) -> None:
         """Delete every queue and exchange this prefix has on the broker, messages included.

@@ -15,11 +15,12 @@ from typing import Any
 
 import anyio
 import pytest
-from _private_brokers import private_nats, private_redis
+from _private_brokers import private_nats, private_rabbit, private_redis
 
 from asyncbus import Bus, TransportError
 from asyncbus.transports import Transport
 from asyncbus.transports.nats import NatsTransport, consumer_name
+from asyncbus.transports.rabbit import RabbitTransport
 from asyncbus.transports.redis import RedisTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -271,3 +272,39 @@ async def test_redis_bindings_lost_under_busy_consumers_are_registered_again(
                 release.set()
                 await worker.drain()
         assert handled[0] == 0 and 1 in handled
+
+
+# -- RabbitMQ ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+async def test_rabbit_groups_are_announced_again_after_the_broker_lost_its_state(
+    tmp_path: Path,
+) -> None:
+    """A broker restarted with its state lost has lost the group register too: each
+    process announces its groups again when it declares their queues on the new
+    connection, so a process that connects afterwards knows them."""
+    async with private_rabbit(tmp_path) as server:
+        worker = Bus(transport=RabbitTransport(server.url, prefix="lost", max_backoff=0.5))
+        handled: list[int] = []
+
+        @worker.subscribe("work", group="g")
+        async def handle(n: int) -> None:
+            handled.append(n)
+
+        async with worker:
+            await server.restart(fresh=True)
+            with anyio.fail_after(60):
+                while True:  # until the worker declared and announced its group again
+                    try:
+                        async with Bus(
+                            transport=RabbitTransport(server.url, prefix="lost")
+                        ) as publisher:
+                            receipt = await publisher.publish("work", 1)
+                    except TransportError:  # the broker is not back yet
+                        receipt = None
+                    if receipt is not None and receipt.accepted == ("work@g",):
+                        break
+                    await anyio.sleep(0.2)
+                await worker.drain()
+        assert 1 in handled
