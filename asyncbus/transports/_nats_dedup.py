@@ -10,7 +10,7 @@ someone else moved first), so two processes never both claim it. A claim's expir
 compared with this machine's clock: keep the clocks of a group's machines in sync
 (a skew shortens or lengthens a dead owner's lease by as much). A bucket that is gone
 (a server restarted with its JetStream state lost, or someone deleted it) is made
-again at its next use; what it remembered is lost with it.
+again at its next use (:mod:`._nats_kv`); what it remembered is lost with it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._dedup import Claim
 from .._exceptions import DecodeError, TransportError
+from ._nats_kv import KvBucket
 from ._wire_fields import real
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ def _key(key: str) -> str:
     if envelope_id and all(c.isascii() and (c.isalnum() or c in "-_=") for c in envelope_id):
         return f"{digest}.{envelope_id}"
     return f"{digest}.h{hashlib.sha256(envelope_id.encode()).hexdigest()[:40]}"
+
+
+async def _same(kv: KeyValue) -> KeyValue:
+    return kv
 
 
 def _parse(value: bytes | None) -> dict[str, Any]:
@@ -83,76 +88,30 @@ class NatsDedupStore:
     """
 
     def __init__(self, transport: NatsTransport, window: float) -> None:
-        self._transport = transport
         self.window = window
         self.bucket = f"{transport.stream}_DEDUP_{math.ceil(window)}"
-        self._kv: KeyValue | None = None
-        self._kv_of: object = None
+        self._kv = KvBucket(
+            transport,
+            self.bucket,
+            ttl=window,
+            description="asyncbus deduplicate() claims and handled ids",
+        )
 
     async def _bucket(self) -> KeyValue:
-        from nats.js.api import KeyValueConfig, StorageType
-
-        _, js = self._transport._client()
-        if self._kv is None or self._kv_of is not js:
-            try:
-                self._kv = await js.create_key_value(
-                    KeyValueConfig(
-                        bucket=self.bucket,
-                        description="asyncbus deduplicate() claims and handled ids",
-                        ttl=self.window,
-                        history=1,
-                        storage=StorageType.FILE,
-                    )
-                )
-            except Exception:
-                self._kv = await js.key_value(self.bucket)  # made meanwhile by another
-            self._kv_of = js
-        return self._kv
-
-    def _failed(self, key: str, error: BaseException) -> TransportError:
-        return TransportError(
-            f"NATS: deduplicating {key!r} failed: {type(error).__name__}: {error}"
-        )
+        """The bucket, made if need be (for tests and tools)."""
+        return await self._kv.call(_same)
 
     async def _call(self, key: str, operation: Callable[[KeyValue], Awaitable[T]]) -> T:
-        """``operation`` on the bucket; a bucket that is gone is made again, once.
-
-        The bucket goes with the server's JetStream state (a restart with its store
-        lost) or with someone deleting it: then a write finds no stream ("no
-        responders") and a read no bucket. What it remembered is lost with it; the
-        claims made from now on are kept again.
-        """
+        """``operation`` on the bucket (made again if it is gone); nats-py's errors
+        become :class:`TransportError`."""
         from nats.errors import Error as NatsError
-        from nats.errors import NoRespondersError
-        from nats.js.errors import (
-            BucketNotFoundError,
-            KeyNotFoundError,
-            NoStreamResponseError,
-            NotFoundError,
-        )
 
         try:
-            for attempt in (1, 2):
-                kv = await self._bucket()
-                try:
-                    return await operation(kv)
-                except (NoStreamResponseError, NoRespondersError, BucketNotFoundError) as error:
-                    gone: Exception = error
-                except NotFoundError as error:  # the stream, not a key (operations catch those)
-                    if isinstance(error, KeyNotFoundError):
-                        raise
-                    gone = error
-                if attempt == 2:
-                    raise gone
-                logger.warning(
-                    "NATS: the deduplicate() bucket %s is gone (%s); making it again",
-                    self.bucket,
-                    type(gone).__name__,
-                )
-                self._kv = None
+            return await self._kv.call(operation)
         except (NatsError, TimeoutError, OSError) as error:
-            raise self._failed(key, error) from error
-        raise AssertionError("unreachable")  # pragma: no cover
+            raise TransportError(
+                f"NATS: deduplicating {key!r} failed: {type(error).__name__}: {error}"
+            ) from error
 
     async def claim(self, key: str, owner: str, lease: float) -> Claim:
         """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""

@@ -10,6 +10,7 @@ write acks behind and give back what a stuck consumer holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
@@ -25,7 +26,13 @@ import anyio.lowlevel
 from .._envelope import Envelope
 from .._exceptions import DecodeError, TransportError
 from ._codec import envelope_from_wire
-from .base import Delivery, over_max_deliveries, rejected_entry
+from .base import (
+    HEADER_DELIVERIES,
+    Delivery,
+    carried_deliveries,
+    over_max_deliveries,
+    rejected_entry,
+)
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, DeliveredMessage
@@ -164,6 +171,7 @@ class RabbitDelivery:
     """A delivery from :class:`RabbitTransport`; settled exactly once."""
 
     __slots__ = (
+        "_before",
         "_body",
         "_consumer",
         "_deadline",
@@ -182,6 +190,7 @@ class RabbitDelivery:
         envelope: Envelope,
         body: bytes,
         error: str | None,
+        before: int = 0,
     ) -> None:
         self.envelope = envelope
         self.error = error
@@ -191,6 +200,8 @@ class RabbitDelivery:
         self._body = body
         self._state: str | None = None
         self._deadline = 0.0
+        #: Deliveries of the message before this one (hand-backs not counted).
+        self._before = before
 
     def _settle(self) -> Subscription:
         state = self._state
@@ -265,6 +276,9 @@ class Subscription:
         #: Whether deliveries handed out stay with this consumer however long they are
         #: held (the transport's ``keep_alive`` when it subscribed): no ack_timeout.
         self.keep_alive = transport.keep_alive
+        #: While leaving: the channel being released, and what reached it meanwhile.
+        self.releasing: ConsumerChannel | None = None
+        self.late: list[RabbitDelivery] = []
 
     def unsettled(self) -> int:
         return len(self.ready) + len(self.handed)
@@ -355,6 +369,10 @@ class Subscription:
 
     async def _on_message(self, consumer: ConsumerChannel, message: DeliveredMessage) -> None:
         if consumer is not self.consumer or self.closed:
+            if consumer is self.releasing:  # sent before the cancel: handed back too
+                # (Unreadable ones are left: the channel's close returns them.)
+                with contextlib.suppress(Exception):
+                    self.late.append(self.receive(consumer, message))
             return  # a late delivery on a channel being closed: the broker requeues it
         # Whatever arrived is handed over (an unreadable message carries ``error``): a
         # message that raised here would stay unacked on the channel, invisible to
@@ -375,10 +393,11 @@ class Subscription:
         properties = message.header.properties
         headers = properties.headers if isinstance(properties.headers, dict) else {}
         # The quorum queue's count of returns; the broker sets it (the first delivery
-        # has none).
+        # has none). A copy handed back unhandled carries the count of its original.
         count = headers.get(_DELIVERY_COUNT) or 0
         if type(count) is not int or count < 0:
             count = 0
+        before = carried_deliveries(headers.get(HEADER_DELIVERIES)) + count
         body = bytes(message.body or b"")
         tag = message.delivery_tag or 0
         error: str | None
@@ -394,8 +413,8 @@ class Subscription:
         except (DecodeError, UnicodeEncodeError) as problem:
             return self._stand_in(consumer, message, str(problem), count)
         if error is None:
-            error = over_max_deliveries(count + 1, transport.max_deliveries)
-        return RabbitDelivery(self, consumer, tag, envelope, body, error)
+            error = over_max_deliveries(before + 1, transport.max_deliveries)
+        return RabbitDelivery(self, consumer, tag, envelope, body, error, before)
 
     def _stand_in(
         self, consumer: ConsumerChannel, message: DeliveredMessage, error: str, count: int
@@ -505,11 +524,20 @@ class Subscription:
             pass
 
     async def release(self) -> None:
-        """Give back everything unsettled at once (shielded): cancel, write acks, close."""
+        """Give back everything unsettled at once (shielded): cancel, hand back, write
+        acks, close.
+
+        What this subscription holds goes back to the queue as copies that carry the
+        count of deliveries so far (the original is acked), so a hand-back is no
+        delivery toward ``max_deliveries``; what cannot be copied (unreadable, or the
+        broker does not confirm the copy) goes back as it is when the channel closes.
+        """
         self.closed = True
         transport = self.transport
         transport._subscriptions.discard(self)
         consumer = self.consumer
+        held = [d for d in (*self.handed.values(), *self.ready) if d._state is None]
+        self.releasing = consumer
         self.lose(RELEASED)
         await self._close_stale()
         if consumer is None or consumer.channel.is_closed:
@@ -520,6 +548,11 @@ class Subscription:
                 if consumer.consuming:
                     consumer.consuming = False
                     await channel.basic_cancel(consumer.tag)
+                await anyio.lowlevel.checkpoint()  # deliveries sent before the cancel land
+                late, self.late = self.late, []
+                for delivery in late:
+                    delivery._state = RELEASED
+                await transport._hand_back(consumer, self.queue, held + late)
                 # Acks before the close: what was acked must not come back.
                 await transport._flush(consumer)
                 await channel.close()

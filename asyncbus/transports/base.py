@@ -30,6 +30,7 @@ from ._codec import Codec, default_codec
 __all__ = [
     "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_MAX_MESSAGE_SIZE",
+    "HEADER_DELIVERIES",
     "INBOX_GROUP_PREFIX",
     "MAX_DELIVERIES_LIMIT",
     "MAX_SECONDS",
@@ -37,6 +38,7 @@ __all__ = [
     "Delivery",
     "DetailedDelivery",
     "Transport",
+    "carried_deliveries",
     "checked_max_deliveries",
     "checked_max_message_size",
     "checked_prefetch",
@@ -97,6 +99,24 @@ def checked_max_deliveries(value: int) -> int:
     """``value`` as a delivery cap; :class:`ConfigurationError` unless it is an int from 1
     to :data:`MAX_DELIVERIES_LIMIT`."""
     return check_count(value, "max_deliveries", 1, MAX_DELIVERIES_LIMIT)
+
+
+#: Header of a message a consumer handed back unhandled (its bus was shutting down) as
+#: a copy: the deliveries of the message before the one handed back. The broker counts
+#: the copy's deliveries from zero, so a hand-back is no delivery toward
+#: ``max_deliveries`` (a service restarted ten times does not dead-letter what it held).
+HEADER_DELIVERIES = "asyncbus-deliveries"
+
+
+def carried_deliveries(value: object) -> int:
+    """The deliveries a :data:`HEADER_DELIVERIES` value carries (0 for anything else)."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, str) and value.isdigit() and len(value) <= 9:
+        return int(value)
+    if type(value) is int and 0 <= value < 10**9:
+        return value
+    return 0
 
 
 def over_max_deliveries(deliveries: int, limit: int) -> str | None:

@@ -50,7 +50,9 @@ Worth knowing:
   one a consumer gave back unhandled when it left (the reference transport does not
   count those) and one that timed out at a crashed consumer. A message delivered
   more than ``max_deliveries`` times is handed over with ``error`` set, and the bus
-  dead-letters it ``rejected`` instead of running it again.
+  dead-letters it ``rejected`` instead of running it again; there the deliveries
+  given back unhandled (a bus shutting down) do not count: each one is recorded
+  in the KV bucket ``{STREAM}_HANDBACKS`` before its ``nak`` (:mod:`._nats_handbacks`).
 * After a reconnect every subscription asks again at once: the server may have
   dropped the open pull request (it found no interest while the client was away)
   without answering it. If it did not, the old request may still bring up to one
@@ -97,6 +99,7 @@ from ._codec import (
 )
 from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description
+from ._nats_handbacks import HandBacks
 from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -410,6 +413,8 @@ class _PullConsumer:
                 with _broker_call("cannot skip a replay for another group"):
                     await msg.ack()
                 continue
+            if delivery.error is None:
+                delivery.error = await self.transport._over_max_deliveries(self, msg)
             self.unsettled[id(delivery)] = delivery
             return delivery
 
@@ -504,15 +509,24 @@ class _PullConsumer:
                 await subscription.unsubscribe()
 
     async def _give_back(self, msgs: list[Msg]) -> None:
-        """Nak them, oldest first (ack the replays that were for another group)."""
+        """Nak them, oldest first (ack the replays that were for another group).
+
+        Each one given back is recorded first (:mod:`._nats_handbacks`): handed back
+        unhandled, it is no delivery toward ``max_deliveries``.
+        """
         msgs.sort(key=lambda msg: msg.metadata.sequence.stream)
+        ours = [
+            msg for msg in msgs if (msg.headers or {}).get(HEADER_REPLAY_GROUP) in (None, self.name)
+        ]
+        if ours and not self.nc.is_closed:
+            await self.transport._handbacks.record(self.name, ours)
+        mine = {id(msg) for msg in ours}
         for msg in msgs:
-            target = (msg.headers or {}).get(HEADER_REPLAY_GROUP)
             try:
-                if target is not None and target != self.name:
-                    await msg.ack()
-                else:
+                if id(msg) in mine:
                     await msg.nak()
+                else:
+                    await msg.ack()
             except Exception:  # redelivered after ack_wait instead
                 logger.debug("could not give back a message of %s", self.name, exc_info=True)
                 return
@@ -630,6 +644,7 @@ class NatsTransport(Transport):
         self._restores = 0
         self._restore_lock = anyio.Lock()
         self._groups = GroupDirectory(self.stream)
+        self._handbacks = HandBacks(self)
 
     def __repr__(self) -> str:
         return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
@@ -1136,9 +1151,16 @@ class NatsTransport(Transport):
                 None,
             )
             error = str(failure)
-        if error is None:
-            error = over_max_deliveries(attempt, self.max_deliveries)
         return _NatsDelivery(consumer, msg, envelope, error)
+
+    async def _over_max_deliveries(self, consumer: _PullConsumer, msg: Msg) -> str | None:
+        """Why ``msg`` is not handled again: delivered more than ``max_deliveries``
+        times, not counting the deliveries consumers handed back unhandled."""
+        metadata = msg.metadata
+        delivered = metadata.num_delivered or 1
+        if delivered > self.max_deliveries:
+            delivered -= await self._handbacks.count(consumer.name, metadata.sequence.stream)
+        return over_max_deliveries(delivered, self.max_deliveries)
 
     async def _consumer_exists(self, name: str) -> bool:
         from nats.js.errors import NotFoundError

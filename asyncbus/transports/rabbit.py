@@ -35,10 +35,11 @@ How it works:
 * **Messages.** Body = the codec's bytes; header ``asyncbus-meta`` = the envelope's
   other fields as JSON; ``message_id`` = the envelope id; persistent. On delivery,
   ``attempt`` = the stored attempt + the quorum queue's ``x-delivery-count`` (every
-  return to the queue counts: a consumer that left, timed out or died). A message
-  delivered more than ``max_deliveries`` times that way is handed over with
-  ``error`` set and dead-lettered ``rejected``; so is one that cannot be read
-  (whatever another client wrote into the queue): it is acked, never left unacked.
+  return to the queue counts: a consumer that timed out or died). A message
+  delivered more than ``max_deliveries`` times that way (plus the count a copy
+  carries in ``asyncbus-deliveries``, below) is handed over with ``error`` set and
+  dead-lettered ``rejected``; so is one that cannot be read (whatever another client
+  wrote into the queue): it is acked, never left unacked.
 * **Publishing** returns once the broker confirmed (publisher confirms), within
   ``publish_timeout``. It first waits for the subscriptions of this process that are
   still declaring their queue. The bus's publishes are ``mandatory``: what no queue
@@ -69,9 +70,16 @@ How it works:
   iteration. Settling an overdue delivery later raises :class:`TransportError`. A
   killed process's deliveries go back to the queue when its connection drops
   (broker-native).
-* **Leaving** a subscription cancels its consumer, writes its pending acks and closes
-  its channel, shielded from cancellation: everything unsettled goes back to the
-  queue at once (never stuck on a consumer that is gone).
+* **Leaving** a subscription cancels its consumer, hands back what it holds, writes
+  its pending acks and closes its channel, shielded from cancellation: everything
+  unsettled goes back to the queue at once (never stuck on a consumer that is gone).
+  A quorum queue would count a message returned that way as a delivery, so a
+  service restarted ``max_deliveries`` times would dead-letter what it held as
+  poison: each held delivery goes back instead as a copy carrying its count of real
+  deliveries (header ``asyncbus-deliveries``; the copy's own count starts at zero)
+  and the original is acked once the copy is confirmed. The copies wait behind what
+  is already in the queue (order is kept per consumer only between hand-backs); what
+  cannot be copied (unreadable, or not confirmed in time) goes back as it is.
 * **Reconnecting.** Publishing and consuming use two connections. When either
   drops, both are closed and reopened with exponential, jittered backoff (up to
   ``max_backoff``); publishes wait for it (up to ``publish_timeout``) and
@@ -147,6 +155,7 @@ from ._rabbit_names import (
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_MESSAGE_SIZE,
+    HEADER_DELIVERIES,
     INBOX_GROUP_PREFIX,
     Capabilities,
     Delivery,
@@ -832,9 +841,15 @@ class RabbitTransport(Transport):
     # -- publishing -----------------------------------------------------------
 
     def _outgoing(
-        self, envelope: Envelope, *, attempt: int | None = None, body: bytes | None = None
+        self,
+        envelope: Envelope,
+        *,
+        attempt: int | None = None,
+        body: bytes | None = None,
+        deliveries: int | None = None,
     ) -> tuple[bytes, Basic.Properties]:
-        """Body and properties of the message carrying ``envelope``."""
+        """Body and properties of the message carrying ``envelope``; ``deliveries``:
+        the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`)."""
         meta = envelope_meta(envelope)
         if attempt is not None:
             meta["attempt"] = attempt
@@ -847,11 +862,14 @@ class RabbitTransport(Transport):
         if body is None:  # a publish (a retry re-sends a body that was accepted once)
             body = encode_payload(self.codec, envelope.payload)
             refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
+        headers: FieldTable = {META_HEADER: text}
+        if deliveries:
+            headers[HEADER_DELIVERIES] = deliveries
         properties = self._properties_type()(
             content_type=self.codec.content_type,
             delivery_mode=2,
             message_id=envelope.id,
-            headers={META_HEADER: text},
+            headers=headers,
         )
         return body, properties
 
@@ -1123,6 +1141,39 @@ class RabbitTransport(Transport):
                 await delivery._consumer.give_back([delivery._tag])
             raise
         self._ack(delivery._consumer, delivery._tag)
+
+    async def _hand_back(
+        self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
+    ) -> None:
+        """Put each delivery back in ``queue`` as a copy carrying its deliveries so far,
+        and ack the original once the copy is confirmed (see ``Subscription.release``).
+
+        The quorum queue counts a message returned by a leaving consumer as a
+        delivery (``x-delivery-count``); a copy starts from zero and carries the count
+        of real deliveries instead, so ``max_deliveries`` counts only those. Unreadable
+        deliveries, and those whose copy was not confirmed, are left to go back as
+        they are (counted) when the channel closes.
+        """
+
+        async def copy(delivery: RabbitDelivery) -> None:
+            try:
+                body, properties = self._outgoing(
+                    delivery.envelope, body=delivery._body, deliveries=delivery._before
+                )
+                await self._publish_one("", queue, body, properties)
+            except Exception as error:  # deliberate: it goes back as it is instead
+                logger.warning(
+                    "RabbitMQ: handing back %s as a copy failed (it goes back counted): %s",
+                    delivery.envelope.id,
+                    error or type(error).__name__,
+                )
+                return
+            self._ack(consumer, delivery._tag)
+
+        async with anyio.create_task_group() as task_group:
+            for delivery in deliveries:
+                if delivery.error is None:
+                    task_group.start_soon(copy, delivery)
 
     async def _bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
         """Publish ``entry`` (with the delivery's raw body) to the dead letters, then ack."""

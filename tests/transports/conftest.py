@@ -86,8 +86,8 @@ async def redis_prefix(redis_url: str, unique_prefix: str) -> AsyncIterator[str]
 
 @pytest.fixture
 async def nats_prefix(nats_url: str, unique_prefix: str) -> AsyncIterator[str]:
-    """``unique_prefix``; its two JetStream streams (and their consumers) are deleted
-    after the test."""
+    """``unique_prefix``; its JetStream streams (and their consumers) and its KV
+    buckets are deleted after the test."""
     yield unique_prefix
     import nats
     from nats.js.errors import NotFoundError
@@ -98,9 +98,15 @@ async def nats_prefix(nats_url: str, unique_prefix: str) -> AsyncIterator[str]:
         nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
         try:
             names = NatsTransport(nats_url, prefix=unique_prefix)
+            js = nc.jetstream()
             for stream in (names.stream, names.dead_letter_stream):
                 with contextlib.suppress(NotFoundError):
-                    await nc.jetstream().delete_stream(stream)
+                    await js.delete_stream(stream)
+            # Its KV buckets (deduplicate() claims, hand-backs), made on demand.
+            for info in await js.streams_info():
+                if info.config.name.startswith(f"KV_{names.stream}_"):
+                    with contextlib.suppress(NotFoundError):
+                        await js.delete_stream(info.config.name)
         finally:
             await nc.close()
 

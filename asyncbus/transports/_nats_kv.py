@@ -1,0 +1,92 @@
+"""A JetStream key-value bucket of the NATS transport, made (again) on demand.
+
+The transport keeps small records in KV buckets (``deduplicate()``'s claims, the
+hand-backs of consumers that left). A bucket goes with the server's JetStream state (a
+restart with its store lost) or with someone deleting it: then a write finds no
+stream ("no responders") and a read no bucket. :meth:`KvBucket.call` makes it again
+and runs the operation once more; what the bucket held is lost with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from nats.js.kv import KeyValue
+
+    from .nats import NatsTransport
+
+__all__ = ["KvBucket"]
+
+logger = logging.getLogger("asyncbus.transport.nats")
+
+T = TypeVar("T")
+
+
+class KvBucket:
+    """The bucket ``name`` of ``transport``'s server; created at first use.
+
+    :param ttl: seconds a key is kept after its last write.
+    :param description: the bucket's description on the server.
+    """
+
+    def __init__(
+        self, transport: NatsTransport, name: str, *, ttl: float, description: str
+    ) -> None:
+        self._transport = transport
+        self.name = name
+        self.ttl = ttl
+        self.description = description
+        self._kv: KeyValue | None = None
+        self._kv_of: object = None
+
+    async def _bucket(self) -> KeyValue:
+        from nats.js.api import KeyValueConfig, StorageType
+
+        _, js = self._transport._client()
+        if self._kv is None or self._kv_of is not js:
+            try:
+                self._kv = await js.create_key_value(
+                    KeyValueConfig(
+                        bucket=self.name,
+                        description=self.description,
+                        ttl=self.ttl,
+                        history=1,
+                        storage=StorageType.FILE,
+                    )
+                )
+            except Exception:
+                self._kv = await js.key_value(self.name)  # made meanwhile by another
+            self._kv_of = js
+        return self._kv
+
+    async def call(self, operation: Callable[[KeyValue], Awaitable[T]]) -> T:
+        """``operation`` on the bucket; a bucket that is gone is made again, once.
+
+        :raises nats.errors.Error: what nats-py raises, for the operation to translate
+            (a ``KeyNotFoundError`` is the operation's own to catch).
+        """
+        from nats.errors import NoRespondersError
+        from nats.js.errors import (
+            BucketNotFoundError,
+            KeyNotFoundError,
+            NoStreamResponseError,
+            NotFoundError,
+        )
+
+        kv = await self._bucket()
+        try:
+            return await operation(kv)
+        except (NoStreamResponseError, NoRespondersError, BucketNotFoundError) as error:
+            gone: Exception = error
+        except NotFoundError as error:  # the stream, not a key (operations catch those)
+            if isinstance(error, KeyNotFoundError):
+                raise
+            gone = error
+        logger.warning(
+            "NATS: the bucket %s is gone (%s); making it again", self.name, type(gone).__name__
+        )
+        self._kv = None
+        return await operation(await self._bucket())
