@@ -133,7 +133,8 @@ HEADER_REPLAY_GROUP = "asyncbus-replay-group"
 _HEADER_BODY = "asyncbus-body"
 _HEADER_DEAD_LETTER = "asyncbus-dead-letter"
 
-#: A pull request lives this long on the server (then it answers 408 and we ask again).
+#: A pull request lives this long on the server (then it answers 408 and we ask again),
+#: or less with a short ack_timeout (see :meth:`NatsTransport.pull_expires`).
 _PULL_EXPIRES = 5.0
 #: Past expiry plus this, a request that never answered (server restart) is forgotten.
 _PULL_GRACE = 1.0
@@ -372,8 +373,9 @@ class _PullConsumer:
         self.remaining = room
         # Past its expiry plus a grace, a request that never answered (the server
         # restarted meanwhile) is given up and a new one opened.
-        self.deadline = now + _PULL_EXPIRES + _PULL_GRACE
-        ask = json.dumps({"batch": room, "expires": int(_PULL_EXPIRES * 1e9)}).encode()
+        expires = self.transport.pull_expires
+        self.deadline = now + expires + _PULL_GRACE
+        ask = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
         with _broker_call(f"cannot pull from consumer {self.name}"):
             await self.nc.publish(self.next_subject, ask, reply=self.request)
 
@@ -648,6 +650,20 @@ class NatsTransport(Transport):
 
     def __repr__(self) -> str:
         return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
+
+    @property
+    def pull_expires(self) -> float:
+        """Seconds each pull request lives on the server: 5, or ``ack_timeout / 2``.
+
+        A process that dies leaves its open pull request behind until it expires, and
+        the server goes on sending into it: a redelivery sent there is lost, yet
+        counted in ``num_delivered``, so a message that kills its consumer would
+        reach ``max_deliveries`` early (and miss its next consumer until one more
+        ``ack_timeout``). A request that expires within half an ``ack_timeout`` is
+        gone before a redelivery of what its process held comes due (``+WPI`` keeps
+        them at least two thirds of an ``ack_timeout`` away).
+        """
+        return min(_PULL_EXPIRES, self.ack_timeout / 2)
 
     # -- connection ---------------------------------------------------------------
 

@@ -41,6 +41,8 @@ DEEP = 100_000
 #: Deep enough for any parser's recursion limit, small enough for a NATS header (64 KiB).
 DEEP_META = 20_000
 WORKER = Path(__file__).with_name("_poison_worker.py")
+#: The workers' ack_timeout (see ``_poison_worker.py``).
+ACK_TIMEOUT = 1.0
 
 
 @pytest.fixture
@@ -334,6 +336,36 @@ async def test_rabbit_poison_that_kills_its_process_is_dead_lettered_after_max_d
         await _check_poison_that_kills_its_process(
             "rabbit", rabbit_url, rabbit_prefix, transport, workers
         )
+
+
+async def test_nats_a_dead_consumers_redelivery_is_counted_once_however_late_the_next(
+    nats_url: str, nats_prefix: str, workers: list[_Worker]
+) -> None:
+    """A worker dies on a message; the next one starts only after several ack
+    timeouts. Meanwhile the dead worker's open pull request must not swallow (and
+    count) the redeliveries: the next worker gets delivery 2, not 3 or more."""
+
+    async def start() -> _Worker:
+        process = await anyio.open_process(
+            [sys.executable, str(WORKER), "nats", nats_url, nats_prefix, "10"],
+            stdout=subprocess.PIPE,
+            stderr=None,
+        )
+        workers.append(_Worker(process))
+        return workers[-1]
+
+    async with NatsTransport(nats_url, prefix=nats_prefix) as transport:
+        worker = await start()
+        assert await worker.line() == {"ready": True}
+        await transport.publish("poison.kill", [Envelope(topic="poison.kill", payload="boom")])
+        assert await worker.event() == {"handling": 1}
+        with anyio.fail_after(10):
+            assert await worker.process.wait() == 3
+        # No consumer for a while: the redeliveries due meanwhile find none (the
+        # scenario itself, not a wait for work).
+        await anyio.sleep(3 * ACK_TIMEOUT)
+        worker = await start()
+        assert await worker.event() == {"handling": 2}
 
 
 async def test_nats_a_plain_message_on_a_pull_inbox_is_ignored(
