@@ -122,6 +122,7 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
     waiters = stage.consumer_waiters
     ledger = stage.ledger
     pop = stage.pop
+    deliveries = stage.deliveries  # the same dict for the stage's life
     wait_record, latency_record = stage.wait.record, stage.latency.record
     cancelled = anyio.get_cancelled_exc_class()
     while True:
@@ -167,8 +168,19 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
         if instrumentation is not None:  # the same, between the observers' enter and exit
             await _dispatch_observed(instrumentation, chain, stage, envelope, handling, host)
         else:
-            result = await _run(chain, envelope, host)
-            if not isinstance(result, Verdict) and not stage.deliveries:
+            # ``_run``, inlined: this runs once per envelope.
+            try:
+                result = await chain(envelope)
+            except Exception as error:  # the chain's outermost dead-letter layer
+                result = DeadLetterNow.for_failure(error)
+            except BaseException as error:  # deliberate: see handler_failure
+                failure = handler_failure(error)
+                if failure is None:
+                    if isinstance(error, cancelled):
+                        raise  # the bus's own cancellation
+                    await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
+                result = DeadLetterNow.for_failure(failure)
+            if not isinstance(result, Verdict) and not deliveries:
                 # Acked, in memory: counted here, inline, as this runs once per envelope.
                 handling.envelope = None
                 ledger.acked += 1
