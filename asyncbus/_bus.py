@@ -31,8 +31,8 @@ from ._carry import ContextVarCarrier, checked_contextvars, with_headers
 from ._chain import adapt_handler, build_chain
 from ._checks import check_count, check_headers, check_seconds, check_slip, check_wait
 from ._clock import Clock, loop_clock
-from ._consumer import pump, start_consumers
-from ._dead_letters import DeadLetter, DeadLetterQueue, DeadLetterReason
+from ._consumer import start_consumers
+from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._dedup import DedupStore
 from ._envelope import (
     EMPTY_HEADERS,
@@ -49,19 +49,19 @@ from ._exceptions import (
     BusClosedError,
     ConfigurationError,
     HandlerError,
-    PublishTimeout,
     TransportError,
 )
 from ._failures import describe_error, short_traceback, stray_cancellation
 from ._handling import current_handling, handled_envelope
-from ._logging import FailureLog, dead_letter_logger
+from ._logging import FailureLog
+from ._modes import INBOX, Mode, choose_mode
 from ._offload import (
     WorkerPool,
     hold_switch_interval,
     offloaded_envelope,
     release_switch_interval,
 )
-from ._routing import Router, compile_pattern, validate_topic
+from ._routing import Router, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Backpressure, DoorOutcome, Stage
 from ._stats import BusStatistics, ShutdownReport
@@ -74,17 +74,7 @@ __all__ = ["DEADLETTER_TOPIC", "Bus"]
 
 logger = logging.getLogger("asyncbus.bus")
 
-#: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
-DEADLETTER_TOPIC = "$deadletter"
-
 _now = time.time
-
-#: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
-_INBOX = "_reply."
-
-#: Seconds at the end of an ``aclose`` deadline kept for closing with a broker
-#: (settling, releasing deliveries, closing connections); at most a quarter of it.
-_CLOSE_GRACE = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 _State = Literal["new", "starting", "running", "closing", "closed"]
@@ -210,10 +200,30 @@ class _Services:
         """Send a handled envelope's result on: its next slip hop, or its requester."""
         await self._bus._forward(envelope, result)
 
+    def start_background(
+        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any
+    ) -> None:
+        """Run ``function(*args)`` in the bus's task group, counted until it ends
+        (``drain()`` waits for it); nothing when the bus is not running."""
+        task_group = self._bus._task_group
+        if task_group is None:
+            return
+        self._bus._background += 1
+        task_group.start_soon(self._background, function, args)
+
+    async def _background(
+        self, function: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...]
+    ) -> None:
+        try:
+            await function(*args)
+        finally:
+            self._bus._background -= 1
+            if self.idle_waiters:
+                self._bus._wake_drainers()
+
     def dedup_store(self, window: float) -> DedupStore | None:
         """The broker's shared dedup store, ``None`` in memory or without one."""
-        broker = self._bus._broker
-        return broker.dedup_store(window) if broker is not None else None
+        return self._bus._mode.dedup_store(window)
 
     def consumer_info(self, stage: Stage) -> _instrument.Consumer:
         """How ``stage`` is described to the instrumentation (the same for its life)."""
@@ -231,9 +241,7 @@ class _Services:
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
-        broker = self._bus._broker
-        assert broker is not None  # deliveries come from a broker
-        return broker.cleanup_scope()
+        return self._bus._mode.cleanup_scope()
 
     async def halt(self, error: BaseException) -> NoReturn:
         """A handler raised ``error`` (``KeyboardInterrupt``, ...): stop the bus (``Bus._halt``)."""
@@ -273,10 +281,6 @@ class Bus:
         switch_interval: float | None = None,
         worker_niceness: int | None = None,
     ) -> None:
-        if transport is not None and not isinstance(transport, Transport):
-            raise ConfigurationError(
-                f"Bus: transport must be a asyncbus.transports.Transport, got {transport!r}"
-            )
         workers = check_count(
             workers if workers is not None else (os.cpu_count() or 1), "Bus: workers", 1
         )
@@ -297,11 +301,6 @@ class Bus:
         #: Where envelopes wait; ``None`` or a :class:`MemoryTransport` keeps them in
         #: the stages' own streams.
         self.transport = transport
-        self._broker: Transport | None = (
-            None if transport is None or transport.direct else transport
-        )
-        if self._broker is not None and codec is not None:
-            self._broker.codec = codec  # type: ignore[assignment]
         self.workers = workers
         self._middleware = layers
         self._services = _Services(self)
@@ -309,6 +308,13 @@ class Bus:
         self._routes = self._router.cache  # topic -> stages, read directly on the hot path
         self._stages: dict[tuple[str, str], Stage] = {}
         self._stages_by_name: dict[str, Stage] = {}
+        #: Called with every envelope routed (publishes, slip hops, replays); for test
+        #: helpers such as :func:`asyncbus.testing.capture`.
+        self._observers: list[Callable[[Envelope], None]] = []
+        #: In memory or over a broker: chosen here, once.
+        self._mode: Mode = choose_mode(
+            transport, self._router, self._stages_by_name, self._services, self._observers, codec
+        )
         #: The event loop's clock (see ``_clock.py``), read for every duration the bus
         #: decides on; the running loop's own from start on.
         self._clock: Clock = time.monotonic
@@ -318,7 +324,7 @@ class Bus:
             maxlen=maxlen,
             resend=self._resend,
             on_add=self._announce,
-            on_remove=self._forget_dead_letters,
+            on_remove=self._mode.forget,
             clock=self._clock,
         )
         self._state: _State = "new"
@@ -347,11 +353,8 @@ class Bus:
         self._fatal: BaseException | None = None
         self._fatal_raised = False
         self._exiting = False
-        #: Called with every envelope routed (publishes, slip hops, replays); for test
-        #: helpers such as :func:`asyncbus.testing.capture`.
-        self._observers: list[Callable[[Envelope], None]] = []
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
-        self._system = self._broker.name if self._broker is not None else "memory"
+        self._system = self._mode.system
         if carried:
             self._services.instrumentation = ContextVarCarrier(carried)
 
@@ -463,14 +466,7 @@ class Bus:
         asked = True  # (set again when the task group ends: was a stop asked for?)
         try:
             async with AsyncExitStack() as stack:
-                broker = self._broker
-                if broker is not None:
-                    broker.close_deadline = math.inf  # a new life: no deadline yet
-                    broker.dead_letter_ttl = self.dead_letters.ttl
-                    broker.dead_letter_maxlen = self.dead_letters.maxlen
-                    await stack.enter_async_context(broker)
-                    for entry in await broker.dead_letters():
-                        self.dead_letters.restore(entry)
+                await self._mode.open(stack, self.dead_letters)
                 portal = await stack.enter_async_context(BlockingPortal())
                 async with anyio.create_task_group() as task_group:
                     self._task_group = task_group
@@ -647,18 +643,7 @@ class Bus:
         """Ask the runner to stop: drain until ``deadline`` (the soonest asked), then cancel."""
         if self._state in ("running", "starting"):
             self._state = "closing"
-        if self._broker is not None:
-            # Over a broker, the end of the deadline is kept for closing with it
-            # (settling, releasing deliveries, closing connections), however silent it
-            # is: what it could not settle it delivers again later. (``close_by`` only
-            # ever brings the transport's deadline forward.)
-            now = anyio.current_time()
-            if deadline == -math.inf:  # cancel at once: a short grace to close
-                self._broker.close_by(now + _CLOSE_GRACE)
-            else:
-                self._broker.close_by(max(deadline, now + _CLOSE_GRACE / 4))
-                if deadline < math.inf:
-                    deadline -= min(_CLOSE_GRACE, max(deadline - now, 0.0) / 4)
+        deadline = self._mode.close_by(deadline)  # (a broker keeps a grace to close)
         if deadline < self._stop_deadline:
             self._stop_deadline = deadline
             if self._deadline_scope is not None:
@@ -694,13 +679,12 @@ class Bus:
         if self._holds_switch_interval:
             self._holds_switch_interval = False
             release_switch_interval()
-        if self._broker is not None:
-            # Acks written behind that the broker never got: those envelopes come back.
-            for name, envelope_id in self._broker.unsettled_acks():
-                stage = self._stages_by_name.get(name)
-                if stage is not None:
-                    stage.ledger.ack_lost()
-                    stage.unsettled.append(envelope_id)
+        # Acks written behind that the broker never got: those envelopes come back.
+        for name, envelope_id in self._mode.lost_acks():
+            stage = self._stages_by_name.get(name)
+            if stage is not None:
+                stage.ledger.ack_lost()
+                stage.unsettled.append(envelope_id)
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close()
@@ -773,17 +757,10 @@ class Bus:
                     if not waiter.event.is_set():
                         with contextlib.suppress(ValueError):
                             self._services.idle_waiters.remove(waiter)
-            if self._broker is None or not await self._broker_backlog(self._broker):
+            if not await self._mode.backlog(self._stages.values()):
                 return
             # Envelopes still in the broker for our stages: look again shortly.
             await anyio.sleep(0.02)
-
-    async def _broker_backlog(self, broker: Transport) -> int:
-        total = 0
-        for stage in list(self._stages.values()):
-            if self._over_broker(stage):
-                total += await broker.backlog(stage.pattern, stage.group)
-        return total
 
     def _idle(self, strict: bool = True) -> bool:
         if self._background or self._threadsafe_pending:
@@ -979,16 +956,7 @@ class Bus:
             self._holds_switch_interval = True
             hold_switch_interval(self._switch_interval)
         start_consumers(stage, subscription, chain, self._services)
-        if self._broker is not None and self._over_broker(stage) and not stage.pumping:
-            stage.pumping = True
-            stage.subscribed = anyio.Event()
-            self._tasks().start_soon(
-                pump, stage, self._broker, self._services, name=f"asyncbus pump {stage.name}"
-            )
-
-    def _over_broker(self, stage: Stage) -> bool:
-        # "$deadletter" announcements stay in this process, on every transport.
-        return stage.pattern != DEADLETTER_TOPIC
+        self._mode.start(stage)
 
     # -- publishing -------------------------------------------------------------
 
@@ -1126,7 +1094,7 @@ class Bus:
             )
         if self._services.instrumentation is not None:
             return await self._send("publish", envelope, timeout)
-        if not self._observers and self._broker is None:
+        if not self._observers and self._mode.admits_inline:
             # The common case, without the general path's calls: every stage has room.
             stages = self._routes.get(topic) or self._router.route(topic)
             if len(stages) == 1:
@@ -1178,31 +1146,16 @@ class Bus:
             )
         if timeout is not None:
             check_wait(timeout, f"publish_nowait({topic!r}): timeout")
-        if self._broker is not None:
-            raise anyio.WouldBlock(
-                f"publish_nowait cannot wait for {self._broker.name}'s confirmation: "
-                "use `await bus.publish(...)` or publish_threadsafe"
-            )
+        self._mode.check_nowait()
         envelope = self._envelope(
             topic, payload, headers, ttl, slip, key, id, priority=priority, cause=handled_envelope()
         )
         instrumentation = self._services.instrumentation
         if instrumentation is not None:
             return _instrument.send_now(
-                instrumentation, "publish", envelope, self._system, self._offer_now
+                instrumentation, "publish", envelope, self._system, self._mode.send_now
             )
-        return self._offer_now(envelope)
-
-    def _offer_now(self, envelope: Envelope) -> Receipt:
-        for observe in self._observers:
-            observe(envelope)
-        stages = self._router.route(envelope.topic)
-        for stage in stages:
-            if stage.backpressure is Backpressure.BLOCK and not stage.has_room():
-                raise anyio.WouldBlock(f"stage {stage.name!r} is full")
-        receipt, blocked = self._offer(envelope, stages)
-        assert not blocked
-        return receipt
+        return self._mode.send_now(envelope)
 
     def publish_threadsafe(
         self,
@@ -1322,108 +1275,14 @@ class Bus:
             context,
         )
 
-    def _offer(self, envelope: Envelope, stages: tuple[Stage, ...]) -> tuple[Receipt, list[Stage]]:
-        if not stages:
-            self._no_subscribers(envelope)
-            return Receipt(envelope.id), []
-        if len(stages) == 1:
-            stage = stages[0]
-            admission = stage.offer(envelope)
-            if admission is DoorOutcome.ACCEPTED:
-                return make_receipt(envelope.id, stage.names), []
-            if admission is DoorOutcome.BLOCKED:
-                return Receipt(envelope.id), [stage]
-            if admission is DoorOutcome.REJECTED:
-                return Receipt(envelope.id, rejected=(stage.name,)), []
-            return Receipt(envelope.id, dropped=(stage.name,)), []
-        accepted: list[str] = []
-        rejected: list[str] = []
-        dropped: list[str] = []
-        blocked: list[Stage] = []
-        for stage in stages:
-            admission = stage.offer(envelope)
-            if admission is DoorOutcome.ACCEPTED:
-                accepted.append(stage.name)
-            elif admission is DoorOutcome.BLOCKED:
-                blocked.append(stage)
-            elif admission is DoorOutcome.REJECTED:
-                rejected.append(stage.name)
-            else:
-                dropped.append(stage.name)
-        return Receipt(envelope.id, tuple(accepted), tuple(rejected), tuple(dropped)), blocked
-
-    async def _route(
+    def _route(
         self,
         envelope: Envelope,
         timeout: float | None,
         progress: _ThreadsafePublish | None = None,
-    ) -> Receipt:
-        """Offer ``envelope`` to every stage of its topic, waiting (up to ``timeout``)
-        where a ``BLOCK`` stage is full.
-
-        :param progress: kept up to date with what is admitted so far, for a caller
-            that may be cancelled while this waits (its receipt is then still known).
-        """
-        if self._observers:
-            for observe in self._observers:
-                observe(envelope)
-        if self._broker is not None and envelope.topic != DEADLETTER_TOPIC:
-            return await self._publish_to_broker(self._broker, envelope)
-        receipt, blocked = self._offer(envelope, self._router.route(envelope.topic))
-        if not blocked:
-            return receipt
-        accepted = list(receipt.accepted)
-        if progress is not None:
-            progress.receipt = receipt
-        waiting_on = blocked[0]
-        with anyio.move_on_after(timeout) as scope:
-            for waiting_on in blocked:
-                try:
-                    await waiting_on.put(envelope)
-                except BusClosedError as error:
-                    # The stage stopped before it had room: nothing was admitted there.
-                    raise BusClosedError(
-                        str(error),
-                        receipt=Receipt(
-                            envelope.id, tuple(accepted), receipt.rejected, receipt.dropped
-                        ),
-                    ) from None
-                accepted.append(waiting_on.name)
-                if progress is not None:
-                    progress.receipt = Receipt(
-                        envelope.id, tuple(accepted), receipt.rejected, receipt.dropped
-                    )
-        receipt = Receipt(envelope.id, tuple(accepted), receipt.rejected, receipt.dropped)
-        if scope.cancelled_caught:
-            raise PublishTimeout(
-                f"stage {waiting_on.name!r} stayed full for {timeout}s", receipt=receipt
-            )
-        return receipt
-
-    async def _publish_to_broker(self, broker: Transport, envelope: Envelope) -> Receipt:
-        # The broker routes to every group of every process, and tells which groups it
-        # knows were reached; with none anywhere it stored a no_subscribers dead letter.
-        if envelope.topic.startswith(_INBOX):
-            # A reply whose requester is gone is dropped, as in memory.
-            await broker.publish(envelope.topic, [envelope])
-            return Receipt(envelope.id)
-        reached = await broker.publish_routed(envelope.topic, [envelope])
-        if reached is None:  # the transport cannot tell: name this bus's matching stages
-            reached = self._router.names(envelope.topic)
-        elif not reached:
-            self._dead_letter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True)
-        return make_receipt(envelope.id, reached)
-
-    def _no_subscribers(self, envelope: Envelope) -> None:
-        if envelope.topic == DEADLETTER_TOPIC:
-            return  # a dead letter never begets one
-        self._dead_letter(
-            envelope,
-            DeadLetterReason.NO_SUBSCRIBERS,
-            None,  # no exception: the reason says it all
-            None,
-            0,
-        )
+    ) -> Awaitable[Receipt]:
+        """Send ``envelope`` to every group of its topic (see :meth:`Mode.send`)."""
+        return self._mode.send(envelope, timeout, progress)
 
     # -- dead letters -----------------------------------------------------------
 
@@ -1453,19 +1312,12 @@ class Bus:
         entry = DeadLetter(envelope, reason, error, stage, attempts, time.time(), trace)
         self._services.failure_log.dead_lettered(entry, cause)
         self.dead_letters.add(entry)
-        if self._broker is not None and not stored and self._task_group is not None:
-            self._background += 1
-            self._task_group.start_soon(self._store_dead_letter, self._broker, entry)
+        if not stored:
+            self._mode.store(entry)
         if envelope.reply_to is not None:
             pending = self._requests.get(envelope.reply_to)
-            if (
-                pending is None
-                and self._broker is not None
-                and envelope.reply_to.startswith(_INBOX)
-                and self._task_group is not None
-            ):
-                self._background += 1
-                self._task_group.start_soon(self._fail_remote_request, entry)
+            if pending is None and self._mode.replies_elsewhere(envelope.reply_to):
+                self._services.start_background(self._fail_remote_request, entry)
             if pending is not None and not pending.event.is_set():
                 where = f"{reason.value} in stage {stage}" if stage else reason.value
                 failure = HandlerError(
@@ -1492,36 +1344,6 @@ class Bus:
                 pending.event.set()
         return entry
 
-    async def _store_dead_letter(self, broker: Transport, entry: DeadLetter) -> None:
-        try:
-            with broker.cleanup_scope():
-                await broker.add_dead_letter(entry)
-        except Exception:
-            dead_letter_logger.warning(
-                "could not store dead letter %s", entry.envelope.id, exc_info=True
-            )
-        finally:
-            self._background -= 1
-            if self._services.idle_waiters:
-                self._wake_drainers()
-
-    def _forget_dead_letters(self, ids: Sequence[str]) -> None:
-        if self._broker is None or not ids or self._task_group is None:
-            return
-        self._background += 1
-        self._task_group.start_soon(self._remove_dead_letters, self._broker, list(ids))
-
-    async def _remove_dead_letters(self, broker: Transport, ids: list[str]) -> None:
-        try:
-            with broker.cleanup_scope():
-                await broker.remove_dead_letters(ids)
-        except Exception:
-            dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)
-        finally:
-            self._background -= 1
-            if self._services.idle_waiters:
-                self._wake_drainers()
-
     def _announce(self, entry: DeadLetter) -> None:
         if self._state not in ("running", "closing"):
             return
@@ -1546,8 +1368,7 @@ class Bus:
     def _announce_to(self, stages: tuple[Stage, ...], envelope: Envelope) -> Receipt:
         for stage in stages:
             if stage.offer(envelope) is DoorOutcome.BLOCKED:
-                self._background += 1
-                self._tasks().start_soon(self._put_later, stage, envelope)
+                self._services.start_background(self._put_later, stage, envelope)
         return make_receipt(envelope.id, tuple(stage.name for stage in stages))
 
     async def _put_later(self, stage: Stage, envelope: Envelope) -> None:
@@ -1556,10 +1377,6 @@ class Bus:
         except BusClosedError:
             # Never admitted, so not in any ledger: only the announcement is lost.
             logger.warning("$deadletter announcement of %s dropped at shutdown", envelope.id)
-        finally:
-            self._background -= 1
-            if self._services.idle_waiters:
-                self._wake_drainers()
 
     async def _resend(self, entry: DeadLetter) -> Receipt:
         # As a publish: refused once ``aclose`` began, but from the bus's own handlers
@@ -1572,56 +1389,15 @@ class Bus:
         )
         instrumentation = self._services.instrumentation
         if instrumentation is None:
-            return await self._replay(entry, envelope, None)
+            return await self._mode.replay(entry, envelope)
         return await _instrument.send(
             instrumentation,
             "replay",
             envelope,
             self._system,
-            functools.partial(self._replay, entry),
+            lambda envelope, _: self._mode.replay(entry, envelope),
             None,
         )
-
-    async def _replay(
-        self, entry: DeadLetter, envelope: Envelope, timeout: float | None
-    ) -> Receipt:
-        stage = self._stages_by_name.get(entry.stage) if entry.stage else None
-        broker = self._broker
-        if stage is not None or broker is not None:  # (_route tells observers itself)
-            for observe in self._observers:
-                observe(envelope)
-        if broker is not None:
-            # The stage that dead-lettered it, in whichever process asks (a dashboard, a
-            # script): its group alone gets the replay, never the groups that succeeded.
-            target = (
-                (stage.pattern, stage.group)
-                if stage is not None and self._over_broker(stage)
-                else split_stage_name(entry.stage, envelope.topic)
-            )
-            with anyio.CancelScope(shield=True):
-                # Forget the stored entry first: the replay may die again at once, and
-                # its new dead letter (same id) must not be the one removed.
-                await broker.remove_dead_letters([envelope.id])
-                reached: tuple[str, ...] | None = (entry.stage,) if entry.stage else ()
-                try:
-                    if target is not None:
-                        await broker.publish_to_group(*target, [envelope])
-                    else:
-                        # To every group of the topic; with none yet, the broker keeps
-                        # it as a no_subscribers dead letter again.
-                        reached = await broker.publish_routed(envelope.topic, [envelope])
-                except BaseException:  # deliberate: whatever stopped the re-send, keep it
-                    await broker.add_dead_letter(entry)  # not re-sent: keep it stored
-                    raise
-            if reached == () and target is None:
-                self._dead_letter(
-                    envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
-                )
-            return make_receipt(envelope.id, reached or ())
-        if stage is None:
-            return await self._route(envelope, None)
-        await stage.put(envelope)
-        return Receipt(envelope.id, (stage.name,))
 
     # -- slips and replies ------------------------------------------------------
 
@@ -1673,7 +1449,7 @@ class Bus:
                 if not pending.event.is_set():
                     pending.value = result
                     pending.event.set()
-            elif self._broker is not None and envelope.reply_to.startswith(_INBOX):
+            elif self._mode.replies_elsewhere(envelope.reply_to):
                 await self._send_reply(envelope, {"result": result})
 
     async def _send_reply(self, envelope: Envelope, body: dict[str, Any]) -> None:
@@ -1702,20 +1478,15 @@ class Bus:
         )
 
     async def _fail_remote_request(self, entry: DeadLetter) -> None:
-        try:
-            await self._send_reply(
-                entry.envelope,
-                {
-                    "error": entry.error,
-                    "reason": entry.reason.value,
-                    "stage": entry.stage,
-                    "attempts": entry.attempts,
-                },
-            )
-        finally:
-            self._background -= 1
-            if self._services.idle_waiters:
-                self._wake_drainers()
+        await self._send_reply(
+            entry.envelope,
+            {
+                "error": entry.error,
+                "reason": entry.reason.value,
+                "stage": entry.stage,
+                "attempts": entry.attempts,
+            },
+        )
 
     async def _on_reply(self, envelope: Envelope) -> None:
         """Handler of this bus's inbox: settle the request the reply answers."""
@@ -1745,10 +1516,16 @@ class Bus:
             )
         pending.event.set()
 
+    async def _open_inbox(self) -> str:
+        """This bus's inbox, subscribed (and waited for) on the first request."""
+        prefix = self._inbox()
+        await self.subscribed()
+        return prefix
+
     def _inbox(self) -> str:
         """This bus's reply topic prefix over a broker, subscribed on first use."""
         if self._inbox_prefix is None:
-            self._inbox_prefix = f"{_INBOX}{uuid.uuid4().hex}"
+            self._inbox_prefix = f"{INBOX}{uuid.uuid4().hex}"
             self._subscribe(
                 make_subscription(
                     f"{self._inbox_prefix}.*",
@@ -1785,9 +1562,7 @@ class Bus:
         self._check_open()
         seconds = check_wait(timeout, f"request({topic!r}): timeout")
         envelope_id = new_id()
-        reply_to = envelope_id if self._broker is None else f"{self._inbox()}.{envelope_id}"
-        if self._broker is not None:
-            await self.subscribed()  # the inbox, subscribed on the first request
+        reply_to = await self._mode.reply_address(envelope_id, self._open_inbox)
         envelope = self._envelope(
             topic,
             payload,
@@ -1901,27 +1676,6 @@ def _check_joins(
             "group cannot be Adaptive (give the group's first subscription Adaptive or "
             "admission=)"
         )
-
-
-def split_stage_name(name: str | None, topic: str) -> tuple[str, str] | None:
-    """The (pattern, group) of stage ``name`` (``"{pattern}@{group}"``) that ``topic`` reached.
-
-    Either part may hold ``@``: the split kept is the first whose pattern is valid and
-    matches ``topic`` (``None`` when there is none, or no name).
-    """
-    if not name:
-        return None
-    at = name.find("@")
-    while at > 0:
-        pattern, group = name[:at], name[at + 1 :]
-        if group:
-            try:
-                if compile_pattern(pattern)(topic):
-                    return pattern, group
-            except ConfigurationError:
-                pass
-        at = name.find("@", at + 1)
-    return None
 
 
 def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> HandlerError:

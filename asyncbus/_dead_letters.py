@@ -11,7 +11,10 @@ from enum import StrEnum
 
 from ._envelope import Envelope, Receipt
 
-__all__ = ["DeadLetter", "DeadLetterQueue", "DeadLetterReason"]
+__all__ = ["DEADLETTER_TOPIC", "DeadLetter", "DeadLetterQueue", "DeadLetterReason"]
+
+#: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
+DEADLETTER_TOPIC = "$deadletter"
 
 
 class DeadLetterReason(StrEnum):

@@ -182,6 +182,7 @@ def test_the_message_path_depends_one_way() -> None:
 
     layers = [
         "asyncbus._bus",
+        "asyncbus._modes",
         "asyncbus._consumer",
         "asyncbus._stage",
         "asyncbus._chain",
@@ -202,3 +203,21 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     )
     assert "asyncbus.middleware" in graph["asyncbus._chain"]  # via a.b.c: the package a.b
     assert graph["asyncbus._envelope"] == set()
+
+
+def test_the_bus_never_asks_which_mode_it_runs_in() -> None:
+    """In memory or over a broker is chosen once (``_modes``): ``_bus`` has no branch on it."""
+    source = (PACKAGE / "_bus.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    attributes = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+    }
+    assert not {"_broker", "direct"} & attributes
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If | ast.IfExp | ast.While | ast.BoolOp | ast.Compare):
+            mentioned = {
+                inner.attr for inner in ast.walk(node) if isinstance(inner, ast.Attribute)
+            } | {inner.id for inner in ast.walk(node) if isinstance(inner, ast.Name)}
+            assert not {"transport", "broker"} & mentioned, ast.unparse(node)[:120]

@@ -99,7 +99,7 @@ async def test_nats_inbox_is_removed_when_its_bus_closes(nats_url: str, nats_pre
     answers = Bus(transport=NatsTransport(nats_url, prefix=nats_prefix))
     _answering(answers)
     async with answers:
-        transport = answers._broker
+        transport = answers.transport
         assert isinstance(transport, NatsTransport)
         for _ in range(2):
             requester = Bus(transport=NatsTransport(nats_url, prefix=nats_prefix))
@@ -176,7 +176,7 @@ async def test_nats_inbox_of_a_killed_process_expires(
     answers = Bus(transport=NatsTransport(nats_url, prefix=nats_prefix))
     _answering(answers)
     async with answers:
-        transport = answers._broker
+        transport = answers.transport
         assert isinstance(transport, NatsTransport)
         await _kill_a_requester("nats", nats_url, nats_prefix, requester)
         assert len(await _nats_inbox_consumers(nats_url, transport)) == 1

@@ -88,6 +88,6 @@ async def test_a_replay_from_a_bus_without_the_stage_reaches_only_the_group_that
 def test_a_stage_name_splits_where_its_pattern_matches_the_topic(
     name: str | None, topic: str, expected: tuple[str, str] | None
 ) -> None:
-    from asyncbus._bus import split_stage_name
+    from asyncbus._modes import split_stage_name
 
     assert split_stage_name(name, topic) == expected
