@@ -11,7 +11,6 @@ import math
 import os
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
@@ -27,18 +26,18 @@ from anyio.lowlevel import checkpoint
 from . import _instrument
 from ._adaptive import Adaptive
 from ._admission import Admission, Priority
-from ._carry import ContextVarCarrier, checked_contextvars, with_headers
+from ._carry import ContextVarCarrier, checked_contextvars
 from ._chain import adapt_handler, build_chain
 from ._checks import check_count, check_headers, check_seconds, check_slip, check_wait
 from ._clock import Clock, loop_clock
 from ._consumer import start_consumers
-from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
+from ._dead_lettering import DeadLettering
+from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterReason
 from ._dedup import DedupStore
 from ._envelope import (
     EMPTY_HEADERS,
     HEADER_KEY,
     HEADER_PRIORITY,
-    HEADER_REPLAYED,
     Envelope,
     Receipt,
     make_envelope,
@@ -48,22 +47,22 @@ from ._envelope import (
 from ._exceptions import (
     BusClosedError,
     ConfigurationError,
-    HandlerError,
     TransportError,
 )
-from ._failures import describe_error, short_traceback, stray_cancellation
+from ._failures import describe_error, stray_cancellation
 from ._handling import current_handling, handled_envelope
 from ._logging import FailureLog
-from ._modes import INBOX, Mode, choose_mode
+from ._modes import Mode, choose_mode
 from ._offload import (
     WorkerPool,
     hold_switch_interval,
     offloaded_envelope,
     release_switch_interval,
 )
+from ._replies import Replies
 from ._routing import Router, validate_topic
 from ._runtime import FREE_THREADED, fast_checkpoint
-from ._stage import Backpressure, DoorOutcome, Stage
+from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
 from ._types import Handler, Middleware
@@ -78,15 +77,6 @@ _now = time.time
 
 F = TypeVar("F", bound=Callable[..., Any])
 _State = Literal["new", "starting", "running", "closing", "closed"]
-
-
-class _PendingReply:
-    __slots__ = ("error", "event", "value")
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
 
 
 class _DrainWaiter:
@@ -180,8 +170,8 @@ class _Services:
         *,
         stored: bool = False,
     ) -> DeadLetter | None:
-        """Record ``envelope`` as dead (see :meth:`Bus._dead_letter`)."""
-        return self._bus._dead_letter(
+        """Record ``envelope`` as dead (see :meth:`DeadLettering.record`)."""
+        return self._bus._dead_lettering.record(
             envelope, reason, error, stage, attempts, cause, stored=stored
         )
 
@@ -198,7 +188,7 @@ class _Services:
 
     async def forward(self, envelope: Envelope, result: Any) -> None:
         """Send a handled envelope's result on: its next slip hop, or its requester."""
-        await self._bus._forward(envelope, result)
+        await self._bus._replies.forward(envelope, result)
 
     def start_background(
         self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any
@@ -235,7 +225,7 @@ class _Services:
                 stage.pattern,
                 stage.group,
                 bus._system,
-                stage.group == bus._inbox_prefix,
+                stage.group == bus._replies.inbox,
             )
         return consumer
 
@@ -318,26 +308,15 @@ class Bus:
         #: The event loop's clock (see ``_clock.py``), read for every duration the bus
         #: decides on; the running loop's own from start on.
         self._clock: Clock = time.monotonic
-        #: Dead letters of every stage, newest last.
-        self.dead_letters = DeadLetterQueue(
-            ttl=ttl,
-            maxlen=maxlen,
-            resend=self._resend,
-            on_add=self._announce,
-            on_remove=self._mode.forget,
-            clock=self._clock,
-        )
         self._state: _State = "new"
         self._background = 0
         self._threadsafe_lock = threading.Lock()
         self._threadsafe_pending = 0
-        self._requests: dict[str, _PendingReply] = {}
         self._task_group: TaskGroup | None = None
         self._portal: BlockingPortal | None = None
         self._pool: WorkerPool | None = None
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
-        self._inbox_prefix: str | None = None
         self._holds_switch_interval = False
         self._host: TaskGroup | None = None
         self._runner: int | None = None
@@ -355,6 +334,22 @@ class Bus:
         self._exiting = False
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
         self._system = self._mode.system
+        self._replies = Replies(
+            name, self._mode, self._services, self._send, self._subscribe, self.subscribed
+        )
+        self._dead_lettering = DeadLettering(
+            name,
+            self._mode,
+            self._services,
+            self._router,
+            self._replies,
+            lambda: self._state,
+            ttl,
+            maxlen,
+            self._clock,
+        )
+        #: Dead letters of every stage, newest last.
+        self.dead_letters = self._dead_lettering.queue
         if carried:
             self._services.instrumentation = ContextVarCarrier(carried)
 
@@ -494,12 +489,7 @@ class Bus:
                         asked = self._stop_requested is not None and self._stop_requested.is_set()
                         self._deadline_scope = None
                         with anyio.CancelScope(shield=True):
-                            for pending in self._requests.values():
-                                if not pending.event.is_set():
-                                    pending.error = BusClosedError(
-                                        "the bus closed before the reply came"
-                                    )
-                                    pending.event.set()
+                            self._replies.close()
                             self._portal = None
                             await portal.stop(cancel_remaining=True)
                         task_group.cancel_scope.cancel()
@@ -1284,263 +1274,7 @@ class Bus:
         """Send ``envelope`` to every group of its topic (see :meth:`Mode.send`)."""
         return self._mode.send(envelope, timeout, progress)
 
-    # -- dead letters -----------------------------------------------------------
-
-    def _dead_letter(
-        self,
-        envelope: Envelope,
-        reason: DeadLetterReason,
-        error: str | None,
-        stage: str | None,
-        attempts: int,
-        cause: BaseException | None = None,
-        *,
-        stored: bool = False,
-    ) -> DeadLetter | None:
-        """Record ``envelope`` as dead (called by stages and middleware).
-
-        :param stored: the broker stores it itself (a delivery will be rejected);
-            otherwise a broker transport is asked to keep it.
-        :return: the entry, ``None`` for a ``$deadletter`` envelope (never re-queued).
-        """
-        if envelope.topic == DEADLETTER_TOPIC:
-            self._services.failure_log.discarded(envelope, reason, error, stage, attempts, cause)
-            return None
-        trace = None
-        if cause is not None and reason is DeadLetterReason.HANDLER_FAILED:
-            trace = short_traceback(cause)
-        entry = DeadLetter(envelope, reason, error, stage, attempts, time.time(), trace)
-        self._services.failure_log.dead_lettered(entry, cause)
-        self.dead_letters.add(entry)
-        if not stored:
-            self._mode.store(entry)
-        if envelope.reply_to is not None:
-            pending = self._requests.get(envelope.reply_to)
-            if pending is None and self._mode.replies_elsewhere(envelope.reply_to):
-                self._services.start_background(self._fail_remote_request, entry)
-            if pending is not None and not pending.event.is_set():
-                where = f"{reason.value} in stage {stage}" if stage else reason.value
-                failure = HandlerError(
-                    f"{where}: {error}" if error else f"{where} (topic {envelope.topic!r})",
-                    envelope=envelope,
-                    stage=stage,
-                    attempts=attempts,
-                )
-                failure.__cause__ = cause
-                pending.error = failure
-                pending.event.set()
-        elif self._inbox_prefix is not None and envelope.topic.startswith(self._inbox_prefix):
-            # A reply this bus could not take in (undecodable, refused by the inbox):
-            # its request fails now instead of waiting for its timeout.
-            pending = self._requests.get(envelope.topic)
-            if pending is not None and not pending.event.is_set():
-                pending.error = HandlerError(
-                    f"the reply to request {envelope.topic.rpartition('.')[2]} could not be "
-                    f"read ({reason.value}): {error}",
-                    envelope=envelope,
-                    stage=stage,
-                    attempts=attempts,
-                )
-                pending.event.set()
-        return entry
-
-    def _announce(self, entry: DeadLetter) -> None:
-        if self._state not in ("running", "closing"):
-            return
-        stages = self._router.route(DEADLETTER_TOPIC)
-        if not stages:
-            return
-        envelope = Envelope(
-            topic=DEADLETTER_TOPIC,
-            payload=entry,
-            correlation_id=entry.envelope.correlation_id,
-            causation_id=entry.envelope.id,
-            sender=self.name,
-        )
-        announce = functools.partial(self._announce_to, stages)
-        if self._services.instrumentation is None:
-            announce(envelope)
-        else:  # (announcements stay in this process, whatever the transport)
-            _instrument.send_now(
-                self._services.instrumentation, "dead_letter", envelope, "memory", announce
-            )
-
-    def _announce_to(self, stages: tuple[Stage, ...], envelope: Envelope) -> Receipt:
-        for stage in stages:
-            if stage.offer(envelope) is DoorOutcome.BLOCKED:
-                self._services.start_background(self._put_later, stage, envelope)
-        return make_receipt(envelope.id, tuple(stage.name for stage in stages))
-
-    async def _put_later(self, stage: Stage, envelope: Envelope) -> None:
-        try:
-            await stage.put(envelope)
-        except BusClosedError:
-            # Never admitted, so not in any ledger: only the announcement is lost.
-            logger.warning("$deadletter announcement of %s dropped at shutdown", envelope.id)
-
-    async def _resend(self, entry: DeadLetter) -> Receipt:
-        # As a publish: refused once ``aclose`` began, but from the bus's own handlers
-        # (the entry stays in the queue).
-        state = self._state
-        if not (state == "running" or (state == "closing" and current_handling() is not None)):
-            raise BusClosedError(f"replay needs a running bus; the bus is {state}")
-        envelope = with_headers(
-            entry.envelope.evolve(attempt=1, timestamp=time.time()), {HEADER_REPLAYED: "1"}
-        )
-        instrumentation = self._services.instrumentation
-        if instrumentation is None:
-            return await self._mode.replay(entry, envelope)
-        return await _instrument.send(
-            instrumentation,
-            "replay",
-            envelope,
-            self._system,
-            lambda envelope, _: self._mode.replay(entry, envelope),
-            None,
-        )
-
-    # -- slips and replies ------------------------------------------------------
-
-    async def _forward(self, envelope: Envelope, result: Any) -> None:
-        """Send a handled envelope's result on: to its next slip hop, or to its requester."""
-        if envelope.slip:
-            hop = make_envelope(
-                new_id(),
-                envelope.slip[0],
-                result,  # the return value is the next payload, None included
-                envelope.headers,
-                envelope.timestamp,
-                envelope.ttl,
-                1,
-                envelope.slip[1:],
-                envelope.correlation_id,
-                envelope.id,
-                envelope.reply_to,
-                envelope.sender,
-            )
-            try:
-                receipt = await self._send("forward", hop, None)
-            except Exception as error:
-                self._dead_letter(
-                    hop, DeadLetterReason.NO_SUBSCRIBERS, describe_error(error), None, 0, error
-                )
-                return
-            if receipt.rejected and hop.reply_to is not None:
-                pending = self._requests.get(hop.reply_to)
-                if pending is not None and not pending.event.is_set():
-                    pending.error = _rejected_at_the_door(hop, receipt.rejected)
-                    pending.event.set()
-            return
-        if envelope.reply_to is not None:
-            pending = self._requests.get(envelope.reply_to)
-            if pending is not None:
-                instrumentation = self._services.instrumentation
-                if instrumentation is not None:
-                    # Answered in this process, without an envelope: observers see the
-                    # reply one would have been, as a broker's replier sends it.
-                    reply = self._reply_envelope(envelope, {"result": result})
-                    _instrument.send_now(
-                        instrumentation,
-                        "reply",
-                        reply,
-                        self._system,
-                        lambda reply: make_receipt(reply.id, ()),
-                    )
-                if not pending.event.is_set():
-                    pending.value = result
-                    pending.event.set()
-            elif self._mode.replies_elsewhere(envelope.reply_to):
-                await self._send_reply(envelope, {"result": result})
-
-    async def _send_reply(self, envelope: Envelope, body: dict[str, Any]) -> None:
-        # A request made by another process: answer through its inbox topic.
-        reply = self._reply_envelope(envelope, body)
-        try:
-            await self._send("reply", reply, None)
-        except Exception:
-            logger.warning("could not reply to %s", envelope.reply_to, exc_info=True)
-
-    def _reply_envelope(self, envelope: Envelope, body: dict[str, Any]) -> Envelope:
-        assert envelope.reply_to is not None
-        return make_envelope(
-            new_id(),
-            envelope.reply_to,
-            body,
-            EMPTY_HEADERS,
-            time.time(),
-            None,
-            1,
-            (),
-            envelope.correlation_id,
-            envelope.id,
-            None,
-            self.name,
-        )
-
-    async def _fail_remote_request(self, entry: DeadLetter) -> None:
-        await self._send_reply(
-            entry.envelope,
-            {
-                "error": entry.error,
-                "reason": entry.reason.value,
-                "stage": entry.stage,
-                "attempts": entry.attempts,
-            },
-        )
-
-    async def _on_reply(self, envelope: Envelope) -> None:
-        """Handler of this bus's inbox: settle the request the reply answers."""
-        pending = self._requests.get(envelope.topic)
-        if pending is None or pending.event.is_set():
-            return
-        body = envelope.payload
-        if type(body) is dict and "error" in body:
-            stage, attempts = body.get("stage"), body.get("attempts")
-            pending.error = HandlerError(
-                f"{body.get('reason')} in stage {stage}: {body.get('error')}",
-                envelope=envelope,
-                stage=stage if isinstance(stage, str) else None,
-                attempts=attempts if type(attempts) is int and attempts >= 0 else 0,
-            )
-        elif type(body) is dict and "result" in body:
-            pending.value = body["result"]
-        else:
-            # Not written by a bus (another client wrote to the inbox): the request
-            # fails now, rather than returning what is no answer or waiting for one.
-            pending.error = HandlerError(
-                f"the reply to request {envelope.topic.rpartition('.')[2]} is malformed: "
-                f"expected an object with 'result' or 'error', got {_shown(body)}",
-                envelope=envelope,
-                stage=None,
-                attempts=0,
-            )
-        pending.event.set()
-
-    async def _open_inbox(self) -> str:
-        """This bus's inbox, subscribed (and waited for) on the first request."""
-        prefix = self._inbox()
-        await self.subscribed()
-        return prefix
-
-    def _inbox(self) -> str:
-        """This bus's reply topic prefix over a broker, subscribed on first use."""
-        if self._inbox_prefix is None:
-            self._inbox_prefix = f"{INBOX}{uuid.uuid4().hex}"
-            self._subscribe(
-                make_subscription(
-                    f"{self._inbox_prefix}.*",
-                    self._on_reply,
-                    group=self._inbox_prefix,
-                    concurrency=1,
-                    capacity=1024,
-                    backpressure=Backpressure.BLOCK,
-                    retry=None,
-                    timeout=None,
-                    offload=None,
-                    middleware=(),
-                )
-            )
-        return self._inbox_prefix
+    # -- requests ---------------------------------------------------------------
 
     async def request(
         self,
@@ -1562,7 +1296,7 @@ class Bus:
         self._check_open()
         seconds = check_wait(timeout, f"request({topic!r}): timeout")
         envelope_id = new_id()
-        reply_to = await self._mode.reply_address(envelope_id, self._open_inbox)
+        reply_to = await self._replies.address(envelope_id)
         envelope = self._envelope(
             topic,
             payload,
@@ -1574,20 +1308,7 @@ class Bus:
             reply_to=reply_to,
             cause=handled_envelope(),
         )
-        pending = _PendingReply()
-        self._requests[reply_to] = pending
-        try:
-            with anyio.fail_after(seconds):
-                receipt = await self._send("request", envelope, None)
-                if pending.error is None and not pending.event.is_set():
-                    if receipt.rejected:
-                        raise _rejected_at_the_door(envelope, receipt.rejected)
-                    await pending.event.wait()
-        finally:
-            del self._requests[reply_to]
-        if pending.error is not None:
-            raise pending.error
-        return pending.value
+        return await self._replies.wait_for(envelope, seconds)
 
     # -- statistics -------------------------------------------------------------
 
@@ -1617,15 +1338,6 @@ class Bus:
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"
-
-
-def _shown(value: Any) -> str:
-    """A short description of a malformed value: its type, and its start."""
-    try:
-        text = repr(value)
-    except Exception:  # a repr that fails (or recurses too deep) shows the type only
-        text = "..."
-    return f"{type(value).__name__} {text[:60]}"
 
 
 def _priority_text(topic: str, priority: Priority | int) -> str:
@@ -1676,16 +1388,6 @@ def _check_joins(
             "group cannot be Adaptive (give the group's first subscription Adaptive or "
             "admission=)"
         )
-
-
-def _rejected_at_the_door(envelope: Envelope, rejected: tuple[str, ...]) -> HandlerError:
-    """The failure a request meets when a stage of its route refuses it (REJECT, full)."""
-    return HandlerError(
-        f"request to {envelope.topic!r} rejected at the door of {', '.join(rejected)}",
-        envelope=envelope,
-        stage=rejected[0],
-        attempts=0,
-    )
 
 
 def _not_drained(bus: Bus, timeout: float | None) -> str:

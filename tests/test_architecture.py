@@ -167,7 +167,8 @@ def test_the_core_imports_nothing_of_asyncbus_inside_a_function() -> None:
 
 
 def test_the_message_path_depends_one_way() -> None:
-    """Vocabulary ← envelope ← middleware ← chain ← stage/consumer ← publishing ← Bus."""
+    """Vocabulary ← envelope ← middleware ← chain ← stage/consumer ← modes ← replies ←
+    dead letters ← Bus."""
     graph = _graph()
 
     def reaches(start: str) -> set[str]:
@@ -182,6 +183,8 @@ def test_the_message_path_depends_one_way() -> None:
 
     layers = [
         "asyncbus._bus",
+        "asyncbus._dead_lettering",
+        "asyncbus._replies",
         "asyncbus._modes",
         "asyncbus._consumer",
         "asyncbus._stage",
