@@ -14,8 +14,6 @@ the same loop obeying its controllers.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import random
 import time
@@ -37,7 +35,7 @@ from ._stage import Stage, StageHost
 from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
-from .transports.base import Delivery
+from .transports.base import BaseDelivery, Delivery
 
 __all__ = [
     "PUMP_BACKOFF_MAX",
@@ -348,8 +346,8 @@ async def _settle_delivery(
     if delivery is None:
         return
     try:
-        if dead is None and (ack_nowait := getattr(delivery, "ack_nowait", None)):
-            ack_nowait()  # only queued for the transport's writer: nothing to shield
+        if dead is None and isinstance(delivery, BaseDelivery) and delivery.acks_behind:
+            delivery.ack_nowait()  # only queued for the transport's writer: no shield
             return
         # Shielded (a settle is not skipped because the bus is closing), bounded by the
         # bus's close deadline.
@@ -453,7 +451,8 @@ async def _pump_once(stage: Stage, transport: Any, host: ConsumerHost) -> None:
         async for delivery in deliveries:
             try:
                 envelope = delivery.envelope
-                refused = getattr(delivery, "error", None)  # beyond the Delivery protocol
+                # (A delivery written to the Delivery protocol alone is taken as decoded.)
+                refused = delivery.error if isinstance(delivery, BaseDelivery) else None
                 if refused is None:
                     await stage.wait_for_room(bound)
                     stage.deliveries[id(envelope)] = delivery
@@ -492,32 +491,16 @@ async def _refuse(stage: Stage, delivery: Delivery, error: str, host: ConsumerHo
 async def reject_delivery(
     delivery: Delivery, reason: str, error: str | None, stage: str, attempts: int
 ) -> None:
-    """``delivery.reject(reason)``, with each of the dead letter's details it takes.
+    """``delivery.reject(reason)``, with the dead letter's details for a :class:`BaseDelivery`.
 
-    The public ``Delivery`` protocol has ``reject(reason)``; asyncbus's own transports
-    also take ``error``, ``stage`` and ``attempts`` (:class:`DetailedDelivery`) so the
-    broker's copy of the dead letter matches the bus's. A transport that takes only
-    some of them gets those; one written to the protocol alone still works.
+    asyncbus's transports store ``error``, ``stage`` and ``attempts`` with the dead
+    letter, so the broker's copy matches the bus's; a delivery written to the
+    ``Delivery`` protocol alone is given the reason only.
     """
-    details = {"error": error, "stage": stage, "attempts": attempts}
-    accepted = _reject_keywords(type(delivery))
-    reject: Callable[..., Awaitable[None]] = delivery.reject
-    await reject(reason, **{name: details[name] for name in accepted})
-
-
-_REJECT_DETAILS = frozenset({"error", "stage", "attempts"})
-
-
-@functools.cache
-def _reject_keywords(delivery_type: type[Delivery]) -> frozenset[str]:
-    try:
-        parameters = inspect.signature(delivery_type.reject).parameters.values()
-    except (AttributeError, TypeError, ValueError):
-        return frozenset()
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return _REJECT_DETAILS
-    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return _REJECT_DETAILS & {p.name for p in parameters if p.kind in named}
+    if isinstance(delivery, BaseDelivery):
+        await delivery.reject(reason, error=error, stage=stage, attempts=attempts)
+    else:
+        await delivery.reject(reason)
 
 
 # -- instrumented dispatch -------------------------------------------------------

@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import anyio
 
@@ -27,7 +27,9 @@ from ._envelope import Envelope, Receipt, make_receipt
 from ._exceptions import BusClosedError, ConfigurationError, PublishTimeout
 from ._routing import Router, compile_pattern
 from ._stage import Backpressure, DoorOutcome, Stage
-from .transports.base import Transport
+from .transports._bound import BoundTransport
+from .transports._codec import Codec
+from .transports.base import DedupStoreProvider, Transport, TransportSettings
 
 __all__ = [
     "INBOX",
@@ -321,9 +323,10 @@ class BrokerMode:
     admits_inline = False
 
     def __init__(self, transport: Transport, local: LocalMode, codec: object | None) -> None:
-        if codec is not None:
-            transport.codec = codec  # type: ignore[assignment]
         self.transport = transport
+        #: The transport and the optional protocols it implements, looked up once.
+        self.port = BoundTransport.of(transport)
+        self.codec = cast("Codec | None", codec)
         self.local = local
         self.host = local.host
         self.system = transport.name
@@ -331,11 +334,16 @@ class BrokerMode:
     async def open(self, stack: AsyncExitStack, dead_letters: DeadLetterQueue) -> None:
         """Enter the transport for this life of the bus and restore its dead letters."""
         broker = self.transport
-        broker.close_deadline = math.inf  # a new life: no deadline yet
-        broker.dead_letter_ttl = dead_letters.ttl
-        broker.dead_letter_maxlen = dead_letters.maxlen
+        # The bus's settings, given once, before entering (a new life: no deadline yet).
+        broker.bind(
+            TransportSettings(
+                dead_letter_ttl=dead_letters.ttl,
+                dead_letter_maxlen=dead_letters.maxlen,
+                codec=self.codec,
+            )
+        )
         await stack.enter_async_context(broker)
-        for entry in await broker.dead_letters():
+        for entry in await self.port.dead_letters():
             dead_letters.restore(entry)
 
     def close_by(self, deadline: float) -> float:
@@ -356,14 +364,14 @@ class BrokerMode:
 
     def lost_acks(self) -> Iterable[tuple[str, str]]:
         """Acks written behind that the broker never got."""
-        return self.transport.unsettled_acks()
+        return self.port.unsettled_acks()
 
     async def backlog(self, stages: Iterable[Stage]) -> int:
         """What the broker still holds for the stages it feeds."""
         total = 0
         for stage in list(stages):
             if over_broker(stage):
-                total += await self.transport.backlog(stage.pattern, stage.group)
+                total += await self.port.backlog(stage.pattern, stage.group)
         return total
 
     def start(self, stage: Stage) -> None:
@@ -400,7 +408,11 @@ class BrokerMode:
             # A reply whose requester is gone is dropped, as in memory.
             await broker.publish(envelope.topic, [envelope])
             return Receipt(envelope.id)
-        reached = await broker.publish_routed(envelope.topic, [envelope])
+        routed = self.port.routed
+        if routed is not None:  # straight to it: no extra frame on the hot path
+            reached = await routed.publish_routed(envelope.topic, [envelope])
+        else:
+            reached = await self.port.publish_routed(envelope.topic, [envelope])
         if reached is None:  # the transport cannot tell: name this bus's matching stages
             reached = local.router.names(envelope.topic)
         elif not reached:
@@ -421,7 +433,7 @@ class BrokerMode:
     async def _store(self, entry: DeadLetter) -> None:
         try:
             with self.transport.cleanup_scope():
-                await self.transport.add_dead_letter(entry)
+                await self.port.add_dead_letter(entry)
         except Exception:
             dead_letter_logger.warning(
                 "could not store dead letter %s", entry.envelope.id, exc_info=True
@@ -435,7 +447,7 @@ class BrokerMode:
     async def _forget(self, ids: list[str]) -> None:
         try:
             with self.transport.cleanup_scope():
-                await self.transport.remove_dead_letters(ids)
+                await self.port.remove_dead_letters(ids)
         except Exception:
             dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)
 
@@ -446,7 +458,7 @@ class BrokerMode:
         replay, never the groups that succeeded. Without a stage, to every group of the
         topic; with none yet, the broker keeps it as a ``no_subscribers`` dead letter.
         """
-        broker = self.transport
+        broker = self.port
         stage = self.local.stages.get(entry.stage) if entry.stage else None
         self.local.observe(envelope)
         target = (
@@ -483,6 +495,8 @@ class BrokerMode:
 
     def dedup_store(self, window: float) -> DedupStore | None:
         """The broker's shared dedup store, if it keeps one."""
+        if not isinstance(self.transport, DedupStoreProvider):
+            return None
         return self.transport.dedup_store(window)
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:

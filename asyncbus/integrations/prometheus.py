@@ -82,6 +82,7 @@ from .._exceptions import BusClosedError, ConfigurationError
 from .._observe import bus_state, dead_letter_counts, on_loop, stage_timings
 from .._observe import task_group as bus_task_group
 from .._stats import BusStatistics, LatencyHistogram
+from ..transports.base import BacklogReader
 
 __all__ = ["BusCollector", "exposition"]
 
@@ -159,7 +160,7 @@ class _Watched:
 
     async def refresh(self, timeout: float) -> None:
         transport = self.bus.transport
-        if transport is None or transport.direct:
+        if transport is None or transport.direct or not isinstance(transport, BacklogReader):
             return
         for stage in self.bus.statistics().stages:
             if stage.topic == DEADLETTER_TOPIC:

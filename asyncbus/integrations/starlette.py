@@ -70,6 +70,7 @@ from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import ConfigurationError
 from .._observe import bus_state, stages_subscribed
+from ..transports.base import BacklogReader
 from ._json import json_safe
 
 __all__ = ["admin_app", "get_bus", "lifespan"]
@@ -383,10 +384,11 @@ def _status(code: int, status: str, reason: str | None = None) -> JSONResponse:
 async def _transport_problem(bus: Bus) -> str | None:
     """Why the bus's broker is not answering, or ``None`` (always ``None`` in memory).
 
-    Asks the backlog of one stage, the cheapest question every transport answers.
+    Asks the backlog of one stage, the cheapest question a broker answers (a transport
+    that cannot count is not asked).
     """
     transport = bus.transport
-    if transport is None or transport.direct:
+    if transport is None or transport.direct or not isinstance(transport, BacklogReader):
         return None
     stage = next((each for each in bus.statistics().stages if each.topic != DEADLETTER_TOPIC), None)
     if stage is None:

@@ -2,7 +2,7 @@
 
 Without a ``store`` and on a bus in memory, each stage remembers the ids it handled
 (this process's handlings, which is all there is). Over a broker the default store
-is the broker's (:meth:`Transport.dedup_store`), shared by every process of the
+is the broker's (a :class:`~asyncbus.transports.DedupStoreProvider`), shared by every process of the
 group: an envelope is claimed before it is handled, so a redelivery to another
 process after a crash is skipped once the first handling succeeded, and handled
 once the crashed owner's claim (its lease, extended while it worked) has expired.

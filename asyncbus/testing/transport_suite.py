@@ -30,8 +30,11 @@ to the test::
         async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
             ...  # publish a valid envelope on ``topic`` whose body is ``body``
 
-What a transport cannot do natively is told by ``transport.capabilities``; the
-tests that need it are skipped. The suite relies on one thing beyond the
+What a transport cannot do natively is told by ``transport.capabilities``, and
+what it offers beyond the core by the optional protocols it implements
+(:class:`~asyncbus.transports.DeadLetterStore`,
+:class:`~asyncbus.transports.RoutedPublisher`, ...); the tests that need one are
+skipped, and a transport that claims one must honour it. The suite relies on one thing beyond the
 interface's docstrings: a group exists once ``subscribe`` has been *entered*, so
 envelopes published after that reach it even before anyone iterates.
 
@@ -45,19 +48,33 @@ Failures are ``AssertionError`` with a message, never ``pytest.fail``: a
 from __future__ import annotations
 
 import functools
+import secrets
 import string
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import AsyncExitStack, contextmanager
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import anyio
 import pytest
 
 from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dedup import Claim, DedupStore
 from .._envelope import Envelope
 from .._exceptions import TransportError
-from ..transports.base import Delivery, DetailedDelivery, Transport
+from ..transports.base import (
+    AcksWrittenBehind,
+    BacklogReader,
+    BaseDelivery,
+    DeadLetterStore,
+    DedupStoreProvider,
+    Delivery,
+    GroupPublisher,
+    KeepAlive,
+    RoutedPublisher,
+    Transport,
+    TransportSettings,
+)
 
 __all__ = ["QUIET", "TransportSuite"]
 
@@ -110,18 +127,19 @@ def _ids(items: Iterable[Envelope | Delivery]) -> list[str]:
     return [item.id if isinstance(item, Envelope) else item.envelope.id for item in items]
 
 
-async def _next(
-    deliveries: AsyncIterator[Delivery], timeout: float, what: str
-) -> DetailedDelivery:
+async def _next(deliveries: AsyncIterator[Delivery], timeout: float, what: str) -> BaseDelivery:
     """The next delivery, or fail naming ``what`` did not arrive within ``timeout``.
 
-    The suite checks asyncbus's own transports, whose deliveries are detailed ones.
+    The suite checks transports built on asyncbus's base: their deliveries are
+    :class:`~asyncbus.transports.BaseDelivery` (``error``, the one ``reject``).
     """
     try:
         with anyio.fail_after(timeout):
-            return cast("DetailedDelivery", await anext(deliveries))
+            delivery = await anext(deliveries)
     except TimeoutError:
         raise AssertionError(f"no delivery within {timeout} s: {what}") from None
+    assert isinstance(delivery, BaseDelivery), f"{delivery!r} is not a BaseDelivery"
+    return delivery
 
 
 async def _take(
@@ -189,7 +207,7 @@ class _Inbox:
 @contextmanager
 def _keep_alive(transport: Transport, value: bool) -> Iterator[None]:
     """``transport.keep_alive`` set to ``value`` for the subscriptions made meanwhile."""
-    if not hasattr(transport, "keep_alive"):
+    if not isinstance(transport, KeepAlive):
         yield
         return
     before = transport.keep_alive
@@ -273,6 +291,76 @@ class TransportSuite:
         if not getattr(transport.capabilities, capability):
             pytest.skip(f"{type(transport).__name__} lacks capability {capability!r}")
 
+    def _store(self, transport: Transport) -> DeadLetterStore:
+        """The transport as a :class:`DeadLetterStore` (the test is skipped otherwise)."""
+        if not isinstance(transport, DeadLetterStore):
+            pytest.skip(f"{type(transport).__name__} keeps no dead letters")
+        return transport
+
+    # -- the contract -------------------------------------------------------------
+
+    @pytest.mark.anyio
+    async def test_a_dead_letter_store_is_what_replay_means(self, transport: Transport) -> None:
+        """``capabilities.replay`` is claimed exactly by a :class:`DeadLetterStore`."""
+        _check(
+            isinstance(transport, DeadLetterStore),
+            transport.capabilities.replay,
+            "isinstance(transport, DeadLetterStore) (capabilities.replay)",
+        )
+
+    @pytest.mark.anyio
+    async def test_bind_gives_the_bus_settings(self, transport: Transport) -> None:
+        """``bind`` takes the bus's settings in one call; the codec only when given."""
+        codec = transport.codec
+        settings = TransportSettings(dead_letter_ttl=120.0, dead_letter_maxlen=7)
+        transport.bind(settings)
+        _check(transport.settings, settings, "transport.settings after bind")
+        _check(transport.codec, codec, "codec after a bind without one")
+        _check(transport.close_deadline, float("inf"), "close deadline after bind (a new life)")
+
+    @pytest.mark.anyio
+    async def test_acks_written_behind_reach_the_broker(self, transport: Transport) -> None:
+        """An :class:`AcksWrittenBehind` transport's deliveries queue acks (``ack_nowait``)
+        that are written within a moment: the group's backlog empties, nothing comes
+        back, and no ack is reported unsettled."""
+        if not isinstance(transport, AcksWrittenBehind):
+            pytest.skip(f"{type(transport).__name__} awaits its acks")
+        sent = _envelopes("behind", 5)
+        async with transport.subscribe("behind", group="g", prefetch=5) as deliveries:
+            await transport.publish("behind", sent)
+            for _ in sent:
+                delivery = await _next(deliveries, self.timeout, "a published envelope")
+                assert delivery.acks_behind, f"{delivery!r} does not write its acks behind"
+                delivery.ack_nowait()
+                with pytest.raises(TransportError):
+                    delivery.ack_nowait()
+            if isinstance(transport, BacklogReader):
+                await self._backlog_becomes(transport, "behind", "g", 0)
+        async with transport.subscribe("behind", group="g", prefetch=5) as deliveries:
+            with anyio.move_on_after(QUIET):
+                extra = await anext(deliveries)
+                raise AssertionError(f"an acked envelope came back: {extra.envelope!r}")
+        _check(transport.unsettled_acks(), [], "acks reported unsettled")
+
+    @pytest.mark.anyio
+    async def test_dedup_store_claims_once(self, transport: Transport) -> None:
+        """A :class:`DedupStoreProvider`'s store: one owner claims, others find it busy,
+        then done; a released claim can be claimed again."""
+        if not isinstance(transport, DedupStoreProvider):
+            pytest.skip(f"{type(transport).__name__} keeps no dedup store")
+        store = transport.dedup_store(60.0)
+        assert isinstance(store, DedupStore), f"{store!r} is not a DedupStore"
+        key, other = f"suite@g:{secrets.token_hex(6)}", f"suite@g:{secrets.token_hex(6)}"
+        _check(await store.claim(key, "first", 30.0), Claim.CLAIMED, "the first claim")
+        _check(await store.claim(key, "second", 30.0), Claim.BUSY, "a second owner's claim")
+        _check(await store.extend(key, "first", 30.0), True, "the owner extends")
+        _check(await store.extend(key, "second", 30.0), False, "another owner extends")
+        await store.done(key, "first", 60.0)
+        _check(await store.claim(key, "second", 30.0), Claim.DONE, "a claim once done")
+        _check(await store.claim(other, "first", 30.0), Claim.CLAIMED, "another key")
+        await store.release(other, "first")
+        _check(await store.claim(other, "second", 30.0), Claim.CLAIMED, "a released key")
+
     # -- publish and subscribe ----------------------------------------------------
 
     @pytest.mark.anyio
@@ -305,12 +393,14 @@ class TransportSuite:
         """``publish_routed`` names the groups it reached (sorted); with none, it publishes
         nothing and keeps a ``no_subscribers`` dead letter. (A transport that cannot
         tell returns ``None`` and is not held to it.)"""
+        if not isinstance(transport, RoutedPublisher):
+            pytest.skip(f"{type(transport).__name__} is not a RoutedPublisher")
         lost = Envelope(topic="routed.nobody", payload="lost")
         reached = await transport.publish_routed("routed.nobody", [lost])
         if reached is None:
             pytest.skip(f"{type(transport).__name__} cannot tell which groups it reached")
         _check(reached, (), "groups reached by a topic nobody subscribes to")
-        if transport.capabilities.replay:
+        if isinstance(transport, DeadLetterStore):
             listed = [e for e in await transport.dead_letters() if e.envelope.id == lost.id]
             _check(len(listed), 1, "dead letters of the unrouted envelope")
             _check(listed[0].reason, DeadLetterReason.NO_SUBSCRIBERS, "its reason")
@@ -574,7 +664,7 @@ class TransportSuite:
             with anyio.move_on_after(QUIET):
                 extra = await anext(deliveries)
                 raise AssertionError(f"rejected envelope came back: {extra.envelope!r}")
-        if not transport.capabilities.replay:
+        if not isinstance(transport, DeadLetterStore):
             return
         entries = await transport.dead_letters()
         _check([entry.envelope.id for entry in entries], [sent.id], "dead letter ids")
@@ -591,13 +681,13 @@ class TransportSuite:
     @pytest.mark.anyio
     async def test_reject_with_only_a_reason(self, transport: Transport) -> None:
         """``reject(reason)`` without error or stage stores ``None`` for both."""
-        self._require(transport, "replay")
+        store = self._store(transport)
         sent = Envelope(topic="poison", payload=[1, 2])
         async with transport.subscribe("poison", group="g", prefetch=1) as deliveries:
             await transport.publish("poison", [sent])
             delivery = await _next(deliveries, self.timeout, "the published envelope")
             await delivery.reject(DeadLetterReason.REJECTED.value)
-        entries = await transport.dead_letters()
+        entries = await store.dead_letters()
         _check([entry.envelope.id for entry in entries], [sent.id], "dead letter ids")
         _check(entries[0].reason, DeadLetterReason.REJECTED, "reason")
         _check((entries[0].error, entries[0].stage), (None, None), "(error, stage)")
@@ -607,7 +697,7 @@ class TransportSuite:
     @pytest.mark.anyio
     async def test_reject_records_the_last_attempt_the_bus_ran(self, transport: Transport) -> None:
         """``reject(attempts=N)``: retries ran in the bus, the dead letter says N."""
-        self._require(transport, "replay")
+        store = self._store(transport)
         sent = Envelope(topic="poison", payload="retried")
         async with transport.subscribe("poison", group="g", prefetch=1) as deliveries:
             await transport.publish("poison", [sent])
@@ -618,7 +708,7 @@ class TransportSuite:
                 stage="poison@g",
                 attempts=3,
             )
-        entries = await transport.dead_letters()
+        entries = await store.dead_letters()
         _check([entry.envelope.id for entry in entries], [sent.id], "dead letter ids")
         _check((entries[0].attempts, entries[0].envelope.attempt), (3, 3), "attempts")
         _check(entries[0].error, "ValueError: third time", "error")
@@ -639,12 +729,12 @@ class TransportSuite:
     @pytest.mark.anyio
     async def test_added_dead_letters_are_listed_oldest_first(self, transport: Transport) -> None:
         """``add_dead_letter`` entries come back from ``dead_letters`` in order, intact."""
-        self._require(transport, "replay")
+        store = self._store(transport)
         now = time.time()
         added = [self._dead_letter({"n": n}, dead_at=now - 10 + n) for n in range(3)]
         for entry in added:
-            await transport.add_dead_letter(entry)
-        listed = await transport.dead_letters()
+            await store.add_dead_letter(entry)
+        listed = await store.dead_letters()
         _check(_ids(e.envelope for e in listed), _ids(e.envelope for e in added), "ids")
         for got, want in zip(listed, added, strict=True):
             _check_envelope(got.envelope, want.envelope, attempt=want.envelope.attempt)
@@ -655,39 +745,39 @@ class TransportSuite:
     @pytest.mark.anyio
     async def test_remove_dead_letters_forgets_those_ids(self, transport: Transport) -> None:
         """``remove_dead_letters`` drops the given ids, keeps the others; no ids: none."""
-        self._require(transport, "replay")
+        store = self._store(transport)
         added = [self._dead_letter(n) for n in range(3)]
         for entry in added:
-            await transport.add_dead_letter(entry)
-        await transport.remove_dead_letters([])
-        _check(len(await transport.dead_letters()), 3, "dead letters after removing none")
-        await transport.remove_dead_letters([added[0].envelope.id, added[2].envelope.id])
-        listed = await transport.dead_letters()
+            await store.add_dead_letter(entry)
+        await store.remove_dead_letters([])
+        _check(len(await store.dead_letters()), 3, "dead letters after removing none")
+        await store.remove_dead_letters([added[0].envelope.id, added[2].envelope.id])
+        listed = await store.dead_letters()
         _check(_ids(e.envelope for e in listed), [added[1].envelope.id], "remaining ids")
-        await transport.remove_dead_letters(["no-such-id"])
-        _check(len(await transport.dead_letters()), 1, "dead letters after an unknown id")
+        await store.remove_dead_letters(["no-such-id"])
+        _check(len(await store.dead_letters()), 1, "dead letters after an unknown id")
 
     @pytest.mark.anyio
     async def test_dead_letters_past_their_ttl_are_dropped(self, transport: Transport) -> None:
-        """Entries older than ``dead_letter_ttl`` are no longer listed."""
-        self._require(transport, "replay")
-        transport.dead_letter_ttl = 60.0
+        """Entries older than the bound ``dead_letter_ttl`` are no longer listed."""
+        store = self._store(transport)
+        transport.bind(TransportSettings(dead_letter_ttl=60.0))
         old = self._dead_letter("old", dead_at=time.time() - 120)
         young = self._dead_letter("young")
-        await transport.add_dead_letter(old)
-        await transport.add_dead_letter(young)
-        listed = await transport.dead_letters()
+        await store.add_dead_letter(old)
+        await store.add_dead_letter(young)
+        listed = await store.dead_letters()
         _check(_ids(e.envelope for e in listed), [young.envelope.id], "ids within the ttl")
 
     @pytest.mark.anyio
     async def test_dead_letters_beyond_maxlen_drop_the_oldest(self, transport: Transport) -> None:
-        """At most ``dead_letter_maxlen`` entries are kept, the newest ones."""
-        self._require(transport, "replay")
-        transport.dead_letter_maxlen = 2
+        """At most the bound ``dead_letter_maxlen`` entries are kept, the newest ones."""
+        store = self._store(transport)
+        transport.bind(TransportSettings(dead_letter_maxlen=2))
         added = [self._dead_letter(n) for n in range(4)]
         for entry in added:
-            await transport.add_dead_letter(entry)
-        listed = await transport.dead_letters()
+            await store.add_dead_letter(entry)
+        listed = await store.dead_letters()
         _check(_ids(e.envelope for e in listed), _ids(e.envelope for e in added[2:]), "ids kept")
 
     # -- consumers that leave or die ----------------------------------------------
@@ -842,7 +932,7 @@ class TransportSuite:
         """
         if self.ack_timeout is None:
             pytest.skip(f"{type(transport).__name__} has no ack timeout")
-        if not getattr(transport, "keep_alive", False):
+        if not (isinstance(transport, KeepAlive) and transport.keep_alive):
             pytest.skip(f"{type(transport).__name__} does not keep held deliveries alive")
         sent = Envelope(topic="long", payload="work")
         inbox = _Inbox()
@@ -904,6 +994,8 @@ class TransportSuite:
     @pytest.mark.anyio
     async def test_publish_to_group_reaches_only_that_group(self, transport: Transport) -> None:
         """``publish_to_group`` (replay) delivers to the named group and no other."""
+        if not isinstance(transport, GroupPublisher):
+            pytest.skip(f"{type(transport).__name__} is not a GroupPublisher")
         sent = Envelope(topic="replayed.one", payload="again", headers={"asyncbus-replayed": "1"})
         inbox = _Inbox()
         async with (
@@ -992,7 +1084,7 @@ class TransportSuite:
             _check(delivery.envelope.payload, body, "payload of an undecodable body")
             _check(delivery.envelope.topic, "raw.bytes", "topic")
             await delivery.reject(DeadLetterReason.REJECTED.value, error=delivery.error)
-        if transport.capabilities.replay:
+        if isinstance(transport, DeadLetterStore):
             entries = await transport.dead_letters()
             _check(len(entries), 1, "dead letters after rejecting it")
             _check(entries[0].envelope.payload, body, "dead letter payload")
@@ -1004,6 +1096,8 @@ class TransportSuite:
         self, transport: Transport
     ) -> None:
         """``backlog`` counts a group's envelopes until they are acked or rejected."""
+        if not isinstance(transport, BacklogReader):
+            pytest.skip(f"{type(transport).__name__} is not a BacklogReader")
         sent = _envelopes("pending", 5)
         async with transport.subscribe("pending", group="g", prefetch=5) as deliveries:
             _check(await transport.backlog("pending", "g"), 0, "backlog of a new group")
@@ -1020,7 +1114,7 @@ class TransportSuite:
         _check(await transport.backlog("pending", "other"), 0, "backlog of an unknown group")
 
     async def _backlog_becomes(
-        self, transport: Transport, pattern: str, group: str, expected: int
+        self, transport: BacklogReader, pattern: str, group: str, expected: int
     ) -> None:
         # A broker may apply an ack asynchronously: poll its count under a deadline.
         count = -1

@@ -1,5 +1,9 @@
 """Transports: where envelopes wait between publish and handle.
 
+The contract is in :mod:`.base`: the core every transport implements
+(:class:`Transport`, :class:`Delivery`) and the optional protocols a broker
+implements when it can (:class:`DeadLetterStore`, :class:`RoutedPublisher`, ...).
+
 ``MemoryTransport`` (the default) lives in this process; ``RedisTransport``,
 ``NatsTransport`` and ``RabbitTransport`` keep envelopes in a real broker. Broker
 transports are imported lazily: ``from asyncbus.transports import RedisTransport``
@@ -15,10 +19,18 @@ from ._codec import Codec as Codec
 from ._codec import JsonCodec as JsonCodec
 from ._codec import MsgspecCodec as MsgspecCodec
 from ._codec import default_codec as default_codec
+from .base import AcksWrittenBehind as AcksWrittenBehind
+from .base import BacklogReader as BacklogReader
+from .base import BaseDelivery as BaseDelivery
 from .base import Capabilities as Capabilities
+from .base import DeadLetterStore as DeadLetterStore
+from .base import DedupStoreProvider as DedupStoreProvider
 from .base import Delivery as Delivery
-from .base import DetailedDelivery as DetailedDelivery
+from .base import GroupPublisher as GroupPublisher
+from .base import KeepAlive as KeepAlive
+from .base import RoutedPublisher as RoutedPublisher
 from .base import Transport as Transport
+from .base import TransportSettings as TransportSettings
 from .memory import MemoryTransport as MemoryTransport
 
 if TYPE_CHECKING:
@@ -27,17 +39,25 @@ if TYPE_CHECKING:
     from .redis import RedisTransport as RedisTransport
 
 __all__ = [
+    "AcksWrittenBehind",
+    "BacklogReader",
+    "BaseDelivery",
     "Capabilities",
     "Codec",
+    "DeadLetterStore",
+    "DedupStoreProvider",
     "Delivery",
-    "DetailedDelivery",
+    "GroupPublisher",
     "JsonCodec",
+    "KeepAlive",
     "MemoryTransport",
     "MsgspecCodec",
     "NatsTransport",
     "RabbitTransport",
     "RedisTransport",
+    "RoutedPublisher",
     "Transport",
+    "TransportSettings",
     "default_codec",
 ]
 

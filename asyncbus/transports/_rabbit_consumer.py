@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import secrets
 import time
 from collections import deque
@@ -23,15 +22,17 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
+from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import DecodeError, TransportError
 from ._codec import envelope_from_wire
+from ._kit import Backoff
 from .base import (
     HEADER_DELIVERIES,
+    BaseDelivery,
     Delivery,
     carried_deliveries,
     over_max_deliveries,
-    rejected_entry,
 )
 
 if TYPE_CHECKING:
@@ -64,20 +65,11 @@ BACKOFF_MIN = 0.05
 #: Seconds a leaving consumer, or one found stuck, may take to give its deliveries back.
 RELEASE_TIMEOUT = 5.0
 
-# Delivery states (``None``: handed out or waiting, not settled).
-SETTLED = "settled"
-EXPIRED = "expired"
-LOST = "lost"
-RELEASED = "released"
-RETURNED = "returned"
-
-_STATE_MESSAGES = {
-    SETTLED: "was already settled",
-    EXPIRED: "was not settled within ack_timeout and went back to the queue",
-    LOST: "came over a connection that was lost: the broker delivers it again",
-    RELEASED: "was released when its subscription ended",
-    RETURNED: "went back to the queue",
-}
+# Why a delivery the transport took back cannot be settled (``BaseDelivery.take_back``).
+EXPIRED = "was not settled within ack_timeout and went back to the queue"
+LOST = "came over a connection that was lost: the broker delivers it again"
+RELEASED = "was released when its subscription ended"
+RETURNED = "went back to the queue"
 
 
 #: A bare yield to the event loop: ``anyio.lowlevel.checkpoint`` on asyncio, without
@@ -98,9 +90,13 @@ def spurious_cancel() -> bool:
 
 
 class ConsumerChannel:
-    """One channel of a subscription, and the acks it owes the broker."""
+    """One channel of a subscription, and which of its delivery tags are settled.
 
-    __slots__ = ("acks", "channel", "consuming", "done", "lock", "next_tag", "owners", "tag")
+    Its acks are queued in the transport's :class:`~._kit.AckWriter` under it and
+    written by :meth:`flush`.
+    """
+
+    __slots__ = ("channel", "consuming", "done", "lock", "next_tag", "tag")
 
     def __init__(self, channel: AbstractChannel) -> None:
         self.channel = channel
@@ -108,25 +104,23 @@ class ConsumerChannel:
         self.consuming = False
         #: Every delivery tag below this one is settled and written.
         self.next_tag = 1
-        #: Settled tags from ``next_tag`` on (acked, or nacked one by one).
+        #: Settled tags from ``next_tag`` on: given back (nacked one by one), or acked
+        #: by the write going on.
         self.done: set[int] = set()
-        #: Tags settled by ``ack`` and not written yet.
-        self.acks: list[int] = []
-        #: (stage name, envelope id) of each tag acked by the bus (``ack_nowait``).
-        self.owners: dict[int, tuple[str, str]] = {}
         self.lock = anyio.Lock()
 
-    async def flush(self) -> list[tuple[str, str]]:
-        """Write the acks owed: one ``multiple`` for the contiguous run, single ones after.
+    async def flush(self, acks: list[int]) -> bool:
+        """Write ``acks``: one ``multiple`` for the contiguous run, single ones after.
 
-        :returns: (stage name, envelope id) of the bus's acks that could not be written.
+        :returns: whether they were written (``False``: the channel is gone, and its
+            deliveries with it: the broker returns them).
         """
         async with self.lock:
-            acks, self.acks = self.acks, []
-            if not acks:
-                return []
             fresh = set(acks)
             done = self.done
+            # Taken in here, under the lock, not when queued: a tag acked meanwhile
+            # (queued for the next write) must stop the contiguous run below.
+            done |= fresh
             tag = self.next_tag
             last = 0
             while tag in done:
@@ -146,12 +140,9 @@ class ConsumerChannel:
                 if not spurious_cancel():
                     raise
             except Exception as error:
-                # The channel is gone; so are its deliveries (the broker returns them).
                 logger.debug("RabbitMQ: acks lost with their channel: %s", error)
-                return [self.owners.pop(tag) for tag in acks if tag in self.owners]
-            for tag in acks:
-                self.owners.pop(tag, None)
-            return []
+                return False
+            return True
 
     async def give_back(self, tags: Sequence[int]) -> None:
         """``basic.nack`` with requeue: the broker gives them to a consumer again."""
@@ -167,20 +158,16 @@ class ConsumerChannel:
                 logger.debug("RabbitMQ: nack lost with its channel: %s", error)
 
 
-class RabbitDelivery:
-    """A delivery from :class:`RabbitTransport`; settled exactly once."""
+class RabbitDelivery(BaseDelivery):
+    """A delivery from :class:`RabbitTransport`; its acks are written behind.
 
-    __slots__ = (
-        "_before",
-        "_body",
-        "_consumer",
-        "_deadline",
-        "_state",
-        "_subscription",
-        "_tag",
-        "envelope",
-        "error",
-    )
+    Acks go with others, within 2 ms: a process that dies before the ack is written
+    gets the message redelivered, as at-least-once delivery allows.
+    """
+
+    __slots__ = ("_before", "_body", "_consumer", "_deadline", "_subscription", "_tag")
+
+    acks_behind = True
 
     def __init__(
         self,
@@ -192,63 +179,34 @@ class RabbitDelivery:
         error: str | None,
         before: int = 0,
     ) -> None:
-        self.envelope = envelope
-        self.error = error
+        super().__init__(envelope, error)
         self._subscription = subscription
         self._consumer = consumer
         self._tag = tag
         self._body = body
-        self._state: str | None = None
         self._deadline = 0.0
         #: Deliveries of the message before this one (hand-backs not counted).
         self._before = before
 
-    def _settle(self) -> Subscription:
-        state = self._state
-        if state is not None:
-            raise TransportError(
-                f"delivery of {self.envelope.id} {_STATE_MESSAGES.get(state, state)}"
-            )
-        self._state = SETTLED
+    def _settled(self) -> None:
+        self._subscription.handed.pop(self._tag, None)
+
+    def _queue_ack(self) -> None:
+        """Acked at the broker, written behind with other acks."""
         subscription = self._subscription
-        subscription.handed.pop(self._tag, None)
-        return subscription
+        subscription.transport._ack(self._consumer, self._tag, subscription.name, self.envelope.id)
 
-    async def ack(self) -> None:
-        """Done: acked at the broker, written behind with other acks (within 2 ms).
-
-        A process that dies before the ack is written gets the message redelivered,
-        as at-least-once delivery allows.
-        """
-        self.ack_nowait()
-
-    def ack_nowait(self) -> None:
-        """:meth:`ack` without awaiting: it only queues the ack for the writer."""
-        subscription = self._settle()
-        self._consumer.owners[self._tag] = (subscription.name, self.envelope.id)
-        subscription.transport._ack(self._consumer, self._tag)
-
-    async def nack(self, *, delay: float | None = None) -> None:
+    async def _nack(self, delay: float | None) -> None:
         """Deliver it again (attempt + 1) to the group, after ``delay`` seconds.
 
         :raises TransportError: when it could not be republished (it then goes back
             to the queue as it is).
         """
-        subscription = self._settle()
-        await subscription.transport._retry(self, delay)
+        await self._subscription.transport._retry(self, delay)
 
-    async def reject(
-        self,
-        reason: str,
-        *,
-        error: str | None = None,
-        stage: str | None = None,
-        attempts: int | None = None,
-    ) -> None:
+    async def _reject(self, entry: DeadLetter) -> None:
         """Store it as a dead letter (the body byte for byte), then ack it."""
-        entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
-        subscription = self._settle()
-        await subscription.transport._bury(self, entry)
+        await self._subscription.transport._bury(self, entry)
 
 
 class Subscription:
@@ -298,7 +256,7 @@ class Subscription:
                 if not self.ready or self.consumer is None:
                     continue
                 delivery = self.ready.popleft()
-                if delivery._state is not None:
+                if not delivery.settleable:
                     continue
                 delivery._deadline = time.monotonic() + self.transport.ack_timeout
                 self.handed[delivery._tag] = delivery
@@ -309,7 +267,7 @@ class Subscription:
     async def _consume(self) -> None:
         """Open a consumer channel if there is none, and (re)start consuming on it."""
         transport = self.transport
-        backoff = BACKOFF_MIN
+        backoff = Backoff(BACKOFF_MIN, transport.max_backoff, jitter=True)
         while True:
             if self.closed:
                 return
@@ -349,14 +307,11 @@ class Subscription:
                 problem = error
             if transport._closing:
                 raise TransportError("RabbitTransport is closed")
+            pause = backoff.next()
             logger.warning(
-                "RabbitMQ: consuming %s failed, retrying in %.2f s: %s",
-                self.queue,
-                backoff,
-                problem,
+                "RabbitMQ: consuming %s failed, retrying in %.2f s: %s", self.queue, pause, problem
             )
-            await anyio.sleep(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, transport.max_backoff)
+            await anyio.sleep(pause)
 
     async def _close_stale(self) -> None:
         stale, self.stale = self.stale, None
@@ -444,7 +399,7 @@ class Subscription:
                 break
             overdue.append(delivery)
         for delivery in overdue:
-            delivery._state = EXPIRED
+            delivery.take_back(EXPIRED)
             del self.handed[delivery._tag]
         logger.warning(
             "RabbitMQ: %d deliveries of %s@%s not settled within ack_timeout=%s s; "
@@ -468,12 +423,12 @@ class Subscription:
             except Exception as error:
                 logger.debug("RabbitMQ: cancelling a stuck consumer failed: %s", error)
             await anyio.lowlevel.checkpoint()  # deliveries sent before the cancel land
-            waiting = [d for d in self.ready if d._state is None]
+            waiting = [d for d in self.ready if d.settleable]
             if consumer is self.consumer:
                 self.ready.clear()
                 self.suspended = True
             for delivery in waiting:
-                delivery._state = RETURNED
+                delivery.take_back(RETURNED)
             await consumer.give_back([delivery._tag for delivery in overdue + waiting])
         if not self.wake.is_set():
             self.wake.set()
@@ -501,9 +456,9 @@ class Subscription:
         self.consumer = None
         self.suspended = False
         for delivery in self.ready:
-            delivery._state = state
+            delivery.take_back(state)
         for delivery in self.handed.values():
-            delivery._state = state
+            delivery.take_back(state)
         self.ready.clear()
         self.handed.clear()
         if not self.wake.is_set():
@@ -536,7 +491,7 @@ class Subscription:
         transport = self.transport
         transport._subscriptions.discard(self)
         consumer = self.consumer
-        held = [d for d in (*self.handed.values(), *self.ready) if d._state is None]
+        held = [d for d in (*self.handed.values(), *self.ready) if d.settleable]
         self.releasing = consumer
         self.lose(RELEASED)
         await self._close_stale()
@@ -551,10 +506,10 @@ class Subscription:
                 await anyio.lowlevel.checkpoint()  # deliveries sent before the cancel land
                 late, self.late = self.late, []
                 for delivery in late:
-                    delivery._state = RELEASED
+                    delivery.take_back(RELEASED)
                 await transport._hand_back(consumer, self.queue, held + late)
                 # Acks before the close: what was acked must not come back.
-                await transport._flush(consumer)
+                await transport._acks.flush([consumer])
                 await channel.close()
             except Exception as error:
                 logger.warning(

@@ -23,6 +23,7 @@ import anyio.lowlevel
 from .._dead_letters import DeadLetter
 from .._exceptions import DecodeError, TransportError
 from ._codec import Codec, dead_letter_from_wire
+from ._kit import Backoff
 from ._rabbit_consumer import BACKOFF_MIN, RELEASE_TIMEOUT
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class QueueScan:
         import aiormq.exceptions
 
         deadline = anyio.current_time() + self.lock_timeout
-        backoff = BACKOFF_MIN
+        backoff = Backoff(BACKOFF_MIN, 1.0)
         while True:
             channel = await self.connection.channel(publisher_confirms=False)
             try:
@@ -110,8 +111,7 @@ class QueueScan:
                     f"RabbitMQ: {self.queue!r} stayed locked by another process "
                     f"({self.lock!r}) for {self.lock_timeout} s"
                 )
-            await anyio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            await backoff.sleep()
 
     async def _read(self, reader: AbstractChannel) -> list[DeliveredMessage]:
         """Consume the whole dead-letter queue, unacked, on ``reader``."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from urllib.parse import urlsplit
 
 from .._exceptions import ConfigurationError
 from .._routing import compile_pattern
@@ -16,22 +15,11 @@ __all__ = [
     "bounded",
     "delay_bucket_ms",
     "escape",
-    "redact",
 ]
 
 #: AMQP limits names, routing and binding keys to 255 bytes; retry queues add a suffix.
 _NAME_LIMIT = 200
 KEY_LIMIT = 255
-
-
-def redact(url: str) -> str:
-    """``url`` without its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return parts._replace(netloc=netloc).geturl()
 
 
 #: What AMQP clients accept in queue and exchange names (pamqp checks it).

@@ -1,7 +1,13 @@
-"""The transport interface: where envelopes wait between publish and handle.
+"""The transport contract: where envelopes wait between publish and handle.
 
-A transport implements publish, subscribe and the three delivery verbs, plus a
-dead-letter store when its broker can keep one; everything else (retry, expiry,
+The core a bus needs of every transport is small: :class:`Transport` (``publish``,
+``subscribe``, ``capabilities``, ``async with``, and :meth:`Transport.bind`, the one
+call through which the bus hands over its settings) and the :class:`Delivery`
+protocol (``ack``, ``nack``, ``reject`` with one signature). What only some brokers
+offer is an optional protocol of its own, checked once (``isinstance``) when the bus
+binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
+:class:`BacklogReader`, :class:`DeadLetterStore`, :class:`DedupStoreProvider`,
+:class:`AcksWrittenBehind`, :class:`KeepAlive`. Everything else (retry, expiry,
 timeouts, slips, requests, statistics) is the bus's, written once.
 """
 
@@ -24,8 +30,9 @@ from .._dead_letters import DeadLetter, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
-from .._runtime import current_backend
 from ._codec import Codec, default_codec
+from ._kit.delivery import BaseDelivery, rejected_entry
+from ._kit.runtime import require_asyncio
 
 __all__ = [
     "DEFAULT_MAX_DELIVERIES",
@@ -34,10 +41,18 @@ __all__ = [
     "INBOX_GROUP_PREFIX",
     "MAX_DELIVERIES_LIMIT",
     "MAX_SECONDS",
+    "AcksWrittenBehind",
+    "BacklogReader",
+    "BaseDelivery",
     "Capabilities",
+    "DeadLetterStore",
+    "DedupStoreProvider",
     "Delivery",
-    "DetailedDelivery",
+    "GroupPublisher",
+    "KeepAlive",
+    "RoutedPublisher",
     "Transport",
+    "TransportSettings",
     "carried_deliveries",
     "checked_max_deliveries",
     "checked_max_message_size",
@@ -142,13 +157,6 @@ def refuse_oversized(envelope: Envelope, size: int, limit: int) -> None:
         )
 
 
-def require_asyncio(transport: str, client: str) -> None:
-    """Raise :class:`TransportError` unless running on asyncio (asyncio-only clients)."""
-    library = current_backend()
-    if library != "asyncio":
-        raise TransportError(f"{transport} runs on asyncio only ({client}), not {library}")
-
-
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a transport can do natively (the conformance suite's feature flags).
@@ -169,14 +177,28 @@ class Capabilities:
     ordered: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class TransportSettings:
+    """What a bus tells its transport, once, when it starts (:meth:`Transport.bind`).
+
+    :ivar dead_letter_ttl: seconds a dead letter is kept (a :class:`DeadLetterStore`
+        drops older ones).
+    :ivar dead_letter_maxlen: most dead letters kept, the newest (0: none).
+    :ivar codec: how payloads become bytes; ``None`` keeps the transport's own.
+    """
+
+    dead_letter_ttl: float = 7 * 24 * 3600
+    dead_letter_maxlen: int = 100_000
+    codec: Codec | None = None
+
+
 @runtime_checkable
 class Delivery(Protocol):
     """One envelope handed to a consumer, to be settled exactly once (the public protocol).
 
-    A transport's deliveries may offer more, which the bus uses when present:
-    ``error`` and the keywords of :class:`DetailedDelivery`, and ``ack_nowait() ->
-    None`` for a delivery whose ack only queues it for a writer (the bus then acks
-    without a shielded await per envelope).
+    asyncbus's transports hand out :class:`BaseDelivery` subclasses, which also carry
+    ``error`` (why the body could not be decoded) and, where acks are written behind,
+    ``ack_nowait()``.
     """
 
     envelope: Envelope
@@ -187,21 +209,6 @@ class Delivery(Protocol):
     async def nack(self, *, delay: float | None = None) -> None:
         """Not done: deliver it again (to any consumer of the group) after ``delay`` s."""
 
-    async def reject(self, reason: str) -> None:
-        """Give up: move it to the transport's dead-letter store, then forget it."""
-
-
-@runtime_checkable
-class DetailedDelivery(Delivery, Protocol):
-    """What asyncbus's own transports deliver: a :class:`Delivery` that also says why its
-    body could not be decoded and stores a dead letter with the bus's details.
-
-    :ivar envelope: the envelope; when ``error`` is set its payload is the raw body.
-    :ivar error: why the body could not be decoded, else ``None``.
-    """
-
-    error: str | None
-
     async def reject(
         self,
         reason: str,
@@ -210,17 +217,27 @@ class DetailedDelivery(Delivery, Protocol):
         stage: str | None = None,
         attempts: int | None = None,
     ) -> None:
-        """Give up: store the dead letter (``error``, ``stage``, and ``attempts``, the
-        attempt that failed last when the bus retried), then forget the delivery."""
+        """Give up: move it to the transport's dead-letter store, then forget it.
+
+        ``reject(reason)`` alone is enough; the keywords are the dead letter's details
+        (``error``, the ``stage`` that gave up, and ``attempts``, the attempt that
+        failed last when the bus retried), which a :class:`DeadLetterStore` keeps. The
+        bus passes them to :class:`BaseDelivery` deliveries only, so a delivery written
+        to ``reject(self, reason)`` alone still works.
+        """
 
 
 class Transport(AsyncResource, abc.ABC):
     """Base class of every transport; ``async with transport:`` connects and closes.
 
     Subclasses set :attr:`capabilities` and implement :meth:`publish` and
-    :meth:`subscribe`; brokers that keep dead letters override the three
-    dead-letter methods. Client libraries are imported in :meth:`connect`, never at
-    module import, so a missing extra fails with a message naming it.
+    :meth:`subscribe`; what more their broker offers they implement as the optional
+    protocols of this module (a dead-letter store, routed publishing, backlog...),
+    which the bus looks for once, when it binds the transport. Client libraries are
+    imported in :meth:`connect`, never at module import, so a missing extra fails
+    with a message naming it. Settings are given to the constructor; the bus's own
+    (dead-letter limits, codec) come through :meth:`bind`, never by setting
+    attributes.
 
     :param codec: how payloads become bytes (JSON by default, msgspec when installed;
         never pickle).
@@ -238,9 +255,21 @@ class Transport(AsyncResource, abc.ABC):
 
     def __init__(self, *, codec: Codec | None = None) -> None:
         self.codec = codec if codec is not None else default_codec()
-        #: Seconds a dead letter is kept, and how many at most (set by the bus).
-        self.dead_letter_ttl: float = 7 * 24 * 3600
-        self.dead_letter_maxlen: int = 100_000
+        #: The bus's settings, as last bound (defaults until then).
+        self.settings = TransportSettings()
+
+    def bind(self, settings: TransportSettings) -> None:
+        """Take a bus's settings, before it enters the transport (at each start).
+
+        The one call through which a bus configures its transport: the dead-letter
+        limits, the codec (unless ``None``), and a new life (no close deadline yet).
+        A transport reads :attr:`settings` when it needs them (a broker-side store
+        applies the limits when it is created or listed).
+        """
+        self.settings = settings
+        if settings.codec is not None:
+            self.codec = settings.codec
+        self.close_deadline = math.inf
 
     @contextmanager
     def cleanup_scope(self, timeout: float = math.inf) -> Iterator[anyio.CancelScope]:
@@ -309,76 +338,101 @@ class Transport(AsyncResource, abc.ABC):
         at once. Leaving the context releases what was delivered but not settled.
         """
 
+
+@runtime_checkable
+class RoutedPublisher(Protocol):
+    """A transport that tells which groups a publish reached (every process's).
+
+    Its broker knows the groups, so an envelope that matches none anywhere is not
+    published but stored as a ``no_subscribers`` dead letter: nothing published is
+    silently lost. (Without it the bus publishes and names its own matching stages.)
+    """
+
     async def publish_routed(
         self, topic: str, envelopes: Sequence[Envelope]
     ) -> tuple[str, ...] | None:
-        """:meth:`publish`, telling which groups the envelopes reached (what the bus uses).
+        """:meth:`Transport.publish`, telling which groups the envelopes reached.
 
-        A transport whose broker knows the groups (every process's) publishes nothing
-        for an envelope that matches no group anywhere: it stores it as a
-        ``no_subscribers`` dead letter instead, so nothing published is silently lost.
-
-        :returns: the stage names (``"pattern@group"``) of the groups the envelopes
-            reached, ``()`` when they reached none (each was dead-lettered), or ``None``
-            when the transport cannot tell (this default, which only publishes).
+        :returns: the stage names (``"pattern@group"``, sorted) of the groups reached,
+            ``()`` when they reached none (each was dead-lettered), or ``None`` when
+            the transport cannot tell this time.
         """
-        await self.publish(topic, envelopes)
-        return None
+
+
+@runtime_checkable
+class GroupPublisher(Protocol):
+    """A transport that can deliver to one (pattern, group) only (what replay uses).
+
+    (Without it a replay is published to the envelope's topic, reaching every group.)
+    """
 
     async def publish_to_group(
         self, pattern: str, group: str, envelopes: Sequence[Envelope]
     ) -> None:
-        """Deliver ``envelopes`` to one (pattern, group) only (used by replay).
+        """Deliver ``envelopes`` to the group (``pattern``, ``group``) and no other."""
 
-        The default publishes to each envelope's topic, which reaches every group.
-        """
-        for envelope in envelopes:
-            await self.publish(envelope.topic, [envelope])
 
-    def dedup_store(self, window: float) -> DedupStore | None:
-        """A :class:`~asyncbus.middleware.deduplicate.DedupStore` kept in the broker, which
-        every process using it shares (``None``: the broker has none; the default).
-
-        :param window: seconds a handled envelope is remembered.
-        """
-        return None
-
-    def unsettled_acks(self) -> list[tuple[str, str]]:
-        """``(stage name, envelope id)`` of each ack queued by a delivery's ``ack_nowait``
-        that the transport closed without writing (the broker delivers those again);
-        each is reported once. Empty for a transport whose acks are awaited (default)."""
-        return []
+@runtime_checkable
+class BacklogReader(Protocol):
+    """A transport that counts what a group has not settled (``drain()``, metrics,
+    health checks ask it; without it the bus counts 0)."""
 
     async def backlog(self, pattern: str, group: str) -> int:
-        """Envelopes of (pattern, group) in the broker not yet settled (0 if unknown)."""
-        return 0
+        """Envelopes of (pattern, group) in the broker not yet settled (delivered or not)."""
+
+
+@runtime_checkable
+class DeadLetterStore(Protocol):
+    """A transport whose broker keeps dead letters (``capabilities.replay``).
+
+    Its deliveries' ``reject`` stores the details given; the bus stores there what it
+    dead-letters without a delivery, loads the store when it starts (so every process
+    sees every dead letter) and removes what it replays or purges. Entries past
+    :attr:`TransportSettings.dead_letter_ttl` or beyond
+    :attr:`TransportSettings.dead_letter_maxlen` are not listed.
+    """
 
     async def add_dead_letter(self, entry: DeadLetter) -> None:
-        """Store a dead letter the bus recorded without a delivery (brokers that keep them)."""
+        """Store a dead letter the bus recorded without a delivery."""
 
     async def dead_letters(self) -> list[DeadLetter]:
-        """Every dead letter the broker keeps, oldest first (after dropping expired ones)."""
-        return []
+        """Every dead letter kept, oldest first (after dropping expired ones)."""
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Forget the dead letters of these envelope ids (no ids: none)."""
 
 
+@runtime_checkable
+class DedupStoreProvider(Protocol):
+    """A transport whose broker can keep ``deduplicate()``'s store, shared by every
+    process using it (without it each process remembers only its own handlings)."""
+
+    def dedup_store(self, window: float) -> DedupStore:
+        """The store; ``window`` is the seconds a handled envelope is remembered."""
+
+
+@runtime_checkable
+class AcksWrittenBehind(Protocol):
+    """A transport whose deliveries' ``ack_nowait()`` only queue the ack for a writer
+    (:attr:`BaseDelivery.acks_behind`), so the bus acks without a shielded await per
+    envelope; acks it could not write before closing it reports here."""
+
+    def unsettled_acks(self) -> list[tuple[str, str]]:
+        """``(stage name, envelope id)`` of each queued ack the transport closed without
+        writing, or lost with its connection (the broker delivers those again); each
+        is reported once."""
+
+
+@runtime_checkable
+class KeepAlive(Protocol):
+    """A transport that can keep a held delivery from other consumers however long it
+    is held (a long handler, a retry waiting): only a dead process loses its
+    deliveries. ``keep_alive`` is a constructor setting, read by each ``subscribe``.
+    """
+
+    keep_alive: bool
+
+
 def unrouted_entry(envelope: Envelope) -> DeadLetter:
     """The dead letter of an envelope published where no group matches its topic."""
     return DeadLetter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, time.time())
-
-
-def rejected_entry(
-    envelope: Envelope,
-    reason: str,
-    error: str | None,
-    stage: str | None,
-    attempts: int | None,
-    dead_at: float,
-) -> DeadLetter:
-    """The dead letter a delivery's ``reject`` stores: ``attempts`` (the last attempt,
-    when retries ran) also becomes the stored envelope's ``attempt``."""
-    if attempts is not None and attempts != envelope.attempt:
-        envelope = envelope.evolve(attempt=attempts)
-    return DeadLetter(envelope, DeadLetterReason(reason), error, stage, envelope.attempt, dead_at)

@@ -9,14 +9,14 @@ from contextlib import asynccontextmanager
 from typing import ClassVar
 
 import anyio
-from anyio.abc import TaskGroup
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import TransportError
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
-from .base import Capabilities, Delivery, Transport, rejected_entry, unrouted_entry
+from ._kit import TaskOwner
+from .base import BaseDelivery, Capabilities, Delivery, Transport, unrouted_entry
 
 __all__ = ["MemoryTransport"]
 
@@ -40,49 +40,36 @@ class _Group:
             self.waiters.popleft().set()
 
 
-class _MemoryDelivery:
-    """A delivery from :class:`MemoryTransport`; settled exactly once."""
+#: Why a delivery its consumer gave back cannot be settled.
+_RELEASED = "was released when its subscription ended"
 
-    __slots__ = ("_consumer", "_settled", "_transport", "envelope", "error")
+
+class _MemoryDelivery(BaseDelivery):
+    """A delivery from :class:`MemoryTransport`."""
+
+    __slots__ = ("_consumer", "_transport")
 
     def __init__(self, transport: MemoryTransport, consumer: _Consumer, envelope: Envelope):
-        self.envelope = envelope
-        self.error: str | None = None
+        super().__init__(envelope)
         self._transport = transport
         self._consumer = consumer
-        self._settled = False
 
-    def _settle(self) -> None:
-        if self._settled:
-            raise TransportError(f"delivery of {self.envelope.id} was already settled")
-        self._settled = True
+    def _settled(self) -> None:
         self._consumer.unsettled.pop(id(self), None)
         self._consumer.group.unsettled -= 1
         self._consumer.room.set()
 
-    async def ack(self) -> None:
+    async def _ack(self) -> None:
         """Forget the envelope."""
-        self._settle()
 
-    async def nack(self, *, delay: float | None = None) -> None:
+    async def _nack(self, delay: float | None) -> None:
         """Deliver it again (attempt + 1) to the group after ``delay`` seconds."""
-        self._settle()
         again = self.envelope.evolve(attempt=self.envelope.attempt + 1)
         self._transport._redeliver(self._consumer.group, again, delay)
 
-    async def reject(
-        self,
-        reason: str,
-        *,
-        error: str | None = None,
-        stage: str | None = None,
-        attempts: int | None = None,
-    ) -> None:
+    async def _reject(self, entry: DeadLetter) -> None:
         """Move it to the transport's dead letters."""
-        self._settle()
-        self._transport._dead.append(
-            rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
-        )
+        self._transport._dead.append(entry)
 
 
 class _Consumer:
@@ -117,34 +104,28 @@ class MemoryTransport(Transport):
         self.direct = direct
         self._groups: dict[tuple[str, str], _Group] = {}
         self._dead: list[DeadLetter] = []
-        self._task_group: TaskGroup | None = None
+        self._tasks = TaskOwner("MemoryTransport")
 
     async def connect(self) -> None:
         """Start the task group that runs delayed redeliveries."""
-        if self._task_group is None:
-            task_group = anyio.create_task_group()
-            await task_group.__aenter__()
-            self._task_group = task_group
+        await self._tasks.open()
 
     async def aclose(self) -> None:
         """Cancel pending delayed redeliveries."""
-        task_group, self._task_group = self._task_group, None
-        if task_group is not None:
-            task_group.cancel_scope.cancel()
-            await task_group.__aexit__(None, None, None)
+        await self._tasks.aclose()
 
     def _redeliver(self, group: _Group, envelope: Envelope, delay: float | None) -> None:
         if not delay:
             group.put(envelope)
             return
-        if self._task_group is None:
+        if not self._tasks.running:
             raise TransportError("MemoryTransport must be entered (async with) for nack(delay=)")
 
         async def later() -> None:
             await anyio.sleep(delay)
             group.put(envelope)
 
-        self._task_group.start_soon(later)
+        self._tasks.start_soon(later)
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """Hand each envelope to every group whose pattern matches ``topic``."""
@@ -222,7 +203,7 @@ class MemoryTransport(Transport):
             # A consumer that leaves gives back what it took but did not settle,
             # oldest first, so another consumer of the group gets it at once.
             for delivery in reversed(list(consumer.unsettled.values())):
-                delivery._settled = True
+                delivery.take_back(_RELEASED)
                 target.unsettled -= 1
                 # It was delivered once already: the next delivery is the next attempt.
                 again = delivery.envelope.evolve(attempt=delivery.envelope.attempt + 1)
@@ -240,9 +221,9 @@ class MemoryTransport(Transport):
 
     async def dead_letters(self) -> list[DeadLetter]:
         """The dead letters kept, oldest first, after dropping expired ones."""
-        horizon = time.time() - self.dead_letter_ttl
+        horizon = time.time() - self.settings.dead_letter_ttl
         self._dead = [entry for entry in self._dead if entry.dead_at > horizon]
-        del self._dead[: max(0, len(self._dead) - self.dead_letter_maxlen)]
+        del self._dead[: max(0, len(self._dead) - self.settings.dead_letter_maxlen)]
         return list(self._dead)
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:

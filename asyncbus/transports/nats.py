@@ -86,7 +86,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter
 from .._envelope import EMPTY_HEADERS, HEADER_REPLAYED, Envelope, make_envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeError, TransportError
 from .._routing import compile_pattern, validate_topic
@@ -104,6 +104,7 @@ from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     INBOX_GROUP_PREFIX,
+    BaseDelivery,
     Capabilities,
     Delivery,
     Transport,
@@ -111,7 +112,6 @@ from .base import (
     checked_prefetch,
     checked_seconds,
     over_max_deliveries,
-    rejected_entry,
     unrouted_entry,
 )
 
@@ -133,6 +133,8 @@ HEADER_REPLAY_GROUP = "asyncbus-replay-group"
 _HEADER_BODY = "asyncbus-body"
 _HEADER_DEAD_LETTER = "asyncbus-dead-letter"
 
+#: Why a delivery its subscription gave back cannot be settled.
+_RELEASED = "was released when its subscription ended"
 #: A pull request lives this long on the server (then it answers 408 and we ask again),
 #: or less with a short ack_timeout (see :meth:`NatsTransport.pull_expires`).
 _PULL_EXPIRES = 5.0
@@ -209,58 +211,40 @@ def _header_size(headers: Mapping[str, str]) -> int:
     return 12 + sum(len(name) + len(value.encode()) + 4 for name, value in headers.items())
 
 
-class _NatsDelivery:
-    """A delivery from :class:`NatsTransport`; settled exactly once."""
+class _NatsDelivery(BaseDelivery):
+    """A delivery from :class:`NatsTransport`."""
 
-    __slots__ = ("_consumer", "_msg", "_settled", "envelope", "error")
+    __slots__ = ("_consumer", "_msg")
 
     def __init__(
         self, consumer: _PullConsumer, msg: Msg, envelope: Envelope, error: str | None
     ) -> None:
-        self.envelope = envelope
-        self.error = error
+        super().__init__(envelope, error)
         self._consumer = consumer
         self._msg = msg
-        self._settled = False
 
-    def _settle(self) -> Msg:
-        if self._settled:
-            raise TransportError(f"delivery of {self.envelope.id} was already settled")
-        self._settled = True
+    def _settled(self) -> None:
         self._consumer.forget(self)
-        return self._msg
 
-    async def ack(self) -> None:
+    async def _ack(self) -> None:
         """Done: the consumer forgets it."""
-        msg = self._settle()
         with _broker_call(f"cannot ack {self.envelope.id}"):
-            await msg.ack()
+            await self._msg.ack()
 
-    async def nack(self, *, delay: float | None = None) -> None:
+    async def _nack(self, delay: float | None) -> None:
         """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
-        msg = self._settle()
         with _broker_call(f"cannot nack {self.envelope.id}"):
-            await msg.nak(delay=delay if delay is not None and delay > 0 else None)
+            await self._msg.nak(delay=delay if delay is not None and delay > 0 else None)
 
-    async def reject(
-        self,
-        reason: str,
-        *,
-        error: str | None = None,
-        stage: str | None = None,
-        attempts: int | None = None,
-    ) -> None:
+    async def _reject(self, entry: DeadLetter) -> None:
         """Store a dead letter in the dead-letter stream, then terminate the message.
 
         When storing fails the message is left unsettled: the broker delivers it
         again after ``ack_timeout`` rather than lose it.
         """
-        why = DeadLetterReason(reason)
-        msg = self._settle()
-        entry = rejected_entry(self.envelope, why, error, stage, attempts, time.time())
         await self._consumer.transport.add_dead_letter(entry)
         with _broker_call(f"cannot settle {self.envelope.id}"):
-            await msg.term()
+            await self._msg.term()
 
 
 class _PullConsumer:
@@ -452,7 +436,7 @@ class _PullConsumer:
         interval = max(self.transport.ack_timeout / 3, 0.05)
         while True:
             await anyio.sleep(interval)
-            held = [d._msg for d in self.unsettled.values() if not d._settled]
+            held = [d._msg for d in self.unsettled.values() if d.settleable]
             for msg in [*held, *self.ready]:
                 try:
                     await msg.in_progress()
@@ -467,9 +451,9 @@ class _PullConsumer:
             open on the server, and :meth:`linger` must keep the inbox until it ends.
         """
         self.closed = True
-        held = [d._msg for d in self.unsettled.values() if not d._settled]
+        held = [d._msg for d in self.unsettled.values() if d.settleable]
         for delivery in self.unsettled.values():
-            delivery._settled = True
+            delivery.take_back(_RELEASED)
         self.unsettled.clear()
         held += self.ready
         self.ready.clear()
@@ -763,9 +747,9 @@ class NatsTransport(Transport):
                 retention=RetentionPolicy.LIMITS,
                 storage=StorageType.FILE,
                 discard=DiscardPolicy.OLD,
-                max_age=self.dead_letter_ttl,
+                max_age=self.settings.dead_letter_ttl,
                 # 0 means unbounded, as for the bus's DeadLetterQueue.
-                max_msgs=self.dead_letter_maxlen if self.dead_letter_maxlen > 0 else -1,
+                max_msgs=max(self.settings.dead_letter_maxlen, 0) or -1,
             ),
             managed=("max_age", "max_msgs"),
         )
@@ -1320,10 +1304,10 @@ class NatsTransport(Transport):
             finally:
                 with anyio.CancelScope(shield=True):
                     await js.delete_consumer(self.dead_letter_stream, reader)
-        horizon = time.time() - self.dead_letter_ttl
+        horizon = time.time() - self.settings.dead_letter_ttl
         entries = [entry for entry in entries if entry.dead_at > horizon]
-        if self.dead_letter_maxlen > 0:
-            del entries[: max(0, len(entries) - self.dead_letter_maxlen)]
+        if self.settings.dead_letter_maxlen > 0:
+            del entries[: max(0, len(entries) - self.settings.dead_letter_maxlen)]
         return entries
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:

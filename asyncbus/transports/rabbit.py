@@ -101,7 +101,6 @@ import asyncio
 import logging
 import math
 import os
-import random
 import secrets
 import socket
 import time
@@ -112,7 +111,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskGroup
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
@@ -130,6 +128,7 @@ from ._codec import (
     encode_payload,
     envelope_meta,
 )
+from ._kit import AckWriter, Backoff, TaskOwner, redact, require_asyncio
 from ._rabbit_consumer import (
     BACKOFF_MIN,
     LOST,
@@ -150,7 +149,6 @@ from ._rabbit_names import (
     bounded,
     delay_bucket_ms,
     escape,
-    redact,
 )
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -165,7 +163,6 @@ from .base import (
     checked_prefetch,
     checked_seconds,
     refuse_oversized,
-    require_asyncio,
     unrouted_entry,
 )
 
@@ -369,13 +366,18 @@ class RabbitTransport(Transport):
         self._link: _Link | None = None
         self._link_event = anyio.Event()
         self._closing = False
-        self._task_group: TaskGroup | None = None
+        #: The background tasks: reconnecting, writing acks, the ack timeout.
+        self._tasks = TaskOwner("RabbitTransport")
         self._subscriptions: set[Subscription] = set()
-        self._dirty: set[ConsumerChannel] = set()
-        #: (stage name, envelope id) of acks lost with their channel (the broker returns
-        #: those deliveries to the queue).
-        self._lost_acks: list[tuple[str, str]] = []
-        self._ack_wake = anyio.Event()
+        #: Acks written behind, by consumer channel (a channel lost loses its acks: the
+        #: broker returns those deliveries to the queue).
+        self._acks = AckWriter[ConsumerChannel, int](
+            "RabbitTransport",
+            self._write_acks,
+            self.cleanup_scope,
+            linger=_ACK_LINGER,
+            timeout=RELEASE_TIMEOUT,
+        )
         #: Retry queues used by this process, by work queue, with when they were declared.
         self._retry_queues: dict[str, dict[str, float]] = {}
         self._dead_lock = anyio.Lock()
@@ -404,7 +406,7 @@ class RabbitTransport(Transport):
         :raises ConnectError: when aio-pika is missing or the broker cannot be reached.
         :raises TransportError: when not running on asyncio.
         """
-        if self._task_group is not None:
+        if self._tasks.running:
             return
         try:
             import aio_pika  # noqa: F401  (the extra; its AMQP layer does the work)
@@ -445,32 +447,24 @@ class RabbitTransport(Transport):
         self._link = link
         self._link_event = anyio.Event()
         self._link_event.set()
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
-        task_group.start_soon(self._supervise)
-        task_group.start_soon(self._ack_loop)
-        task_group.start_soon(self._expiry_loop)
+        await self._tasks.open()
+        self._acks.open()
+        self._tasks.start_soon(self._supervise)
+        self._tasks.start_soon(self._acks.run)
+        self._tasks.start_soon(self._expiry_loop)
 
     async def aclose(self) -> None:
         """Write pending acks, stop the helpers and close the connections (shielded)."""
-        if self._task_group is None and self._link is None:
+        if not self._tasks.running and self._link is None:
             return
         self._closing = True
         self._link_event.set()  # waiters wake up and see the transport closed
         with self.cleanup_scope(RELEASE_TIMEOUT):
-            for consumer in list(self._dirty):
-                await self._flush(consumer)
-        for consumer in self._dirty:  # not reached by the deadline
-            self._lost_acks += consumer.owners.values()
-            consumer.owners.clear()
-        self._dirty.clear()
+            await self._acks.flush()
+        self._acks.close()  # what the deadline cut short is lost (and redelivered)
         for subscription in list(self._subscriptions):
             subscription.lose(LOST)
-        task_group, self._task_group = self._task_group, None
-        if task_group is not None:
-            task_group.cancel_scope.cancel()
-            await task_group.__aexit__(None, None, None)
+        await self._tasks.aclose()
         link, self._link = self._link, None
         if link is not None:
             # By the close deadline, yet never less than a moment: the sockets must close.
@@ -529,13 +523,13 @@ class RabbitTransport(Transport):
                 if subscription.consumer is not None:
                     subscription.lose(LOST)
             await link.close()
-            backoff = BACKOFF_MIN
+            backoff = Backoff(BACKOFF_MIN, self.max_backoff, jitter=True)
             while True:
                 try:
                     new = await self._open_link()
                     break
                 except Exception as error:
-                    pause = backoff * (0.5 + random.random() / 2)
+                    pause = backoff.next()
                     logger.warning(
                         "RabbitMQ: reconnecting to %s failed, retrying in %.2f s: %s",
                         redact(self.url),
@@ -543,7 +537,6 @@ class RabbitTransport(Transport):
                         error or type(error).__name__,
                     )
                     await anyio.sleep(pause)
-                    backoff = min(backoff * 2, self.max_backoff)
             self._link = new
             self._link_event.set()
             logger.info("RabbitMQ: reconnected to %s", redact(self.url))
@@ -556,7 +549,7 @@ class RabbitTransport(Transport):
             link = self._link
             if link is not None and not link.lost.is_set():
                 return link
-            if self._task_group is None:
+            if not self._tasks.running:
                 raise TransportError(
                     "RabbitTransport is not connected: use `async with transport` first"
                 )
@@ -593,7 +586,7 @@ class RabbitTransport(Transport):
         """
         if deadline is None:
             deadline = anyio.current_time() + self.publish_timeout
-        backoff = BACKOFF_MIN
+        backoff = Backoff(BACKOFF_MIN, self.max_backoff, jitter=True)
         while True:
             link = await self._wait_link(deadline)
             try:
@@ -620,14 +613,14 @@ class RabbitTransport(Transport):
                     )
                 raise self._failed(what, problem) from problem
             if not link.lost.is_set():
+                pause = backoff.next()
                 logger.warning(
                     "RabbitMQ: %s failed, retrying in %.2f s: %s",
                     what,
-                    backoff,
+                    pause,
                     problem or type(problem).__name__,
                 )
-                await anyio.sleep(backoff * (0.5 + random.random() / 2))
-                backoff = min(backoff * 2, self.max_backoff)
+                await anyio.sleep(pause)
 
     async def _admin(self, link: _Link, operation: Callable[[AbstractChannel], Awaitable[T]]) -> T:
         """Run ``operation`` on the link's admin channel (opened again if closed)."""
@@ -657,8 +650,8 @@ class RabbitTransport(Transport):
             ),
         )
         arguments: FieldTable = {
-            "x-message-ttl": min(max(1, int(self.dead_letter_ttl * 1000)), _TTL_MAX_MS),
-            "x-max-length": max(0, int(self.dead_letter_maxlen)),
+            "x-message-ttl": min(max(1, int(self.settings.dead_letter_ttl * 1000)), _TTL_MAX_MS),
+            "x-max-length": max(0, int(self.settings.dead_letter_maxlen)),
         }
         try:
             await self._admin(
@@ -875,7 +868,7 @@ class RabbitTransport(Transport):
 
     def _properties_type(self) -> type[Basic.Properties]:
         """The client's message properties class; :class:`TransportError` before connect."""
-        if self._properties is None or self._task_group is None:
+        if self._properties is None or not self._tasks.running:
             raise TransportError(
                 "RabbitTransport is not connected: use `async with transport` first"
             )
@@ -1086,38 +1079,25 @@ class RabbitTransport(Transport):
 
     # -- settling -------------------------------------------------------------
 
-    def _ack(self, consumer: ConsumerChannel, tag: int) -> None:
-        consumer.done.add(tag)
-        consumer.acks.append(tag)
-        self._dirty.add(consumer)
-        if not self._ack_wake.is_set():
-            self._ack_wake.set()
+    def _ack(
+        self, consumer: ConsumerChannel, tag: int, stage: str, envelope_id: str | None
+    ) -> None:
+        """Queue the ack of ``tag`` (``envelope_id``: the bus's ack, reported if lost)."""
+        self._acks.queue(consumer, stage, tag, envelope_id)
 
-    async def _flush(self, consumer: ConsumerChannel) -> None:
-        self._dirty.discard(consumer)
-        try:
-            self._lost_acks += await consumer.flush()
-        except BaseException:
-            # Cut short (the close deadline): take what it owed as not written.
-            self._lost_acks += consumer.owners.values()
-            consumer.owners.clear()
-            raise
+    async def _write_acks(
+        self, batch: dict[ConsumerChannel, list[tuple[int, str | None]]]
+    ) -> list[ConsumerChannel]:
+        """Write each channel's acks; the channels that are gone (their acks lost)."""
+        lost: list[ConsumerChannel] = []
+        for consumer, acks in batch.items():
+            if not await consumer.flush([tag for tag, _id in acks]):
+                lost.append(consumer)
+        return lost
 
     def unsettled_acks(self) -> list[tuple[str, str]]:
         """(stage name, envelope id) of the bus's acks that were lost with their channel."""
-        lost, self._lost_acks = self._lost_acks, []
-        return lost
-
-    async def _ack_loop(self) -> None:
-        """Write acks as they come, in batches (what comes during a write goes next)."""
-        while True:
-            await self._ack_wake.wait()
-            # Linger a moment so that a busy consumer's acks go in one frame.
-            await anyio.sleep(_ACK_LINGER)
-            self._ack_wake = anyio.Event()
-            for consumer in list(self._dirty):
-                with self.cleanup_scope(RELEASE_TIMEOUT):
-                    await self._flush(consumer)
+        return self._acks.take_lost()
 
     async def _retry(self, delivery: RabbitDelivery, delay: float | None) -> None:
         """Republish ``delivery`` (attempt + 1), delayed or not, then ack it."""
@@ -1140,7 +1120,7 @@ class RabbitTransport(Transport):
             with self.cleanup_scope(RELEASE_TIMEOUT):
                 await delivery._consumer.give_back([delivery._tag])
             raise
-        self._ack(delivery._consumer, delivery._tag)
+        self._ack(delivery._consumer, delivery._tag, subscription.name, None)
 
     async def _hand_back(
         self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
@@ -1168,7 +1148,7 @@ class RabbitTransport(Transport):
                     error or type(error).__name__,
                 )
                 return
-            self._ack(consumer, delivery._tag)
+            self._ack(consumer, delivery._tag, delivery._subscription.name, None)
 
         async with anyio.create_task_group() as task_group:
             for delivery in deliveries:
@@ -1184,7 +1164,7 @@ class RabbitTransport(Transport):
             with self.cleanup_scope(RELEASE_TIMEOUT):
                 await delivery._consumer.give_back([delivery._tag])
             raise
-        self._ack(delivery._consumer, delivery._tag)
+        self._ack(delivery._consumer, delivery._tag, delivery._subscription.name, None)
 
     # -- the ack timeout ------------------------------------------------------
 
@@ -1275,8 +1255,8 @@ class RabbitTransport(Transport):
             queue=self.dead_letter_queue,
             lock=self._lock_queue,
             codec=self.codec,
-            ttl=self.dead_letter_ttl,
-            maxlen=self.dead_letter_maxlen,
+            ttl=self.settings.dead_letter_ttl,
+            maxlen=self.settings.dead_letter_maxlen,
             lock_timeout=self.publish_timeout,
             consumer_tag=f"asyncbus.{self._client_id}.dead.{secrets.token_hex(4)}",
         )

@@ -103,6 +103,7 @@ from .base import (
     DEFAULT_MAX_DELIVERIES,
     DEFAULT_MAX_MESSAGE_SIZE,
     INBOX_GROUP_PREFIX,
+    BaseDelivery,
     Capabilities,
     Delivery,
     Transport,
@@ -112,7 +113,6 @@ from .base import (
     checked_seconds,
     over_max_deliveries,
     refuse_oversized,
-    rejected_entry,
     require_asyncio,
     unrouted_entry,
 )
@@ -126,6 +126,8 @@ __all__ = ["RedisTransport"]
 logger = logging.getLogger("asyncbus.transport.redis")
 
 _EXTRA_MISSING = "RedisTransport needs the 'redis' extra: pip install 'asyncbus[redis]'"
+#: Why a delivery its subscription gave back cannot be settled.
+_RELEASED = "was released when its subscription ended"
 #: Consumer that owns handed-back entries until a live consumer claims them.
 _SENTINEL = "asyncbus:released"
 #: Idle time given to handed-back entries: older than any ack_timeout.
@@ -201,10 +203,17 @@ class _Verbatim:
         return data
 
 
-class _RedisDelivery:
-    """A delivery from :class:`RedisTransport`; settled exactly once."""
+class _RedisDelivery(BaseDelivery):
+    """A delivery from :class:`RedisTransport`; its acks are written behind.
 
-    __slots__ = ("_body", "_consumer", "_entry", "_settled", "envelope", "error")
+    Acks are written together by the transport's writer (within a moment, before
+    the subscription or the transport closes): a process that dies first gets the
+    entry redelivered, as at-least-once delivery allows.
+    """
+
+    __slots__ = ("_body", "_consumer", "_entry")
+
+    acks_behind = True
 
     def __init__(
         self,
@@ -214,68 +223,42 @@ class _RedisDelivery:
         body: bytes,
         error: str | None,
     ) -> None:
-        self.envelope = envelope
-        self.error = error
+        super().__init__(envelope, error)
         self._consumer = consumer
         self._entry = entry
         self._body = body
-        self._settled = False
 
-    def _settle(self) -> _Consumer:
-        if self._settled:
-            raise TransportError(f"delivery of {self.envelope.id} was already settled")
-        self._settled = True
+    def _settled(self) -> None:
         consumer = self._consumer
-        # Room is made at once; if the settle below fails, the entry stays pending and
-        # the group reclaims it after ack_timeout.
+        # Room is made at once; if the settle fails, the entry stays pending and the
+        # group reclaims it after ack_timeout.
         if consumer.held.pop(self._entry, None) is not None:
             consumer.room.set()
-        return consumer
 
     def _retry_meta(self) -> bytes:
         meta = envelope_meta(self.envelope)
         meta["attempt"] = self.envelope.attempt + 1
         return dump_meta(meta)
 
-    async def ack(self) -> None:
-        """Done: the entry is XACKed and removed, batched with other acks.
-
-        Acks are written behind, together, by the transport (within one turn of the
-        event loop, before the subscription or the transport closes): a process that
-        dies first gets the entry redelivered, as at-least-once delivery allows.
-        """
-        self.ack_nowait()
-
-    def ack_nowait(self) -> None:
-        """:meth:`ack` without awaiting: it only queues the ack for the writer task."""
-        consumer = self._settle()
+    def _queue_ack(self) -> None:
+        """XACK and XDEL the entry, batched with other acks."""
+        consumer = self._consumer
         consumer.transport._ack(consumer, self._entry, self.envelope.id)
 
-    async def nack(self, *, delay: float | None = None) -> None:
-        """Deliver it again (attempt + 1) to the group, after ``delay`` seconds."""
-        consumer = self._settle()
+    async def _nack(self, delay: float | None) -> None:
+        """Add it again (attempt + 1) to the stream, or to the delayed set."""
+        consumer = self._consumer
         await consumer.transport._settle(
-            consumer,
-            self._entry,
-            retry=(self._retry_meta(), self._body),
-            delay=delay,
+            consumer, self._entry, retry=(self._retry_meta(), self._body), delay=delay
         )
 
-    async def reject(
-        self,
-        reason: str,
-        *,
-        error: str | None = None,
-        stage: str | None = None,
-        attempts: int | None = None,
-    ) -> None:
+    async def _reject(self, entry: DeadLetter) -> None:
         """Move it to the dead-letter stream and remove the entry, in one transaction.
 
         The dead letter keeps the body as it came (byte for byte, also when it did not
         decode).
         """
-        consumer = self._settle()
-        entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
+        consumer = self._consumer
         await consumer.transport._settle(consumer, self._entry, dead=(entry, self._body))
 
 
@@ -768,7 +751,7 @@ class RedisTransport(Transport):
                 # No yield per delivery: a fetched batch is handed over in one go (the
                 # read above is the yield; the stage's room bounds the batch).
                 delivery = consumer.ready.popleft()
-                if not delivery._settled:
+                if delivery.settleable:
                     yield delivery
 
         iterator = deliveries()
@@ -976,7 +959,7 @@ class RedisTransport(Transport):
         """Hand back what ``consumer`` holds (see the module docstring); runs shielded."""
         self._consumers.discard(consumer)
         for delivery in consumer.held.values():
-            delivery._settled = True
+            delivery.take_back(_RELEASED)
         consumer.held.clear()
         consumer.ready.clear()
         if self._client is None:
@@ -1145,13 +1128,13 @@ class RedisTransport(Transport):
         return int(length) + max(waiting, 0)
 
     def _queue_dead_letter(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
-        if self.dead_letter_maxlen <= 0:
+        if self.settings.dead_letter_maxlen <= 0:
             return  # a store of size 0 keeps nothing
         document = dead_letter_to_wire(entry, codec or self.codec)
         pipe.xadd(
             self._dead_key,
             {"id": entry.envelope.id, "entry": document},
-            maxlen=self.dead_letter_maxlen,
+            maxlen=self.settings.dead_letter_maxlen,
             approximate=True,
         )
 
@@ -1178,11 +1161,13 @@ class RedisTransport(Transport):
     async def dead_letters(self) -> list[DeadLetter]:
         """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
         client = self._redis()
-        horizon = time.time() - self.dead_letter_ttl
+        horizon = time.time() - self.settings.dead_letter_ttl
         try:
             pipe = client.pipeline(transaction=True)
             pipe.xtrim(self._dead_key, minid=int(horizon * 1000), approximate=False)
-            pipe.xtrim(self._dead_key, maxlen=max(self.dead_letter_maxlen, 0), approximate=False)
+            pipe.xtrim(
+                self._dead_key, maxlen=max(self.settings.dead_letter_maxlen, 0), approximate=False
+            )
             await pipe.execute()
             found: list[DeadLetter] = []
             expired: list[bytes] = []

@@ -36,7 +36,7 @@ from asyncbus import (
     TransportError,
 )
 from asyncbus.testing.transport_suite import TransportSuite
-from asyncbus.transports import Delivery, Transport
+from asyncbus.transports import Delivery, Transport, TransportSettings
 from asyncbus.transports._codec import envelope_to_wire
 from asyncbus.transports.nats import HEADER_META, NatsTransport, consumer_name
 
@@ -183,8 +183,8 @@ async def test_streams_are_created_as_documented(transport: NatsTransport, nats_
     assert main.retention == nats.js.api.RetentionPolicy.INTEREST
     assert main.duplicate_window == pytest.approx(120.0)
     assert dead.subjects == [f"{transport.prefix}_dlq.>"]
-    assert dead.max_age == pytest.approx(transport.dead_letter_ttl)
-    assert dead.max_msgs == transport.dead_letter_maxlen
+    assert dead.max_age == pytest.approx(transport.settings.dead_letter_ttl)
+    assert dead.max_msgs == transport.settings.dead_letter_maxlen
 
 
 @pytest.mark.anyio
@@ -192,7 +192,7 @@ async def test_dead_letter_stream_follows_changed_limits(nats_url: str, cleanup:
     async with NatsTransport(nats_url, prefix=cleanup):
         pass
     transport = NatsTransport(nats_url, prefix=cleanup)
-    transport.dead_letter_ttl, transport.dead_letter_maxlen = 3600.0, 10
+    transport.bind(TransportSettings(dead_letter_ttl=3600.0, dead_letter_maxlen=10))
     async with transport:
         nc = await nats.connect(nats_url)
         try:
@@ -748,7 +748,7 @@ async def test_dead_letter_stream_expires_entries_after_the_ttl(
     nats_url: str, cleanup: str
 ) -> None:
     transport = NatsTransport(nats_url, prefix=cleanup)
-    transport.dead_letter_ttl = 1.0  # as the bus sets it before entering
+    transport.bind(TransportSettings(dead_letter_ttl=1.0))  # as the bus does before entering
     async with transport:
         entry = DeadLetter(
             Envelope(topic="t", payload=1), DeadLetterReason.DROPPED, None, None, 0, time.time()
@@ -756,7 +756,8 @@ async def test_dead_letter_stream_expires_entries_after_the_ttl(
         await transport.add_dead_letter(entry)
         assert len(await transport.dead_letters()) == 1
         await anyio.sleep(1.5)
-        transport.dead_letter_ttl = 3600.0  # only the server's max_age can drop it now
+        # Only the server's max_age can drop it now.
+        transport.bind(TransportSettings(dead_letter_ttl=3600.0))
         assert await transport.dead_letters() == []
 
 

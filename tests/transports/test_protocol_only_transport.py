@@ -1,9 +1,11 @@
 """A transport written to the public ``Delivery`` protocol alone works with the bus.
 
-The protocol has ``envelope``, ``ack()``, ``nack(delay=)`` and ``reject(reason)``;
-asyncbus's own deliveries add ``error`` and keywords on ``reject``, which the bus must
-not require. (Like any transport, it reports ``backlog()`` so that ``drain()`` knows
-about envelopes still on their way to a stage.)
+The protocol has ``envelope``, ``ack()``, ``nack(delay=)`` and ``reject(reason, *,
+error=None, stage=None, attempts=None)``, which a delivery written as ``reject(self,
+reason)`` still answers: the bus gives the details (and reads ``error``) only to
+deliveries built on :class:`~asyncbus.transports.BaseDelivery`. (Like any transport, it
+reports ``backlog()`` so that ``drain()`` knows about envelopes still on their way to a
+stage.)
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectSendStream
 
-from asyncbus import Bus, Envelope, Reject, Retry
+from asyncbus import Bus, DeadLetter, Envelope, Reject, Retry
 from asyncbus._routing import compile_pattern
-from asyncbus.transports import Transport
+from asyncbus.transports import BaseDelivery, Transport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
@@ -124,32 +126,40 @@ async def test_the_bus_acks_and_rejects_through_the_protocol_alone() -> None:
         assert stage.published == stage.acked + stage.dead_lettered, stage
 
 
-class SomeDetailsDelivery(ProtocolDelivery):
-    """``reject`` takes ``error`` and ``stage`` but not ``attempts``."""
+class DetailedDelivery(BaseDelivery):
+    """A delivery on asyncbus's base: the one ``reject``, with every detail."""
 
-    async def reject(  # type: ignore[override]
-        self, reason: str, *, error: str | None = None, stage: str | None = None
-    ) -> None:
-        self._settled.append((f"reject {reason} {stage} {error}", self.envelope.topic, None))
+    def __init__(self, envelope: Envelope, settled: list[tuple[str, str, object]]) -> None:
+        super().__init__(envelope)
+        self._log = settled
+
+    async def _reject(self, entry: DeadLetter) -> None:
+        self._log.append(
+            (
+                f"reject {entry.reason} {entry.stage} {entry.error}",
+                entry.envelope.topic,
+                entry.attempts,
+            )
+        )
 
 
-async def test_reject_gets_each_detail_it_takes() -> None:
+async def test_reject_gives_the_details_to_a_base_delivery_and_the_reason_to_others() -> None:
     from asyncbus._consumer import reject_delivery
 
     settled: list[tuple[str, str, object]] = []
     envelope = Envelope(topic="jobs")
-    await reject_delivery(SomeDetailsDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
+    await reject_delivery(DetailedDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
     await reject_delivery(ProtocolDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
     assert settled == [
-        ("reject rejected j@g E: x", "jobs", None),
+        ("reject rejected j@g E: x", "jobs", 2),
         ("reject rejected", "jobs", None),
     ]
 
 
 async def test_a_protocol_only_delivery_is_a_delivery() -> None:
     from asyncbus import Delivery
-    from asyncbus.transports import DetailedDelivery
 
     delivery = ProtocolDelivery(Envelope(topic="jobs"), [])
     assert isinstance(delivery, Delivery)
-    assert not isinstance(delivery, DetailedDelivery)  # no ``error``
+    assert not isinstance(delivery, BaseDelivery)  # no ``error``: taken as decoded
+    assert isinstance(DetailedDelivery(Envelope(topic="jobs"), []), Delivery)

@@ -1,7 +1,8 @@
 """A stage's pump never dies because of one delivery.
 
-A transport hands the pump deliveries; one that raises anything unexpected while the
-pump takes it in, or whose ``reject`` fails, is dead-lettered ``rejected`` (or left
+A transport hands the pump deliveries (here built on ``BaseDelivery``, whose ``error``
+the pump reads); one that raises anything unexpected while the pump takes it in, or
+whose ``reject`` fails, is dead-lettered ``rejected`` (or left
 to the broker), and the deliveries after it are handled as usual.
 """
 
@@ -14,43 +15,48 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncbus import Bus, DeadLetterReason, Envelope
-from asyncbus.transports import Transport
+from asyncbus import Bus, DeadLetter, DeadLetterReason, Envelope
+from asyncbus.transports import BaseDelivery, Transport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
 
-class Recorded:
-    """A delivery that records how it was settled."""
+class Recorded(BaseDelivery):
+    """A delivery on asyncbus's base that records how it was settled."""
 
-    def __init__(self, payload: Any, settled: list[tuple[str, Any]]) -> None:
-        self.envelope = Envelope(topic="jobs", payload=payload)
-        self._settled = settled
+    def __init__(self, payload: Any, settled: list[tuple[str, Any]], error: str | None = None):
+        super().__init__(Envelope(topic="jobs", payload=payload), error)
+        self._log = settled
 
-    async def ack(self) -> None:
-        self._settled.append(("ack", self.envelope.payload))
+    async def _ack(self) -> None:
+        self._log.append(("ack", self.envelope.payload))
 
-    async def nack(self, *, delay: float | None = None) -> None:
-        self._settled.append(("nack", self.envelope.payload))
+    async def _nack(self, delay: float | None) -> None:
+        self._log.append(("nack", self.envelope.payload))
 
-    async def reject(self, reason: str, *, error: str | None = None) -> None:
-        self._settled.append((f"reject {reason}", self.envelope.payload))
+    async def _reject(self, entry: DeadLetter) -> None:
+        self._log.append((f"reject {entry.reason}", self.envelope.payload))
 
 
 class Broken(Recorded):
     """Its ``error`` raises: a transport's bug, or a delivery object gone wrong."""
 
-    @property
+    @property  # type: ignore[override]
     def error(self) -> str | None:
         raise RuntimeError("the delivery is broken")
+
+    @error.setter
+    def error(self, value: str | None) -> None:
+        pass
 
 
 class Unrejectable(Recorded):
     """Undecodable, and its broker cannot take the reject (the broker redelivers it)."""
 
-    error = "body is not valid JSON"
+    def __init__(self, payload: Any, settled: list[tuple[str, Any]]) -> None:
+        super().__init__(payload, settled, "body is not valid JSON")
 
-    async def reject(self, reason: str, *, error: str | None = None) -> None:
+    async def _reject(self, entry: DeadLetter) -> None:
         raise OSError("connection lost")
 
 

@@ -1,0 +1,20 @@
+"""The broker kit: the plumbing every broker transport shares, written once.
+
+* :class:`~asyncbus.transports.base.BaseDelivery` (in :mod:`.delivery`): the
+  settle-once delivery every transport hands out;
+* :class:`AckWriter`: acks queued by ``ack_nowait`` and written behind, in batches;
+* :class:`Backoff`: the pause between two attempts of anything retried;
+* :func:`redact`: a broker URL fit for logs and errors (no credentials);
+* :class:`TaskOwner`: the one task group a transport owns from connect to close;
+* :func:`require_asyncio`: the one check (and error) of an asyncio-only client.
+"""
+
+from __future__ import annotations
+
+from .acks import AckWriter as AckWriter
+from .backoff import Backoff as Backoff
+from .redact import redact as redact
+from .runtime import require_asyncio as require_asyncio
+from .tasks import TaskOwner as TaskOwner
+
+__all__ = ["AckWriter", "Backoff", "TaskOwner", "redact", "require_asyncio"]
