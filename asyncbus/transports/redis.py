@@ -75,11 +75,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskGroup
 
 from .._checks import check_count
 from .._dead_letters import DeadLetter
@@ -97,6 +96,7 @@ from ._codec import (
     envelope_meta,
     envelope_to_wire,
 )
+from ._kit import AckWriter, Backoff, TaskOwner, redact, require_asyncio
 from ._redis_dedup import RedisDedupStore
 from ._wire_fields import group_from_wire
 from .base import (
@@ -113,7 +113,6 @@ from .base import (
     checked_seconds,
     over_max_deliveries,
     refuse_oversized,
-    require_asyncio,
     unrouted_entry,
 )
 
@@ -153,16 +152,6 @@ _PAGE = 1000
 #: One publish waiting to be written: its topic, its envelopes as (meta, body), and the
 #: binding streams the writer wrote them to (filled in by the writer).
 _Publish = tuple[str, list[tuple[bytes, bytes]], set[str]]
-
-
-def _redact(url: str) -> str:
-    """``url`` without its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return parts._replace(netloc=netloc).geturl()
 
 
 def _escape(name: str) -> str:
@@ -371,7 +360,9 @@ class RedisTransport(Transport):
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
         self._scripts: dict[str, AsyncScript] = {}
-        self._task_group: TaskGroup | None = None
+        #: The background tasks: the publish writer, the ack writer, the delayed-retry
+        #: mover, the inbox keeper, and each subscription's keep-alive.
+        self._tasks = TaskOwner("RedisTransport")
         self._consumers: set[_Consumer] = set()
         self._bound: set[str] = set()
         # Routing cache: bindings as of ``_version``, and topic -> streams.
@@ -383,16 +374,16 @@ class RedisTransport(Transport):
         #: Streams of request inboxes among the bindings (written with NOMKSTREAM).
         self._inbox_streams: set[str] = set()
         self._next_due = float("inf")
-        # Acks not yet written, by (stream, group); written by ``_ack_loop``.
-        self._acks: dict[tuple[str, str], list[tuple[bytes, str]]] = {}
-        #: The stage name of each (stream, group) acks were queued for.
-        self._ack_stages: dict[tuple[str, str], str] = {}
-        #: (stage name, envelope id) of the acks the transport closed without writing.
-        self._lost_acks: list[tuple[str, str]] = []
+        #: Acks written behind, by (stream, group): entry ids, in one MULTI per write.
+        self._acks = AckWriter[tuple[str, str], bytes](
+            "RedisTransport",
+            self._write_acks,
+            self.cleanup_scope,
+            linger=_ACK_LINGER,
+            timeout=_RELEASE_TIMEOUT,
+        )
         # Made in ``connect``, inside the event loop that uses them.
         self._delay_wake: anyio.Event
-        self._ack_wake: anyio.Event
-        self._ack_lock: anyio.Lock
         self._publishes: Coalescer[_Publish]
 
     # -- keys -----------------------------------------------------------------
@@ -406,8 +397,8 @@ class RedisTransport(Transport):
     async def connect(self) -> None:
         """Connect and ping; start the delayed-retry mover.
 
-        :raises ConnectError: when redis-py is missing or the server does not answer.
-        :raises TransportError: when not running on asyncio.
+        :raises ConnectError: when redis-py is missing, the server does not answer, or
+            not running on asyncio.
         """
         if self._client is not None:
             return
@@ -443,7 +434,7 @@ class RedisTransport(Transport):
         except (errors.RedisError, OSError, TimeoutError) as error:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
-            raise ConnectError(f"cannot connect to Redis at {_redact(self.url)}: {error}") from (
+            raise ConnectError(f"cannot connect to Redis at {redact(self.url)}: {error}") from (
                 error
             )
         self._client = client
@@ -453,42 +444,32 @@ class RedisTransport(Transport):
             for name in _redis_scripts.__all__
         }
         self._delay_wake = anyio.Event()
-        self._ack_wake = anyio.Event()
-        self._ack_lock = anyio.Lock()
+        self._acks.open()
         self._publishes = Coalescer(self._write_publishes)
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
-        task_group.start_soon(self._move_due_loop)
-        task_group.start_soon(self._ack_loop)
-        task_group.start_soon(self._publishes.run)
-        task_group.start_soon(self._inbox_loop)
-        task_group.start_soon(self._binding_loop)
+        await self._tasks.open()
+        self._tasks.start_soon(self._move_due_loop)
+        self._tasks.start_soon(self._acks.run)
+        self._tasks.start_soon(self._publishes.run)
+        self._tasks.start_soon(self._inbox_loop)
+        self._tasks.start_soon(self._binding_loop)
 
     async def aclose(self) -> None:
         """Write pending acks, stop the background tasks, close the connections (shielded)."""
         if self._client is not None:
             with self.cleanup_scope(_RELEASE_TIMEOUT):
                 try:
-                    await self._write_acks()
+                    await self._acks.flush()
                 except Exception as error:
                     logger.warning("Redis: acks lost at close (redelivered later): %s", error)
-        task_group, self._task_group = self._task_group, None
+        running = self._tasks.running
         try:
-            if task_group is not None:
-                # The background tasks were started in ``connect``'s task: their scope
-                # is cancelled and left here, then the client is closed shielded.
-                task_group.cancel_scope.cancel()
-                await task_group.__aexit__(None, None, None)
+            # The background tasks are cancelled and awaited, then the client is closed
+            # shielded.
+            await self._tasks.aclose()
         finally:
             # What is still queued (a write cut short puts its acks back) is lost.
-            self._lost_acks += [
-                (self._ack_stages[key], envelope_id)
-                for key, items in self._acks.items()
-                for _entry, envelope_id in items
-            ]
-            self._acks = {}
-            if task_group is not None:  # however the tasks ended: no publish waits on
+            self._acks.close()
+            if running:  # however the tasks ended: no publish waits on
                 self._publishes.close("RedisTransport is closed: nothing more can be published")
             client, self._client = self._client, None
             if client is not None:
@@ -503,7 +484,7 @@ class RedisTransport(Transport):
         return self._client
 
     def _failed(self, doing: str, error: BaseException) -> TransportError:
-        return TransportError(f"Redis at {_redact(self.url)}: {doing} failed: {error}")
+        return TransportError(f"Redis at {redact(self.url)}: {doing} failed: {error}")
 
     # -- routing --------------------------------------------------------------
 
@@ -635,7 +616,7 @@ class RedisTransport(Transport):
             error = await self._publishes.submit((topic, wire, reached), size)
         if waited.cancelled_caught:
             raise TransportError(
-                f"Redis at {_redact(self.url)}: publish to {topic!r} not confirmed within "
+                f"Redis at {redact(self.url)}: publish to {topic!r} not confirmed within "
                 f"publish_timeout={self.publish_timeout:g} s (it may or may not be written)"
             )
         if error is not None:
@@ -719,11 +700,11 @@ class RedisTransport(Transport):
         stream = await self._bind(pattern, group)
         consumer = _Consumer(self, pattern, group, stream, prefetch)
         self._consumers.add(consumer)
-        if self.keep_alive and self._task_group is not None:
-            self._task_group.start_soon(self._keep_alive, consumer)
+        if self.keep_alive and self._tasks.running:
+            self._tasks.start_soon(self._keep_alive, consumer)
 
         async def deliveries() -> AsyncIterator[Delivery]:
-            backoff = 0.05
+            backoff = Backoff(0.05, _BACKOFF_MAX)
             while True:
                 if not consumer.ready:
                     while len(consumer.held) >= consumer.prefetch:
@@ -734,18 +715,18 @@ class RedisTransport(Transport):
                     except self._errors.RedisError as error:
                         # Lost connections, a server loading or out of memory, a
                         # stream made again meanwhile: none ends the subscription.
+                        pause = backoff.next()
                         logger.warning(
                             "Redis at %s: reading %s@%s failed, retrying in %.2f s: %s",
-                            _redact(self.url),
+                            redact(self.url),
                             pattern,
                             group,
-                            backoff,
+                            pause,
                             error,
                         )
-                        await anyio.sleep(backoff)
-                        backoff = min(backoff * 2, _BACKOFF_MAX)
+                        await anyio.sleep(pause)
                         continue
-                    backoff = 0.05
+                    backoff.reset()
                     if not consumer.ready:
                         continue
                 # No yield per delivery: a fetched batch is handed over in one go (the
@@ -904,56 +885,28 @@ class RedisTransport(Transport):
             self._delay_wake.set()
 
     def _ack(self, consumer: _Consumer, entry: bytes, envelope_id: str) -> None:
-        if self._task_group is None:
-            raise TransportError("RedisTransport is closed: the ack cannot be written")
-        key = (consumer.stream, consumer.group)
-        queued = self._acks.get(key)
-        if queued is None:
-            queued = self._acks[key] = []
-            self._ack_stages[key] = f"{consumer.pattern}@{consumer.group}"
-        queued.append((entry, envelope_id))
-        self._ack_wake.set()
+        self._acks.queue(
+            (consumer.stream, consumer.group),
+            f"{consumer.pattern}@{consumer.group}",
+            entry,
+            envelope_id,
+        )
 
     def unsettled_acks(self) -> list[tuple[str, str]]:
         """(stage name, envelope id) of the acks the transport closed without writing."""
-        lost, self._lost_acks = self._lost_acks, []
-        return lost
+        return self._acks.take_lost()
 
-    async def _write_acks(self) -> None:
-        """XACK and XDEL every queued ack in one MULTI (all of them, or none: re-queued)."""
-        async with self._ack_lock:
-            acks, self._acks = self._acks, {}
-            if not acks:
-                return
-            pipe = self._redis().pipeline(transaction=True)
-            for (stream, group), items in acks.items():
-                entries = [entry for entry, _id in items]
-                pipe.xack(stream, group, *entries)
-                pipe.xdel(stream, *entries)
-            try:
-                await pipe.execute()
-            except BaseException:  # deliberate: cancelled or failed, keep the acks, re-raise
-                for key, items in acks.items():  # idempotent: try again next time
-                    self._acks[key] = items + self._acks.get(key, [])
-                raise
-
-    async def _ack_loop(self) -> None:
-        """Write acks as they come, in batches (what arrives during a write goes next)."""
-        backoff = 0.05
-        while True:
-            await self._ack_wake.wait()
-            # Linger a moment so that a busy consumer's acks go in one write.
-            await anyio.sleep(_ACK_LINGER)
-            self._ack_wake = anyio.Event()
-            try:
-                await self._write_acks()
-            except Exception as error:
-                logger.warning("Redis: writing acks failed, retrying: %s", error)
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX)
-                self._ack_wake.set()
-                continue
-            backoff = 0.05
+    async def _write_acks(
+        self, batch: dict[tuple[str, str], list[tuple[bytes, str | None]]]
+    ) -> tuple[()]:
+        """XACK and XDEL every ack of ``batch`` in one MULTI (all of them, or none)."""
+        pipe = self._redis().pipeline(transaction=True)
+        for (stream, group), items in batch.items():
+            entries = [entry for entry, _id in items]
+            pipe.xack(stream, group, *entries)
+            pipe.xdel(stream, *entries)
+        await pipe.execute()
+        return ()
 
     async def _release(self, consumer: _Consumer) -> None:
         """Hand back what ``consumer`` holds (see the module docstring); runs shielded."""
@@ -971,7 +924,7 @@ class RedisTransport(Transport):
         with anyio.move_on_after(_RELEASE_TIMEOUT):
             try:
                 # Acks first: what was acked must not be handed back.
-                await self._write_acks()
+                await self._acks.flush()
                 released = await self._scripts["RELEASE"](
                     keys=[consumer.stream],
                     args=[consumer.group, consumer.name, _SENTINEL, _RELEASED_IDLE_MS],
@@ -1074,7 +1027,7 @@ class RedisTransport(Transport):
     async def _move_due_loop(self) -> None:
         """Move due delayed retries back to their streams (any process's, atomically)."""
         wait = 0.0
-        backoff = 0.05
+        backoff = Backoff(0.05, _BACKOFF_MAX)
         while True:
             self._next_due = time.time() + wait
             with anyio.move_on_after(wait):
@@ -1087,10 +1040,9 @@ class RedisTransport(Transport):
                 )
             except Exception as error:  # keep moving whatever went wrong once
                 logger.warning("Redis: moving delayed retries failed: %s", error)
-                wait = backoff
-                backoff = min(backoff * 2, _BACKOFF_MAX)
+                wait = backoff.next()
                 continue
-            backoff = 0.05
+            backoff.reset()
             moved = int(reply[0])
             if moved >= _DELAY_BATCH:
                 wait = 0.0
