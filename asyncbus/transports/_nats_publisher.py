@@ -6,7 +6,8 @@ service publishes from many tasks at once. :class:`JetStreamPublisher` subscribe
 once to ``{inbox}.*``, sends each message with ``reply={inbox}.{n}`` and keeps its
 future under ``n``; the stream's ack (or its error) resolves the future. One task
 fails the futures not answered within ``timeout`` (in publish order, so it only
-ever looks at the oldest), instead of a timer per message.
+ever looks at the oldest), instead of a timer per message; it runs in the
+transport's own tasks (:class:`~._kit.TaskOwner`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import TransportError
+from ._kit import TaskOwner
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -49,20 +51,17 @@ class JetStreamPublisher:
         #: Unanswered publishes, oldest first: token -> (future, deadline).
         self._waiting: dict[str, tuple[asyncio.Future[None], float]] = {}
         self._subscription: Subscription | None = None
-        self._expiry: asyncio.Task[None] | None = None
+        self._stopped = False
 
-    async def start(self) -> None:
-        """Subscribe to the reply inbox and start the expiry task."""
+    async def start(self, tasks: TaskOwner) -> None:
+        """Subscribe to the reply inbox; run the expiry task in ``tasks``."""
         self._prefix = f"{self._nc.new_inbox()}."
         self._subscription = await self._nc.subscribe(f"{self._prefix}*", cb=self._on_reply)
-        self._expiry = asyncio.get_running_loop().create_task(self._expire())
+        tasks.start_soon(self._expire, name="asyncbus NATS publish expiry")
 
     async def stop(self) -> None:
-        """Stop the expiry task, and fail what still waits (the connection is closing)."""
-        expiry, self._expiry = self._expiry, None
-        if expiry is not None:
-            expiry.cancel()
-            await asyncio.gather(expiry, return_exceptions=True)
+        """Stop expiring, and fail what still waits (the connection is closing)."""
+        self._stopped = True
         waiting, self._waiting = self._waiting, {}
         for future, _deadline in waiting.values():
             if not future.done():
@@ -114,9 +113,9 @@ class JetStreamPublisher:
             )
 
     async def _expire(self) -> None:
-        waiting = self._waiting
-        while True:
+        while not self._stopped:
             await asyncio.sleep(min(self._timeout / 4, 0.25))
+            waiting = self._waiting
             now = time.monotonic()
             while waiting:
                 token, (future, deadline) = next(iter(waiting.items()))

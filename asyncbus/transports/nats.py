@@ -97,6 +97,7 @@ from ._codec import (
     envelope_from_wire,
     envelope_to_wire,
 )
+from ._kit import Backoff, TaskOwner, redact, require_asyncio
 from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description
 from ._nats_handbacks import HandBacks
@@ -172,13 +173,6 @@ def _check_subject_text(kind: str, text: str) -> None:
         raise ConfigurationError(
             f"{kind} {text!r} cannot be a NATS subject: no whitespace or control characters"
         )
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _address(url: str) -> str:
@@ -280,7 +274,7 @@ class _PullConsumer:
         #: Why the consumer cannot be pulled from (it, or its stream, is gone), until
         #: :meth:`restore` made it again.
         self.failure: str | None = None
-        self.restore_backoff = _PULL_PAUSE
+        self.restore_backoff = Backoff(_PULL_PAUSE, _RESTORE_BACKOFF_MAX)
         self.closed = False
         self.wakeup = anyio.Event()
 
@@ -419,12 +413,11 @@ class _PullConsumer:
             await self.transport._restore(self)
         except (TransportError, ConfigurationError) as error:
             logger.warning("NATS: making consumer %s again failed: %s", self.name, error)
-            self.pause_until = time.monotonic() + self.restore_backoff
-            self.restore_backoff = min(self.restore_backoff * 2, _RESTORE_BACKOFF_MAX)
+            self.pause_until = time.monotonic() + self.restore_backoff.next()
             return
         self.failure = None
         self.request = None
-        self.restore_backoff = _PULL_PAUSE
+        self.restore_backoff.reset()
 
     async def keep_alive(self) -> None:
         """Tell the server held deliveries are being worked on (``+WPI``).
@@ -434,7 +427,7 @@ class _PullConsumer:
         process that dies stops sending it, so its deliveries still come back.
         """
         interval = max(self.transport.ack_timeout / 3, 0.05)
-        while True:
+        while not self.closed:
             await anyio.sleep(interval)
             held = [d._msg for d in self.unsettled.values() if d.settleable]
             for msg in [*held, *self.ready]:
@@ -621,9 +614,9 @@ class NatsTransport(Transport):
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._consumers: set[_PullConsumer] = set()
-        #: What outlives a subscription: inboxes kept until their request ends. Plain
-        #: asyncio tasks (nats-py is asyncio-only), so aclose() may run in any task.
-        self._lingering: set[asyncio.Task[None]] = set()
+        #: The background tasks: publish expiry, keep-alives, and what outlives a
+        #: subscription (an inbox kept until its open pull request ends).
+        self._tasks = TaskOwner("NatsTransport")
         self._server: str | None = None
         self._publishes: JetStreamPublisher | None = None
         #: Times the streams and consumers were made again (see :meth:`_restore`).
@@ -633,7 +626,7 @@ class NatsTransport(Transport):
         self._handbacks = HandBacks(self)
 
     def __repr__(self) -> str:
-        return f"NatsTransport({_redact(self.url)!r}, prefix={self.prefix!r})"
+        return f"NatsTransport({redact(self.url)!r}, prefix={self.prefix!r})"
 
     @property
     def pull_expires(self) -> float:
@@ -669,13 +662,8 @@ class NatsTransport(Transport):
             raise ConnectError(
                 "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
             ) from error
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            raise ConnectError(
-                "NatsTransport runs on asyncio only (nats-py): use anyio's asyncio backend"
-            ) from None
-        where = f"NATS at {_address(self.url)} ({_redact(self.url)})"
+        require_asyncio("NatsTransport", "nats-py")
+        where = f"NATS at {_address(self.url)} ({redact(self.url)})"
         options: dict[str, Any] = {
             "name": f"asyncbus {self.prefix}",
             "connect_timeout": self.connect_timeout,
@@ -710,11 +698,13 @@ class NatsTransport(Transport):
         publisher = JetStreamPublisher(nc, self.publish_timeout)
         self._groups.forget()
         try:
+            await self._tasks.open()
             await self._ensure_streams(js)
-            await publisher.start()
+            await publisher.start(self._tasks)
             await self._groups.watch(nc)
         except BaseException as error:  # deliberate: close the connection on any way out
             with anyio.CancelScope(shield=True):
+                await self._tasks.aclose()
                 await nc.close()
             if isinstance(error, TransportError) and not isinstance(error, ConnectError):
                 raise ConnectError(f"NatsTransport on {where}: {error}") from error
@@ -797,22 +787,19 @@ class NatsTransport(Transport):
         publisher, self._publishes = self._publishes, None
         if nc is None:
             return
+        for consumer in list(self._consumers):
+            if consumer.closed:  # lingering: stop waiting, unsubscribe now
+                consumer.request = None
+                consumer.wake()
+        # Keep-alives stop; lingering inboxes unsubscribe (shielded, by the deadline).
+        await self._tasks.aclose()
         with self.cleanup_scope():
-            lingering, self._lingering = list(self._lingering), set()
-            for consumer in list(self._consumers):
-                if consumer.closed:  # lingering: stop waiting, unsubscribe now
-                    consumer.request = None
-                    consumer.wake()
-            await asyncio.gather(*lingering, return_exceptions=True)
             try:
                 with anyio.move_on_after(self.request_timeout):
                     await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
             except Exception:
                 logger.debug("flush before close failed", exc_info=True)
         with anyio.CancelScope(shield=True):
-            for task in lingering:  # cut short by the close deadline: stop them
-                task.cancel()
-            await asyncio.gather(*lingering, return_exceptions=True)
             if publisher is not None:
                 await publisher.stop()
             # Closing the socket is local and quick; it runs even past the deadline,
@@ -1053,13 +1040,9 @@ class NatsTransport(Transport):
             subscription = await nc.subscribe(f"{consumer.inbox}.*", cb=consumer.on_message)
         self._consumers.add(consumer)
         try:
-            async with anyio.create_task_group() as task_group:
-                if self.keep_alive:
-                    task_group.start_soon(consumer.keep_alive)
-                try:
-                    yield consumer
-                finally:
-                    task_group.cancel_scope.cancel()
+            if self.keep_alive:
+                self._tasks.start_soon(consumer.keep_alive)
+            yield consumer
         finally:
             with self.cleanup_scope():
                 if _is_inbox(group):
@@ -1067,9 +1050,7 @@ class NatsTransport(Transport):
                 elif await consumer.release(subscription):
                     self._consumers.discard(consumer)
                 else:
-                    task = asyncio.create_task(consumer.linger(subscription))
-                    self._lingering.add(task)
-                    task.add_done_callback(self._lingering.discard)
+                    self._tasks.start_soon(consumer.linger, subscription)
 
     async def _drop_inbox(self, consumer: _PullConsumer, subscription: Subscription) -> None:
         """Delete a leaving request inbox's consumer (what it holds is moot, its process

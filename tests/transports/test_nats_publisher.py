@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from asyncbus import TransportError
+from asyncbus.transports._kit import TaskOwner
 from asyncbus.transports._nats_publisher import JetStreamPublisher
 
 nats = pytest.importorskip("nats")
@@ -46,11 +47,14 @@ async def stream(nats_url: str) -> AsyncIterator[tuple[Any, str]]:
 async def publisher(stream: tuple[Any, str]) -> AsyncIterator[JetStreamPublisher]:
     nc, _name = stream
     publisher = JetStreamPublisher(nc, timeout=0.5)
-    await publisher.start()
+    tasks = TaskOwner("test")
+    await tasks.open()
+    await publisher.start(tasks)
     try:
         yield publisher
     finally:
         await publisher.stop()
+        await tasks.aclose()
 
 
 @pytest.mark.anyio
@@ -131,7 +135,9 @@ async def test_a_publish_nobody_acks_times_out(
 async def test_stop_fails_what_still_waits(stream: tuple[Any, str]) -> None:
     nc, _name = stream
     publisher = JetStreamPublisher(nc, timeout=30)
-    await publisher.start()
+    tasks = TaskOwner("test")
+    await tasks.open()
+    await publisher.start(tasks)
     subject = f"silent_{secrets.token_hex(4)}.x"
     subscription = await nc.subscribe(subject, cb=_ignore)
     outcome: list[BaseException] = []
@@ -151,6 +157,7 @@ async def test_stop_fails_what_still_waits(stream: tuple[Any, str]) -> None:
             await publisher.stop()
     finally:
         await subscription.unsubscribe()
+        await tasks.aclose()
     assert [str(error) for error in outcome] == ["the NATS connection closed before the ack"]
 
 
