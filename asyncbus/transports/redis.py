@@ -232,7 +232,9 @@ class _RedisDelivery(BaseDelivery):
     def _queue_ack(self) -> None:
         """XACK and XDEL the entry, batched with other acks."""
         consumer = self._consumer
-        consumer.transport._ack(consumer, self._entry, self.envelope.id)
+        consumer.transport._acks.queue(
+            consumer.ack_key, consumer.stage, self._entry, self.envelope.id
+        )
 
     async def _nack(self, delay: float | None) -> None:
         """Add it again (attempt + 1) to the stream, or to the delayed set."""
@@ -263,6 +265,9 @@ class _Consumer:
         self.stream = stream
         self.prefetch = prefetch
         self.name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        #: The stage name, and what its acks are queued under (made once, not per ack).
+        self.stage = f"{pattern}@{group}"
+        self.ack_key = (stream, group)
         #: Entries delivered to this consumer and not settled (yielded or still ready).
         self.held: dict[bytes, _RedisDelivery] = {}
         #: Fetched, not yet yielded.
@@ -883,14 +888,6 @@ class RedisTransport(Transport):
             raise self._failed(f"settling {_text(entry)} of {consumer.stream}", error) from error
         if due and due < self._next_due:
             self._delay_wake.set()
-
-    def _ack(self, consumer: _Consumer, entry: bytes, envelope_id: str) -> None:
-        self._acks.queue(
-            (consumer.stream, consumer.group),
-            f"{consumer.pattern}@{consumer.group}",
-            entry,
-            envelope_id,
-        )
 
     def unsettled_acks(self) -> list[tuple[str, str]]:
         """(stage name, envelope id) of the acks the transport closed without writing."""

@@ -107,7 +107,10 @@ class BaseDelivery:
         """
         if not self.acks_behind:
             raise TransportError(f"{type(self).__name__} acks are awaited: use ack()")
-        self._claim()
+        if self._gone is not None:  # (``_claim`` inlined: once per envelope)
+            raise TransportError(f"delivery of {self.envelope.id} {self._gone}")
+        self._gone = SETTLED
+        self._settled()
         self._queue_ack()
 
     async def nack(self, *, delay: float | None = None) -> None:
