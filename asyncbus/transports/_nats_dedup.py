@@ -25,15 +25,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._dedup import Claim
 from .._exceptions import DecodeError, TransportError
-from ._nats_kv import KvBucket
+from ._nats_kv import KvBucket, NatsHost
 from ._wire_fields import real
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
-    from .nats import NatsTransport
-
 __all__ = ["NatsDedupStore"]
+
 
 logger = logging.getLogger("asyncbus.transport.nats")
 
@@ -87,7 +86,7 @@ class NatsDedupStore:
     Made by :meth:`NatsTransport.dedup_store`; the bucket is created at first use.
     """
 
-    def __init__(self, transport: NatsTransport, window: float) -> None:
+    def __init__(self, transport: NatsHost, window: float) -> None:
         self.window = window
         self.bucket = f"{transport.stream}_DEDUP_{math.ceil(window)}"
         self._kv = KvBucket(

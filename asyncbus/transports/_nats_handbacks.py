@@ -17,13 +17,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from ._nats_kv import KvBucket
+from ._nats_kv import KvBucket, NatsHost
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.js.kv import KeyValue
 
-    from .nats import NatsTransport
 
 __all__ = ["TTL", "HandBacks"]
 
@@ -42,7 +41,7 @@ def _count(value: bytes | None) -> int:
 class HandBacks:
     """The hand-backs recorded for the consumers of ``transport``'s stream."""
 
-    def __init__(self, transport: NatsTransport) -> None:
+    def __init__(self, transport: NatsHost) -> None:
         self._bucket = KvBucket(
             transport,
             f"{transport.stream}_HANDBACKS",

@@ -11,14 +11,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
-    from .nats import NatsTransport
+__all__ = ["KvBucket", "NatsHost"]
 
-__all__ = ["KvBucket"]
+
+class NatsHost(Protocol):
+    """What the NATS helpers use of their transport (:class:`~.nats.NatsTransport` is one)."""
+
+    #: The name of the transport's stream of envelopes (buckets are named after it).
+    stream: str
+
+    def _client(self) -> tuple[Client, JetStreamContext]:
+        """The connected client and its JetStream context."""
+        ...
+
 
 logger = logging.getLogger("asyncbus.transport.nats")
 
@@ -32,9 +44,7 @@ class KvBucket:
     :param description: the bucket's description on the server.
     """
 
-    def __init__(
-        self, transport: NatsTransport, name: str, *, ttl: float, description: str
-    ) -> None:
+    def __init__(self, transport: NatsHost, name: str, *, ttl: float, description: str) -> None:
         self._transport = transport
         self.name = name
         self.ttl = ttl

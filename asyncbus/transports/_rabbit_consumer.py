@@ -16,8 +16,9 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -36,9 +37,10 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from aiormq.abc import AbstractChannel, DeliveredMessage
+    from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
-    from .rabbit import RabbitTransport
+    from ._codec import Codec
+    from ._kit import AckWriter
 
 __all__ = [
     "BACKOFF_MIN",
@@ -50,6 +52,8 @@ __all__ = [
     "RETURNED",
     "ConsumerChannel",
     "RabbitDelivery",
+    "RabbitHost",
+    "RabbitLink",
     "Subscription",
     "retrieve",
     "spurious_cancel",
@@ -87,6 +91,75 @@ def spurious_cancel() -> bool:
     """Whether a ``CancelledError`` came from the client library, not a cancel request."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
+
+
+class RabbitLink(Protocol):
+    """What a subscription uses of one generation of the transport's connections."""
+
+    #: The consuming connection.
+    consumer: AbstractConnection
+
+
+class RabbitHost(Protocol):
+    """What subscriptions and deliveries use of their transport (:class:`~.rabbit.
+    RabbitTransport` is one): settings, the link, declaring, settling, acks."""
+
+    prefix: str
+    codec: Codec
+    ack_timeout: float
+    keep_alive: bool
+    max_backoff: float
+    max_deliveries: int
+    _client_id: str
+    _closing: bool
+    _fatal: tuple[type[BaseException], ...]
+    _not_found: type[BaseException]
+    _subscriptions: set[Subscription]
+    _acks: AckWriter[ConsumerChannel, int]
+
+    def queue_name(self, pattern: str, group: str) -> str:
+        """The queue of (pattern, group)."""
+        ...
+
+    def cleanup_scope(self, timeout: float = ...) -> AbstractContextManager[anyio.CancelScope]:
+        """A shielded clean-up scope, bounded by the close deadline."""
+        ...
+
+    def _failed(self, what: str, error: BaseException) -> TransportError:
+        """The error to raise when ``what`` failed with ``error``."""
+        ...
+
+    def _forget_queue(self, queue: str) -> None:
+        """``queue`` must be declared again before use (it was deleted)."""
+        ...
+
+    def _ack(
+        self, consumer: ConsumerChannel, tag: int, stage: str, envelope_id: str | None
+    ) -> None:
+        """Queue the ack of ``tag`` for the writer."""
+        ...
+
+    async def _retry(self, delivery: RabbitDelivery, delay: float | None) -> None:
+        """Republish ``delivery`` (attempt + 1), then ack it."""
+        ...
+
+    async def _bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
+        """Store ``entry``, then ack the delivery."""
+        ...
+
+    async def _wait_link(self, deadline: float | None) -> RabbitLink:
+        """The live link, waiting for a reconnection up to ``deadline``."""
+        ...
+
+    async def _hand_back(
+        self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
+    ) -> None:
+        """Put ``deliveries`` back in ``queue`` as copies carrying their count, then ack."""
+        ...
+
+    async def _declare_queue(self, link: Any, pattern: str, group: str) -> str:
+        """Declare and bind the queue of (pattern, group) on ``link`` (once per link)."""
+        ...
 
 
 class ConsumerChannel:
@@ -159,7 +232,7 @@ class ConsumerChannel:
 
 
 class RabbitDelivery(BaseDelivery):
-    """A delivery from :class:`RabbitTransport`; its acks are written behind.
+    """A delivery from :class:`~.rabbit.RabbitTransport`; its acks are written behind.
 
     Acks go with others, within 2 ms: a process that dies before the ack is written
     gets the message redelivered, as at-least-once delivery allows.
@@ -212,7 +285,7 @@ class RabbitDelivery(BaseDelivery):
 class Subscription:
     """One ``subscribe``: its consumer channel, what it received, and what it handed out."""
 
-    def __init__(self, transport: RabbitTransport, pattern: str, group: str, prefetch: int):
+    def __init__(self, transport: RabbitHost, pattern: str, group: str, prefetch: int):
         self.transport = transport
         self.pattern = pattern
         self.group = group

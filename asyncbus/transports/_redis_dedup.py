@@ -9,15 +9,32 @@ key holding anything else (written by another client) counts as absent.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._dedup import Claim
 from .._exceptions import TransportError
 
 if TYPE_CHECKING:
-    from .redis import RedisTransport
+    from redis.asyncio import Redis
 
-__all__ = ["RedisDedupStore"]
+__all__ = ["RedisDedupStore", "RedisHost"]
+
+
+class RedisHost(Protocol):
+    """What the store uses of its transport (:class:`~.redis.RedisTransport` is one)."""
+
+    prefix: str
+    #: redis-py's exceptions module, once connected.
+    _errors: Any
+
+    def _redis(self) -> Redis:
+        """The connected client (:class:`TransportError` when not connected)."""
+        ...
+
+    def _failed(self, doing: str, error: BaseException) -> TransportError:
+        """The error to raise when ``doing`` failed with ``error``."""
+        ...
+
 
 #: KEYS[1] the key; ARGV owner, lease ms. Returns 1 claimed, 2 done, 3 busy. A value
 #: this store did not write (another client's: not a string, or neither ``done`` nor a
@@ -63,7 +80,7 @@ class RedisDedupStore:
     Made by :meth:`RedisTransport.dedup_store`; usable while the transport is connected.
     """
 
-    def __init__(self, transport: RedisTransport) -> None:
+    def __init__(self, transport: RedisHost) -> None:
         self._transport = transport
         self._prefix = f"{transport.prefix}:dedup:"
         self._scripts: dict[str, Any] = {}
