@@ -212,7 +212,9 @@ async def test_nack_delay_is_honoured_by_the_server(transport: NatsTransport) ->
         await delivery.nack(delay=1.0)
         again = await _next(deliveries)
         elapsed = time.monotonic() - started
-        assert 1.0 <= elapsed < 1.5, elapsed
+        # Never before the delay; "soon after" allows for a busy machine and for the
+        # pull request in flight when the delay ends (they expire within ack_timeout / 2).
+        assert 1.0 <= elapsed < 3.0, elapsed
         assert again.envelope.attempt == 2
         await again.ack()
 
