@@ -81,6 +81,10 @@ __all__ = ["QUIET", "TransportSuite"]
 #: Seconds the suite waits to prove that nothing (more) arrives.
 QUIET = 0.3
 
+#: Seconds past ``ack_timeout`` within which another consumer must get the deliveries of
+#: a consumer that stopped settling (the broker's redelivery plus a busy machine's delay).
+REDELIVERY_GRACE = 2.0
+
 _FIELDS = (
     "id",
     "topic",
@@ -889,8 +893,9 @@ class TransportSuite:
     ) -> None:
         """A consumer that stops settling (hung, or killed) loses its deliveries.
 
-        Within ``ack_timeout`` + 1 s another consumer of the group gets them, as the
-        next attempt; when the dead consumer finally leaves, nothing comes twice.
+        Within ``ack_timeout`` + ``REDELIVERY_GRACE`` another consumer of the group gets
+        them, as the next attempt; when the dead consumer finally leaves, nothing comes
+        twice.
         (A transport that keeps held deliveries alive, ``keep_alive``, is tested with
         it off: with it on, only a dead process loses them.)
         """
@@ -914,7 +919,7 @@ class TransportSuite:
                 anyio.create_task_group() as tg,
             ):
                 tg.start_soon(inbox.consume, survivor, "survivor")
-                await inbox.wait_for(1, self.ack_timeout + 1.0, "survivor")
+                await inbox.wait_for(1, self.ack_timeout + REDELIVERY_GRACE, "survivor")
                 _check_envelope(inbox.of("survivor")[0].envelope, sent, attempt=2)
                 dead.leave.set()
                 await _wait(dead.left, self.timeout, "the dead consumer to leave")
