@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import contextvars
-import functools
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
-from types import MappingProxyType, TracebackType
+from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, overload
 
 import anyio
@@ -28,21 +26,15 @@ from ._adaptive import Adaptive
 from ._admission import Admission, Priority
 from ._carry import ContextVarCarrier, checked_contextvars
 from ._chain import adapt_handler, build_chain
-from ._checks import check_count, check_headers, check_seconds, check_slip, check_wait
+from ._checks import check_count, check_seconds, check_wait
 from ._clock import Clock, loop_clock
 from ._consumer import start_consumers
 from ._dead_lettering import DeadLettering
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterReason
 from ._dedup import DedupStore
 from ._envelope import (
-    EMPTY_HEADERS,
-    HEADER_KEY,
-    HEADER_PRIORITY,
     Envelope,
     Receipt,
-    make_envelope,
-    make_receipt,
-    new_id,
 )
 from ._exceptions import (
     BusClosedError,
@@ -50,17 +42,17 @@ from ._exceptions import (
     TransportError,
 )
 from ._failures import describe_error, stray_cancellation
-from ._handling import current_handling, handled_envelope
+from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
 from ._offload import (
     WorkerPool,
     hold_switch_interval,
-    offloaded_envelope,
     release_switch_interval,
 )
+from ._publishing import Publisher
 from ._replies import Replies
-from ._routing import Router, validate_topic
+from ._routing import Router
 from ._runtime import FREE_THREADED, fast_checkpoint
 from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
@@ -87,47 +79,6 @@ class _DrainWaiter:
     def __init__(self, strict: bool) -> None:
         self.event = anyio.Event()
         self.strict = strict
-
-
-class _ThreadsafePublish:
-    """One ``publish_threadsafe`` call: its future, settled exactly once, never cancelled.
-
-    It counts as a pending thread-safe publish (``drain`` waits for it) from the call
-    until it is settled: by the publish's task when it ran, or, when the bus stopped
-    before that task could run, by the portal future's callback.
-    """
-
-    __slots__ = ("bus", "future", "receipt", "settled")
-
-    def __init__(self, bus: Bus, future: concurrent.futures.Future[Receipt]) -> None:
-        self.bus = bus
-        self.future = future
-        self.settled = False
-        #: What its stages admitted so far, while it waits for room in a fan-out.
-        self.receipt: Receipt | None = None
-        with bus._threadsafe_lock:
-            bus._threadsafe_pending += 1
-
-    def settle(self, receipt: Receipt | None, error: BaseException | None = None) -> None:
-        bus = self.bus
-        with bus._threadsafe_lock:
-            if self.settled:
-                return
-            self.settled = True
-            bus._threadsafe_pending -= 1
-        future = self.future
-        # (The caller may have cancelled its future: then there is nothing to tell.)
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(receipt)  # type: ignore[arg-type]
-        if bus._services.idle_waiters and threading.get_ident() == bus._loop_thread:
-            bus._wake_drainers()
-
-    def cut_off(self, _: concurrent.futures.Future[None]) -> None:
-        """The portal's task ended; if it never ran, the bus stopped first."""
-        self.settle(None, BusClosedError("the bus stopped before this publish was made"))
 
 
 class _Services:
@@ -310,8 +261,6 @@ class Bus:
         self._clock: Clock = time.monotonic
         self._state: _State = "new"
         self._background = 0
-        self._threadsafe_lock = threading.Lock()
-        self._threadsafe_pending = 0
         self._task_group: TaskGroup | None = None
         self._portal: BlockingPortal | None = None
         self._pool: WorkerPool | None = None
@@ -334,9 +283,18 @@ class Bus:
         self._exiting = False
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
         self._system = self._mode.system
-        self._replies = Replies(
-            name, self._mode, self._services, self._send, self._subscribe, self.subscribed
+        self._publisher = Publisher(
+            name, self, self._mode, self._services, self._router, self._observers
         )
+        self._replies = Replies(
+            name,
+            self._mode,
+            self._services,
+            self._publisher.send,
+            self._subscribe,
+            self.subscribed,
+        )
+        self._publisher.replies = self._replies
         self._dead_lettering = DeadLettering(
             name,
             self._mode,
@@ -753,7 +711,7 @@ class Bus:
             await anyio.sleep(0.02)
 
     def _idle(self, strict: bool = True) -> bool:
-        if self._background or self._threadsafe_pending:
+        if self._background or self._publisher.threadsafe_pending:
             return False
         if strict:
             return all(stage.idle for stage in self._stages.values())
@@ -948,74 +906,7 @@ class Bus:
         start_consumers(stage, subscription, chain, self._services)
         self._mode.start(stage)
 
-    # -- publishing -------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        state = self._state
-        if state == "running" or (state == "closing" and current_handling() is not None):
-            return
-        if state == "new":
-            raise BusClosedError("the bus has not started: publish inside `async with bus:`")
-        raise BusClosedError(f"the bus is {state}: it accepts no new publishes")
-
-    def _envelope(
-        self,
-        topic: str,
-        payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Iterable[str] | str,
-        key: str | None,
-        id: str | None,
-        reply_to: str | None = None,
-        priority: Priority | int | None = None,
-        cause: Envelope | None = None,
-    ) -> Envelope:
-        """A new envelope to send; one sent while ``cause`` is handled continues its
-        conversation (same ``correlation_id``, ``causation_id`` = its id)."""
-        if type(topic) is not str:
-            validate_topic(topic)  # a ConfigurationError, before it is used as a key
-        where = f"publish({topic!r})"
-        if headers or key is not None or priority is not None:
-            fields = dict(check_headers(headers or {}, where))
-            if key is not None:
-                fields[HEADER_KEY] = str(key)
-            if priority is not None:
-                fields[HEADER_PRIORITY] = _priority_text(topic, priority)
-            frozen_headers: Mapping[str, str] = MappingProxyType(fields)
-        else:
-            frozen_headers = EMPTY_HEADERS
-        route = check_slip(slip, where)
-        for hop in route:
-            validate_topic(hop)
-        if ttl is not None:
-            ttl = check_seconds(ttl, f"{where}: ttl")
-        if id is not None and (not isinstance(id, str) or not id):
-            raise ConfigurationError(f"{where}: id must be a non-empty string, got {id!r}")
-        envelope_id = id if id is not None else new_id()
-        return make_envelope(
-            envelope_id,
-            topic,
-            payload,
-            frozen_headers,
-            time.time(),
-            ttl,
-            1,
-            route,
-            cause.correlation_id if cause is not None else envelope_id,
-            cause.id if cause is not None else None,
-            reply_to,
-            self.name,
-        )
-
-    def _send(
-        self, kind: _instrument.SendKind, envelope: Envelope, timeout: float | None
-    ) -> Awaitable[Receipt]:
-        """Route ``envelope``, told to the instrumentation (if any) as a send of ``kind``."""
-        instrumentation = self._services.instrumentation
-        if instrumentation is None:
-            return self._route(envelope, timeout)
-        return _instrument.send(instrumentation, kind, envelope, self._system, self._route, timeout)
+    # -- publishing (see ``_publishing.py``) -----------------------------------
 
     async def publish(
         self,
@@ -1047,58 +938,12 @@ class Bus:
         for room in a ``BLOCK`` stage, keeps what earlier stages already admitted.)
         """
         await self._services.yield_now()
-        if self._state != "running":  # checked after the yield: aclose may have begun
-            self._check_open()
-        if type(topic) is not str:
-            validate_topic(topic)  # a ConfigurationError, before it is used as a key
-        if timeout is not None:
-            timeout = check_wait(timeout, f"publish({topic!r}): timeout")
-        cause = handled_envelope()  # published by a handler: continue its conversation
-        if (
-            headers
-            or ttl is not None
-            or slip
-            or key is not None
-            or id is not None
-            or priority is not None
-            or cause is not None
-        ):
-            envelope = self._envelope(
-                topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
-            )
-        else:
-            envelope_id = new_id()
-            envelope = make_envelope(
-                envelope_id,
-                topic,
-                payload,
-                EMPTY_HEADERS,
-                _now(),
-                None,
-                1,
-                (),
-                envelope_id,
-                None,
-                None,
-                self.name,
-            )
-        if self._services.instrumentation is not None:
-            return await self._send("publish", envelope, timeout)
-        if not self._observers and self._mode.admits_inline:
-            # The common case, without the general path's calls: every stage has room.
-            stages = self._routes.get(topic) or self._router.route(topic)
-            if len(stages) == 1:
-                stage = stages[0]
-                if stage.queued < stage.capacity and not stage.room_waiters:
-                    stage.admit(envelope)
-                    return make_receipt(envelope.id, stage.names)
-            elif stages and all(
-                stage.queued < stage.capacity and not stage.room_waiters for stage in stages
-            ):
-                for stage in stages:
-                    stage.admit(envelope)
-                return make_receipt(envelope.id, self._router.names(topic))
-        return await self._route(envelope, timeout)
+        sent = self._publisher.publish(
+            topic, payload, headers, ttl, slip, key, id, timeout, priority
+        )
+        if isinstance(sent, Receipt):  # admitted inline: no coroutine of the publisher's
+            return sent
+        return await sent
 
     def publish_nowait(
         self,
@@ -1126,26 +971,9 @@ class Bus:
         :raises RuntimeError: called from another thread than the event loop's; nothing
             is admitted.
         """
-        self._check_open()
-        if threading.get_ident() != self._loop_thread:
-            # The stages' queues and wake-ups belong to the loop: touched from another
-            # thread, a consumer may never wake (trio) or the loop never notice.
-            raise RuntimeError(
-                f"publish_nowait({topic!r}) was called from a thread other than the event "
-                "loop's: use bus.publish_threadsafe(...) from other threads"
-            )
-        if timeout is not None:
-            check_wait(timeout, f"publish_nowait({topic!r}): timeout")
-        self._mode.check_nowait()
-        envelope = self._envelope(
-            topic, payload, headers, ttl, slip, key, id, priority=priority, cause=handled_envelope()
+        return self._publisher.publish_nowait(
+            topic, payload, headers, ttl, slip, key, id, timeout, priority
         )
-        instrumentation = self._services.instrumentation
-        if instrumentation is not None:
-            return _instrument.send_now(
-                instrumentation, "publish", envelope, self._system, self._mode.send_now
-            )
-        return self._mode.send_now(envelope)
 
     def publish_threadsafe(
         self,
@@ -1166,113 +994,9 @@ class Bus:
         set on the future, which always ends with a receipt or one of them, never
         cancelled: a publish the shutdown cuts off fails with ``BusClosedError``.
         """
-        handling = current_handling()
-        inside = handling is not None
-        # What the call is made in, captured here (the publish itself runs on the loop):
-        # the envelope it handles, if made by a handler (in a worker thread, the one
-        # its offloaded handler was given), and the context observers read.
-        cause = offloaded_envelope() if threading.get_ident() != self._loop_thread else None
-        if cause is None and handling is not None:
-            cause = handling.envelope
-        context = contextvars.copy_context() if self._services.instrumentation is not None else None
-        future: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
-        job = _ThreadsafePublish(self, future)
-        arguments = (
-            inside,
-            cause,
-            context,
-            topic,
-            payload,
-            headers,
-            ttl,
-            slip,
-            key,
-            id,
-            timeout,
-            priority,
+        return self._publisher.publish_threadsafe(
+            topic, payload, headers, ttl, slip, key, id, timeout, priority
         )
-        try:
-            task_group = self._task_group
-            if threading.get_ident() == self._loop_thread and task_group is not None:
-                task_group.start_soon(self._publish_into, job, *arguments)
-                return future
-            portal = self._portal
-            if portal is None:
-                raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
-            portal.start_task_soon(self._publish_into, job, *arguments).add_done_callback(
-                job.cut_off
-            )
-        except BusClosedError as error:
-            job.settle(None, error)
-        except RuntimeError as error:  # anyio: the portal or task group stopped meanwhile
-            job.settle(None, BusClosedError(f"the bus stopped: {error}"))
-        return future
-
-    async def _publish_into(self, job: _ThreadsafePublish, *arguments: Any) -> None:
-        try:
-            receipt = await self._publish_for_thread(job, *arguments)
-        except Exception as error:
-            job.settle(None, error)
-        except BaseException:
-            # Deliberate: cancelled by the stop. The future is told so (with what was
-            # admitted before it waited), then the cancellation goes on.
-            job.settle(
-                None,
-                BusClosedError(
-                    "the bus stopped before this publish was admitted everywhere",
-                    receipt=job.receipt,
-                ),
-            )
-            raise
-        else:
-            job.settle(receipt)
-
-    async def _publish_for_thread(
-        self,
-        job: _ThreadsafePublish,
-        inside: bool,
-        cause: Envelope | None,
-        context: contextvars.Context | None,
-        topic: str,
-        payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Sequence[str],
-        key: str | None,
-        id: str | None,
-        timeout: float | None,
-        priority: Priority | int | None,
-    ) -> Receipt:
-        if not (self._state == "running" or (self._state == "closing" and inside)):
-            raise BusClosedError(f"the bus is {self._state}: it accepts no new publishes")
-        if timeout is not None:
-            timeout = check_wait(timeout, f"publish_threadsafe({topic!r}): timeout")
-        envelope = self._envelope(
-            topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
-        )
-        route = functools.partial(self._route, progress=job)
-        instrumentation = self._services.instrumentation
-        if context is None or instrumentation is None:
-            return await route(envelope, timeout)
-        # Observers see the send in the caller's context (a handler's, in its thread).
-        return await _instrument.send(
-            instrumentation,
-            "publish",
-            envelope,
-            self._system,
-            route,
-            timeout,
-            context,
-        )
-
-    def _route(
-        self,
-        envelope: Envelope,
-        timeout: float | None,
-        progress: _ThreadsafePublish | None = None,
-    ) -> Awaitable[Receipt]:
-        """Send ``envelope`` to every group of its topic (see :meth:`Mode.send`)."""
-        return self._mode.send(envelope, timeout, progress)
 
     # -- requests ---------------------------------------------------------------
 
@@ -1292,23 +1016,7 @@ class Bus:
             or it is dead-lettered anywhere on the route (the first failure wins).
         :raises TimeoutError: when no reply came within ``timeout``; the work goes on.
         """
-        await self._services.yield_now()  # first, like publish: aclose may begin meanwhile
-        self._check_open()
-        seconds = check_wait(timeout, f"request({topic!r}): timeout")
-        envelope_id = new_id()
-        reply_to = await self._replies.address(envelope_id)
-        envelope = self._envelope(
-            topic,
-            payload,
-            headers,
-            ttl,
-            slip,
-            None,
-            envelope_id,
-            reply_to=reply_to,
-            cause=handled_envelope(),
-        )
-        return await self._replies.wait_for(envelope, seconds)
+        return await self._publisher.request(topic, payload, slip, timeout, headers, ttl)
 
     # -- statistics -------------------------------------------------------------
 
@@ -1338,19 +1046,6 @@ class Bus:
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"
-
-
-def _priority_text(topic: str, priority: Priority | int) -> str:
-    """The ``asyncbus-priority`` header value of ``priority``, validated."""
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority not in _PRIORITIES:
-        raise ConfigurationError(
-            f"publish({topic!r}): priority must be a Priority (0 to {max(_PRIORITIES)}), "
-            f"got {priority!r}"
-        )
-    return str(int(priority))
-
-
-_PRIORITIES = frozenset(int(level) for level in Priority)
 
 
 def _check_joins(
@@ -1405,8 +1100,10 @@ def _not_drained(bus: Bus, timeout: float | None) -> str:
         )
         if entering := sum(stage.entering for stage in busy):
             waiting.append(f"{entering} publish(es) waiting for room")
-    if bus._threadsafe_pending:
-        waiting.append(f"{bus._threadsafe_pending} thread-safe publish(es) not yet routed")
+    if bus._publisher.threadsafe_pending:
+        waiting.append(
+            f"{bus._publisher.threadsafe_pending} thread-safe publish(es) not yet routed"
+        )
     if bus._background:
         waiting.append(f"{bus._background} dead-letter or announcement task(s)")
     if not waiting:

@@ -180,6 +180,7 @@ def test_the_message_path_depends_one_way() -> None:
 
     layers = [
         "asyncbus._bus",
+        "asyncbus._publishing",
         "asyncbus._dead_lettering",
         "asyncbus._replies",
         "asyncbus._modes",
@@ -206,7 +207,8 @@ def test_the_graph_sees_every_kind_of_import() -> None:
 
 
 def test_the_bus_never_asks_which_mode_it_runs_in() -> None:
-    """In memory or over a broker is chosen once (``_modes``): ``_bus`` has no branch on it."""
+    """In memory or over a broker is chosen once (``_modes``): ``_bus`` has no branch on it,
+    not even on what its mode can do (the inline publish is ``_publishing``'s)."""
     source = (PACKAGE / "_bus.py").read_text(encoding="utf-8")
     tree = ast.parse(source)
     attributes = {
@@ -221,3 +223,24 @@ def test_the_bus_never_asks_which_mode_it_runs_in() -> None:
                 inner.attr for inner in ast.walk(node) if isinstance(inner, ast.Attribute)
             } | {inner.id for inner in ast.walk(node) if isinstance(inner, ast.Name)}
             assert not {"transport", "broker"} & mentioned, ast.unparse(node)[:120]
+    # The mode is asked to act (``await self._mode.backlog(...)``), never what it can do:
+    # no condition reads one of its attributes (``self._mode.admits_inline``) as a value.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If | ast.IfExp | ast.While):
+            conditions: list[ast.AST] = [node.test]
+        elif isinstance(node, ast.BoolOp | ast.Compare):
+            conditions = [node]
+        else:
+            continue
+        for condition in conditions:
+            called = {
+                id(inner.func) for inner in ast.walk(condition) if isinstance(inner, ast.Call)
+            }
+            for inner in ast.walk(condition):
+                if (
+                    isinstance(inner, ast.Attribute)
+                    and isinstance(inner.value, ast.Attribute)
+                    and inner.value.attr == "_mode"
+                    and id(inner) not in called
+                ):
+                    raise AssertionError(f"reads the mode: {ast.unparse(condition)[:120]}")
