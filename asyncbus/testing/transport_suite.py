@@ -920,7 +920,12 @@ class TransportSuite:
             ):
                 tg.start_soon(inbox.consume, survivor, "survivor")
                 await inbox.wait_for(1, self.ack_timeout + REDELIVERY_GRACE, "survivor")
-                _check_envelope(inbox.of("survivor")[0].envelope, sent, attempt=2)
+                # A redelivery, not the first delivery: attempt 2 normally; on a loaded
+                # machine the broker may have redelivered once more before the
+                # survivor's pull took it, so only "more than one" is a contract.
+                got = inbox.of("survivor")[0].envelope
+                _check_envelope(got, sent, attempt=None)
+                assert got.attempt >= 2, f"envelope.attempt of {sent.id}: {got.attempt}"
                 dead.leave.set()
                 await _wait(dead.left, self.timeout, "the dead consumer to leave")
                 await anyio.sleep(QUIET)
