@@ -134,3 +134,15 @@ def kind(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     request.getfixturevalue(f"{name}_url")
     return name
+
+
+@pytest.fixture
+async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
+    """The shared ``kind`` broker's URL; what the test made under ``unique_prefix`` is
+    removed from it afterwards (shielded, so a cancelled test cleans up too)."""
+    from _kinds import SHARED_PORTS, forget, url_for  # on sys.path from above
+
+    shared = url_for(kind, SHARED_PORTS[kind])
+    yield shared
+    with anyio.CancelScope(shield=True):
+        await forget(kind, shared, unique_prefix)

@@ -11,12 +11,11 @@ back (a consumer that crashed on them).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _kinds import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope
 
@@ -30,14 +29,6 @@ HAND_BACKS = 5
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.fixture
-async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
-    shared = url_for(kind, SHARED_PORTS[kind])
-    yield shared
-    with anyio.CancelScope(shield=True):
-        await forget(kind, shared, unique_prefix)
 
 
 async def test_a_delivery_handed_back_again_and_again_is_not_poison(

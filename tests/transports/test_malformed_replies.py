@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _kinds import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope, HandlerError, TransportError
 
@@ -27,14 +26,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.fixture
-async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
-    shared = url_for(kind, SHARED_PORTS[kind])
-    yield shared
-    with anyio.CancelScope(shield=True):
-        await forget(kind, shared, unique_prefix)
 
 
 MALFORMED: list[Any] = [

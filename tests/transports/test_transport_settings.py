@@ -8,12 +8,12 @@ before anything is declared.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _kinds import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import ConfigurationError
 from asyncbus.transports import Transport
@@ -96,14 +96,6 @@ def test_sensible_settings_are_kept(transport: Callable[..., Transport]) -> None
     made: Any = transport(ack_timeout=2, publish_timeout=1.5, max_deliveries=1_000_000)
     assert (made.ack_timeout, made.publish_timeout, made.max_deliveries) == (2.0, 1.5, 1_000_000)
     assert isinstance(made.ack_timeout, float)
-
-
-@pytest.fixture
-async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
-    shared = url_for(kind, SHARED_PORTS[kind])
-    yield shared
-    with anyio.CancelScope(shield=True):
-        await forget(kind, shared, unique_prefix)
 
 
 @pytest.mark.anyio

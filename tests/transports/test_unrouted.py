@@ -7,11 +7,9 @@ is stored as a ``no_subscribers`` dead letter that every process of the bus sees
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _kinds import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, DeadLetterReason, HandlerError
 
@@ -21,14 +19,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.fixture
-async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
-    shared = url_for(kind, SHARED_PORTS[kind])
-    yield shared
-    with anyio.CancelScope(shield=True):
-        await forget(kind, shared, unique_prefix)
 
 
 async def test_a_publish_no_group_matches_anywhere_is_a_no_subscribers_dead_letter(
