@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from .._exceptions import ConfigurationError, DecodeError
 from .._routing import compile_pattern
+from ._kit.matches import TopicMatches
 from ._wire_fields import group_from_wire
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ _DESCRIPTION = "asyncbus group "
 _LEGACY = re.compile(r"asyncbus group '(.*)' on '(.*)'\Z")
 #: Consumers the server lists per page.
 _PAGE = 256
-_ROUTE_CACHE_LIMIT = 4096
 
 
 def group_description(pattern: str, group: str) -> str:
@@ -66,33 +66,25 @@ class GroupDirectory:
         self.stream = stream
         #: Consumer name -> (its pattern's matcher, stage name); ``None`` until read.
         self._groups: dict[str, tuple[Callable[[str], bool], str]] | None = None
-        self._routes: dict[str, tuple[str, ...]] = {}
+        self._routes = TopicMatches(sort=True)
         self._subscriptions: list[Subscription] = []
 
     def forget(self) -> None:
         """Read the consumers again at the next look (something changed, or may have)."""
         self._groups = None
-        self._routes = {}
+        self._routes.clear()
 
     def add(self, name: str, pattern: str, group: str) -> None:
         """Record a consumer this process created."""
         if self._groups is not None and name not in self._groups:
             self._groups[name] = (compile_pattern(pattern), f"{pattern}@{group}")
-            self._routes = {}
+            self._routes.clear()
 
     def known(self, topic: str) -> tuple[str, ...] | None:
         """Stage names of the groups ``topic`` reaches, sorted; ``None`` until read."""
         if self._groups is None:
             return None
-        found = self._routes.get(topic)
-        if found is None:
-            found = tuple(
-                sorted(name for matches, name in self._groups.values() if matches(topic))
-            )
-            if len(self._routes) >= _ROUTE_CACHE_LIMIT:
-                self._routes.clear()
-            self._routes[topic] = found
-        return found
+        return self._routes.lookup(topic, self._groups.values())
 
     async def read(self, js: JetStreamContext, prefix: str) -> None:
         """List the stream's consumers and keep those of asyncbus groups."""
@@ -118,7 +110,7 @@ class GroupDirectory:
                 break
             offset += len(page)
         self._groups = groups
-        self._routes = {}
+        self._routes.clear()
 
     async def watch(self, nc: Client) -> None:
         """Forget what was read whenever the server announces a consumer created or deleted."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from .._exceptions import ConfigurationError, DecodeError
 from .._routing import compile_pattern
+from ._kit.matches import TopicMatches
 from ._rabbit_dead_letters import QueueScan
 from ._wire_fields import group_from_wire
 
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["GroupRegister"]
 
 logger = logging.getLogger("asyncbus")
-
-_ROUTE_CACHE_LIMIT = 4096
 
 
 def _parse(body: bytes) -> tuple[str, str] | None:
@@ -59,7 +58,7 @@ class GroupRegister:
         self.queue = f"{prefix}.groups"
         self.lock = f"{prefix}.groups.lock"
         self._groups: dict[str, tuple[Callable[[str], bool], str]] = {}
-        self._routes: dict[str, tuple[str, ...]] = {}
+        self._routes = TopicMatches(sort=True)
 
     @staticmethod
     def document(pattern: str, group: str) -> bytes:
@@ -75,19 +74,11 @@ class GroupRegister:
             self._groups[name] = (compile_pattern(pattern), name)
         except ConfigurationError:
             return  # not a pattern: not a group asyncbus declared
-        self._routes = {}
+        self._routes.clear()
 
     def known(self, topic: str) -> tuple[str, ...]:
         """Stage names of the known groups ``topic`` reaches, sorted."""
-        found = self._routes.get(topic)
-        if found is None:
-            found = tuple(
-                sorted(name for matches, name in self._groups.values() if matches(topic))
-            )
-            if len(self._routes) >= _ROUTE_CACHE_LIMIT:
-                self._routes.clear()
-            self._routes[topic] = found
-        return found
+        return self._routes.lookup(topic, self._groups.values())
 
     async def declare(self, channel: AbstractChannel) -> None:
         """The fanout exchange and the durable register queue bound to it."""

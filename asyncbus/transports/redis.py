@@ -96,7 +96,7 @@ from ._codec import (
     envelope_meta,
     envelope_to_wire,
 )
-from ._kit import AckWriter, Backoff, TaskOwner, redact, require_asyncio
+from ._kit import AckWriter, Backoff, TaskOwner, TopicMatches, redact, require_asyncio
 from ._redis_dedup import RedisDedupStore
 from ._wire_fields import group_from_wire
 from .base import (
@@ -146,7 +146,6 @@ _BACKOFF_MAX = 2.0
 _BLOCK_MS_MAX = 3_600_000
 #: Seconds the ack writer waits for more acks before writing (bounds their delay).
 _ACK_LINGER = 0.002
-_ROUTE_CACHE_LIMIT = 4096
 _PAGE = 1000
 
 #: One publish waiting to be written: its topic, its envelopes as (meta, body), and the
@@ -375,7 +374,7 @@ class RedisTransport(Transport):
         self._bindings: list[tuple[Callable[[str], bool], str]] | None = None
         #: Binding stream -> its stage name ("pattern@group").
         self._names: dict[str, str] = {}
-        self._routes: dict[str, tuple[str, ...]] = {}
+        self._routes = TopicMatches()
         #: Streams of request inboxes among the bindings (written with NOMKSTREAM).
         self._inbox_streams: set[str] = set()
         self._next_due = float("inf")
@@ -557,16 +556,10 @@ class RedisTransport(Transport):
         self._inbox_streams = inboxes
         self._names = names
         self._version = version
-        self._routes = {}
+        self._routes.clear()
 
     def _route(self, topic: str) -> tuple[str, ...]:
-        found = self._routes.get(topic)
-        if found is None:
-            found = tuple(stream for matches, stream in self._bindings or () if matches(topic))
-            if len(self._routes) >= _ROUTE_CACHE_LIMIT:
-                self._routes.clear()
-            self._routes[topic] = found
-        return found
+        return self._routes.lookup(topic, self._bindings or ())
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """XADD each envelope to every binding whose pattern matches ``topic``.

@@ -9,8 +9,9 @@ import anyio
 import pytest
 
 from asyncbus import ConnectError, TransportError
+from asyncbus._routing import compile_pattern
 from asyncbus.transports import NatsTransport, RabbitTransport, RedisTransport
-from asyncbus.transports._kit import AckWriter, Backoff, TaskOwner, redact
+from asyncbus.transports._kit import AckWriter, Backoff, TaskOwner, TopicMatches, redact
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -200,3 +201,23 @@ def test_every_broker_refuses_trio_with_one_error(make, client: str) -> None:  #
     transport = make()
     with pytest.raises(ConnectError, match=rf"asyncio only \({client}\), not trio"):
         trio.run(transport.connect)
+
+
+# -- TopicMatches ---------------------------------------------------------------------
+
+
+def test_topic_matches_names_the_matching_entries_in_table_order_or_sorted() -> None:
+    table = [(compile_pattern("b.*"), "b.*@x"), (compile_pattern("a.>"), "a.>@y")]
+    table += [(compile_pattern(">"), "all@z")]
+    assert TopicMatches().lookup("b.1", table) == ("b.*@x", "all@z")
+    assert TopicMatches(sort=True).lookup("b.1", table[::-1]) == ("all@z", "b.*@x")
+
+
+def test_topic_matches_remembers_a_topic_until_cleared() -> None:
+    matches = TopicMatches()
+    table = [(compile_pattern("t"), "t@g")]
+    assert matches.lookup("t", table) == ("t@g",)
+    table.append((compile_pattern("t"), "t@h"))
+    assert matches.lookup("t", table) == ("t@g",)  # cached: the owner did not clear
+    matches.clear()
+    assert matches.lookup("t", table) == ("t@g", "t@h")

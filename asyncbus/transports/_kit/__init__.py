@@ -6,15 +6,17 @@
 * :class:`Backoff`: the pause between two attempts of anything retried;
 * :func:`redact`: a broker URL fit for logs and errors (no credentials);
 * :class:`TaskOwner`: the one task group a transport owns from connect to close;
-* :func:`require_asyncio`: the one check (and error) of an asyncio-only client.
+* :func:`require_asyncio`: the one check (and error) of an asyncio-only client;
+* :class:`TopicMatches`: which recorded groups a topic reaches, cached per topic.
 """
 
 from __future__ import annotations
 
 from .acks import AckWriter as AckWriter
 from .backoff import Backoff as Backoff
+from .matches import TopicMatches as TopicMatches
 from .redact import redact as redact
 from .runtime import require_asyncio as require_asyncio
 from .tasks import TaskOwner as TaskOwner
 
-__all__ = ["AckWriter", "Backoff", "TaskOwner", "redact", "require_asyncio"]
+__all__ = ["AckWriter", "Backoff", "TaskOwner", "TopicMatches", "redact", "require_asyncio"]
