@@ -41,10 +41,12 @@ How it works:
   dead-lettered ``rejected``; so is one that cannot be read (whatever another client
   wrote into the queue): it is acked, never left unacked.
 * **Publishing** returns once the broker confirmed (publisher confirms), within
-  ``publish_timeout``. It first waits for the subscriptions of this process that are
-  still declaring their queue. The bus's publishes are ``mandatory``: what no queue
-  (of any process) is bound for comes back, and is stored as a ``no_subscribers``
-  dead letter. A publish interrupted by a lost
+  ``publish_timeout``. Several envelopes in one call (``Bus.publish_many``) are
+  pipelined: all sent, in order, then their confirms awaited together (one round trip
+  for the lot); the call raises if any one is not confirmed. It first waits for the
+  subscriptions of this process that are still declaring their queue. The bus's
+  publishes are ``mandatory``: what no queue (of any process) is bound for comes back,
+  and is stored as a ``no_subscribers`` dead letter. A publish interrupted by a lost
   connection is retried on the next one until ``publish_timeout``: one whose confirm
   was lost may arrive twice (at-least-once; ``deduplicate()`` handles it).
 * **Consuming.** A channel per subscription with ``basic.qos(prefetch)`` and manual
@@ -193,6 +195,14 @@ _INBOX_EXPIRES_MS = 5 * 60 * 1000
 _TTL_MAX_MS = 2**32 - 1
 #: Seconds closing the connections gets at least, even past the close deadline.
 _CLOSE_MIN = 0.5
+
+
+def _failure(outcome: object) -> BaseException | None:
+    """What a gathered publish raised (``None``: confirmed); a publish the client
+    cancelled (its channel closed) is a lost connection, retried."""
+    if isinstance(outcome, asyncio.CancelledError):
+        return ConnectionError("the channel closed before the confirm")
+    return outcome if isinstance(outcome, BaseException) else None
 
 
 class _Verbatim:
@@ -920,14 +930,19 @@ class RabbitTransport(Transport):
         if link is not None and not link.lost.is_set() and not link.channel.is_closed:
             # The common case, without the retry loop's set-up; a failure goes to it.
             try:
-                with anyio.fail_after(self.publish_timeout):
-                    await link.channel.basic_publish(
-                        body,
-                        exchange=exchange,
-                        routing_key=routing_key,
-                        properties=properties,
-                        mandatory=mandatory,
-                    )
+                # The client's own timeout (it sets one anyway: cheaper than a cancel
+                # scope per publish). ``wait=False``: the channel's lock is not held
+                # until the frames reach the socket (the confirm implies they did), so
+                # concurrent publishes are written back to back.
+                await link.channel.basic_publish(
+                    body,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                    properties=properties,
+                    mandatory=mandatory,
+                    timeout=self.publish_timeout,
+                    wait=False,  # type: ignore[call-arg]  # (aiormq's abc omits it)
+                )
                 return True
             except self._returned:
                 return False
@@ -955,29 +970,86 @@ class RabbitTransport(Transport):
         messages: list[tuple[bytes, Basic.Properties]],
         mandatory: bool = False,
     ) -> list[bool]:
-        """Publish ``messages``; whether a queue took each (see :meth:`_publish_one`)."""
+        """Publish ``messages`` pipelined; whether a queue took each (see :meth:`_publish_one`).
+
+        Every message is sent, in order, before any confirm is awaited, then the confirms
+        are awaited together: one round trip for the lot, not one per message. What a
+        lost connection left unconfirmed is sent again (in order) on the next one, until
+        ``publish_timeout``; what the broker returned (``mandatory``) is not.
+
+        :raises TransportError: when a message was not confirmed within
+            ``publish_timeout`` or the broker refused one (once every publish ended).
+        """
         if len(messages) == 1:
             body, properties = messages[0]
             return [await self._publish_one(exchange, routing_key, body, properties, mandatory)]
-        # Pipelined: sent in order (the channel writes them in call order), confirmed
-        # together; the first failure is raised once every publish has ended.
-        failures: list[BaseException] = []
         taken = [True] * len(messages)
+        #: Positions not confirmed yet, in order.
+        left = list(range(len(messages)))
 
-        async def one(index: int, body: bytes, properties: Basic.Properties) -> None:
-            try:
-                taken[index] = await self._publish_one(
-                    exchange, routing_key, body, properties, mandatory
-                )
-            except Exception as error:
-                failures.append(error)
+        async def send(link: _Link) -> None:
+            nonlocal left
+            outcomes = await self._send_pipelined(
+                link, exchange, routing_key, [messages[index] for index in left], mandatory
+            )
+            unconfirmed: list[int] = []
+            problem: BaseException | None = None
+            for index, outcome in zip(left, outcomes, strict=True):
+                if outcome is None:
+                    continue
+                if isinstance(outcome, self._returned):
+                    taken[index] = False  # mandatory, and no queue is bound for it
+                    continue
+                unconfirmed.append(index)
+                if problem is None or (
+                    isinstance(outcome, self._fatal) and not isinstance(problem, self._fatal)
+                ):
+                    problem = outcome
+            left = unconfirmed
+            if problem is not None:
+                # A refusal ends the publish; anything else is retried by ``_call``.
+                raise problem
 
-        async with anyio.create_task_group() as task_group:
-            for index, (body, properties) in enumerate(messages):
-                task_group.start_soon(one, index, body, properties)
-        if failures:
-            raise failures[0]
+        await self._call(f"publishing to {exchange or routing_key!r}", send)
         return taken
+
+    async def _send_pipelined(
+        self,
+        link: _Link,
+        exchange: str,
+        routing_key: str,
+        messages: list[tuple[bytes, Basic.Properties]],
+        mandatory: bool,
+    ) -> list[BaseException | None]:
+        """Send every message on the link's channel, then await their confirms together.
+
+        :returns: per message, ``None`` once confirmed, else what its publish raised.
+        """
+        channel = link.channel
+        if channel.is_closed:
+            async with link.channel_lock:
+                if link.channel.is_closed:
+                    link.channel = await link.publisher.channel(publisher_confirms=True)
+            channel = link.channel
+        publishes = [
+            # One task each, started in order: the channel's lock (first come, first
+            # served) writes them in that order. ``wait=False``: a publish does not hold
+            # the lock until its frames reach the socket (its confirm implies they did).
+            asyncio.ensure_future(
+                channel.basic_publish(
+                    body,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                    properties=properties,
+                    mandatory=mandatory,
+                    wait=False,  # type: ignore[call-arg]  # (aiormq's abc omits it)
+                )
+            )
+            for body, properties in messages
+        ]
+        # Cancelled, the gathering cancels them all and ends once they all ended.
+        outcomes = await asyncio.gather(*publishes, return_exceptions=True)
+        return [_failure(outcome) for outcome in outcomes]
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """Publish each envelope to the topic exchange; return once the broker confirmed all.
@@ -1016,9 +1088,9 @@ class RabbitTransport(Transport):
         if not messages:
             return self._groups.known(topic)
         taken = await self._publish_all(self.prefix, topic, messages, mandatory=True)
-        for envelope, took in zip(envelopes, taken, strict=True):
-            if not took:
-                await self.add_dead_letter(unrouted_entry(envelope))
+        unrouted = [envelope for envelope, took in zip(envelopes, taken, strict=True) if not took]
+        if unrouted:
+            await self._add_dead_letters([unrouted_entry(envelope) for envelope in unrouted])
         if not any(taken):
             return ()
         return self._groups.known(topic) or None
@@ -1233,6 +1305,20 @@ class RabbitTransport(Transport):
         """Publish ``entry`` to the dead-letter queue."""
         self._properties_type()
         await self._publish_dead(entry.envelope.id, dead_letter_to_wire(entry, self.codec))
+
+    async def _add_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Publish ``entries`` to the dead-letter queue, pipelined (confirms gathered)."""
+        properties = self._properties_type()
+        documents = [
+            (
+                dead_letter_to_wire(entry, self.codec),
+                properties(
+                    content_type="application/json", delivery_mode=2, message_id=entry.envelope.id
+                ),
+            )
+            for entry in entries
+        ]
+        await self._publish_all(self.dead_letter_exchange, "", documents)
 
     async def dead_letters(self) -> list[DeadLetter]:
         """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
