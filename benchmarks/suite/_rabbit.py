@@ -1,8 +1,9 @@
 """RabbitMQ end to end: ``Bus(transport=RabbitTransport(...))`` against hand-written aio-pika.
 
-Both sides move the same ``--messages`` envelopes through the same broker and the same
+Every side moves the same ``--messages`` messages through the same broker and the same
 topology (a durable topic exchange, one durable quorum queue bound to it, persistent
-messages), timed from the first publish until the last message is handled and acked:
+messages, prefetch 100), timed from the first publish until the last message is
+handled (and, for asyncbus, settled):
 
 * **asyncbus**: ``Bus(transport=RabbitTransport(...))`` with one subscription
   (``capacity=100``, so prefetch 100) whose async handler counts; 100 publishing tasks
@@ -11,14 +12,26 @@ messages), timed from the first publish until the last message is handled and ac
   channel and 100 publishing tasks each awaiting ``exchange.publish(...)`` (100 in
   flight); a consumer channel with ``prefetch_count=100`` whose callback counts and
   acks in batches (``ack(multiple=True)`` every 50 messages, and the last one).
+* **aio-pika pipelined**: the same by hand, publishing 100 at a time: the 100
+  publishes of a batch started together and their confirms awaited together
+  (``asyncio.gather``), then the next batch; the same consumer.
+* **asyncbus transport**: ``RabbitTransport`` itself, ``publish(topic, envelopes)``
+  with 100 envelopes per call (what ``Bus.publish_many`` calls: one call per batch,
+  every confirm awaited together); one consumer iterating ``subscribe(...)``
+  (prefetch 100) and acking each delivery (acks written behind, ``multiple`` where
+  consecutive).
 
-Runs alternate (asyncbus, aio-pika, asyncbus, ...) so a neighbour's load falls on both;
-the report gives each side's median throughput and their ratio. With ``--check`` the
-maintainers' target is judged too: asyncbus at least 0.6x aio-pika (``FAIL`` and exit
-status 1 when not). A run that fails is reported, with exit status 1.
+Runs alternate (every side on every event loop of ``--loops``, then the next round)
+so a neighbour's load falls on all; the report gives, per event loop, each side's
+median throughput, the spread of its rounds (lowest and highest, relative to the
+median), this process's CPU time per message (the broker shares the CPUs: what the
+client spends, the broker lacks) and the ratios. With ``--check`` the maintainers'
+target is judged too: asyncbus at least 0.85x aio-pika (single publishes) on every
+loop (``FAIL`` and exit status 1 when not). A run that fails is reported, with exit
+status 1.
 
-Run: ``python benchmarks/rabbit_bench.py [--messages N] [--rounds R] [--url URL]
-[--check]``.
+Run: ``python -m asyncbus bench rabbit [--messages N] [--rounds R] [--loops
+asyncio,uvloop] [--url URL] [--check]`` (or ``python benchmarks/rabbit_bench.py``).
 Skipped with a note (exit status 0) when the broker is not reachable.
 """
 

@@ -65,3 +65,21 @@ def test_it_is_a_subcommand_of_the_bench(capsys: pytest.CaptureFixture[str]) -> 
         asyncbus_main(["bench", "brokers", "--help"])
     assert exited.value.code == 0
     assert "usage: python -m asyncbus bench brokers" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+def test_a_small_rabbit_run_reports_every_side_on_each_loop(
+    rabbit_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from suite._rabbit import main as rabbit_main
+
+    argv = ["--messages", "200", "--rounds", "1", "--url", rabbit_url]
+    assert rabbit_main([*argv, "--loops", "asyncio,uvloop"]) == 0
+    out = capsys.readouterr().out
+    for loop in ("asyncio", "uvloop"):
+        assert f"RabbitMQ end to end on {loop}, 200 messages," in out
+    for side in ("asyncbus", "aio-pika", "aio-pika pipelined", "asyncbus transport"):
+        rows = re.findall(rf"^  {side} +\d+ +[+-]\d+%/[+-]\d+% +\d+   \d+$", out, re.M)
+        assert len(rows) == 2, out
+    ratios = re.findall(r"^  asyncbus / aio-pika = [\d.]+ \(per round: [\d.]+\)$", out, re.M)
+    assert len(ratios) == 2, out

@@ -160,3 +160,32 @@ async def test_one_publish_to_a_silent_broker_raises_transport_error_at_publish_
             elapsed = time.monotonic() - started
             assert PUBLISH_TIMEOUT - 0.1 <= elapsed <= PUBLISH_TIMEOUT + SLACK
             proxy.forward()
+
+
+async def test_consecutive_acks_go_out_as_multiple_acks_covering_every_tag_once(
+    rabbit_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    envelopes = _envelopes("acks")
+    written: list[tuple[int, bool]] = []
+    async with RabbitTransport(rabbit_url, prefix=prefix) as transport:
+        async with transport.subscribe("acks", group="g", prefetch=COUNT) as deliveries:
+            await transport.publish("acks", envelopes)
+            first = await _take(deliveries, 1)
+            consumer = deliveries.consumer  # type: ignore[attr-defined]
+            original = consumer.channel.basic_ack
+
+            async def recorded(delivery_tag: int, multiple: bool = False, **options: Any) -> Any:
+                written.append((delivery_tag, multiple))
+                return await original(delivery_tag, multiple=multiple, **options)
+
+            monkeypatch.setattr(consumer.channel, "basic_ack", recorded)
+            rest = await _take(deliveries, COUNT - 1)
+            assert [d.envelope.id for d in first + rest] == [e.id for e in envelopes]
+        # Leaving wrote what was still queued.
+        assert await transport.backlog("acks", "g") == 0
+    # Every ack was a multiple one; together they cover tags 1..200, each exactly once
+    # (the first may have gone out before the recording began).
+    assert {multiple for _tag, multiple in written} == {True}
+    tags = [tag for tag, _multiple in written]
+    assert tags == sorted(tags) and tags[-1] == COUNT
+    assert len(tags) == len(set(tags))
