@@ -11,6 +11,7 @@ from . import transports as _transports
 from ._adaptive import Adaptive as Adaptive
 from ._admission import Admission as Admission
 from ._admission import Priority as Priority
+from ._batch import Batch as Batch
 from ._bus import DEADLETTER_TOPIC as DEADLETTER_TOPIC
 from ._bus import Bus as Bus
 from ._dead_letters import DeadLetter as DeadLetter
@@ -22,6 +23,7 @@ from ._envelope import HEADER_REPLAYED as HEADER_REPLAYED
 from ._envelope import Envelope as Envelope
 from ._envelope import Receipt as Receipt
 from ._exceptions import AsyncbusError as AsyncbusError
+from ._exceptions import BatchError as BatchError
 from ._exceptions import BusClosedError as BusClosedError
 from ._exceptions import ConfigurationError as ConfigurationError
 from ._exceptions import ConnectError as ConnectError
@@ -76,6 +78,8 @@ __all__ = [
     "Admission",
     "AsyncbusError",
     "Backpressure",
+    "Batch",
+    "BatchError",
     "Bus",
     "BusClosedError",
     "BusStatistics",

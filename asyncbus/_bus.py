@@ -24,11 +24,12 @@ from anyio.lowlevel import checkpoint
 from . import _instrument
 from ._adaptive import Adaptive
 from ._admission import Admission, Priority
+from ._batch import Batch
+from ._batching import start_consumers
 from ._carry import ContextVarCarrier, checked_contextvars
 from ._chain import adapt_handler, build_chain
 from ._checks import check_count, check_seconds, check_wait
 from ._clock import Clock, loop_clock
-from ._consumer import start_consumers
 from ._dead_lettering import DeadLettering
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterReason
 from ._dedup import DedupStore
@@ -752,6 +753,7 @@ class Bus:
         offload: Literal["thread", "process", "inline"] | None = None,
         middleware: Sequence[Middleware] = (),
         admission: Admission | None = None,
+        batch: Batch | None = None,
     ) -> Callable[[F], F]: ...
 
     @overload
@@ -769,6 +771,7 @@ class Bus:
         offload: Literal["thread", "process", "inline"] | None = None,
         middleware: Sequence[Middleware] = (),
         admission: Admission | None = None,
+        batch: Batch | None = None,
     ) -> Subscription: ...
 
     def subscribe(
@@ -785,6 +788,7 @@ class Bus:
         offload: Literal["thread", "process", "inline"] | None = None,
         middleware: Sequence[Middleware] = (),
         admission: Admission | None = None,
+        batch: Batch | None = None,
     ) -> Callable[[F], F] | Subscription:
         """Register a handler for ``topic`` (NATS pattern: ``*`` one token, ``>`` the rest).
 
@@ -798,6 +802,9 @@ class Bus:
         :param admission: :class:`Admission` to shed stale envelopes (dead-lettered
             ``overload``) when the stage's queue stands; every subscription of a stage
             must give the same.
+        :param batch: :class:`Batch` to call the handler once per list of envelopes'
+            items (payloads; envelopes for ``list[Envelope]``; decoded models for
+            ``list[Model]``); it may raise :class:`BatchError` to fail some positions only.
 
         :raises BusClosedError: called from another thread while the bus stops.
         :raises ConfigurationError: for a malformed pattern, ``capacity`` or
@@ -814,6 +821,7 @@ class Bus:
             "offload": offload,
             "middleware": middleware,
             "admission": admission,
+            "batch": batch,
         }
         if handler is None:
             # A malformed pattern or option fails here, as in the direct form, not when

@@ -17,19 +17,27 @@ from typing import Any
 import anyio
 import anyio.to_process
 
+from ._batch import Batch, BatchCall, batch_argument, join, outcomes
 from ._decoding import payload_decoder
 from ._envelope import Envelope
-from ._exceptions import Reject
+from ._exceptions import HandlerTimeout, Reject
 from ._failures import handler_failure
 from ._offload import WorkerPool, run_niced
 from ._subscription import Subscription
 from ._types import Handler, Middleware
 from .middleware.dead_letter import dead_letter
 from .middleware.expire import expire
+from .middleware.retry import Retry
 from .middleware.routing_slip import routing_slip
 from .middleware.timeout import timeout as timeout_middleware
 
-__all__ = ["adapt_handler", "argument_of", "build_chain", "first_parameter_type"]
+__all__ = [
+    "BatchPlan",
+    "adapt_handler",
+    "argument_of",
+    "build_chain",
+    "first_parameter_type",
+]
 
 #: Built-ins that act only on envelopes with a slip, a reply address or a ttl.
 _PASS_THROUGH = frozenset({"routing_slip", "expire"})
@@ -87,6 +95,8 @@ def adapt_handler(
         :func:`run_niced`); ``None`` leaves them as they are.
     """
     function = subscription.handler
+    if subscription.batch is not None:
+        return _batch_innermost(subscription, pool, niceness)
     argument = argument_of(function)
     if subscription.offload is None:
         if argument is _identity:
@@ -170,7 +180,8 @@ def build_chain(
     defaults: list[Middleware] = [dead_letter(), routing_slip(), expire()]
     if subscription.retry is not None:
         defaults.append(subscription.retry)
-    if subscription.timeout is not None:
+    if subscription.timeout is not None and subscription.batch is None:
+        # (A batch's timeout bounds its one call: ``_batch_innermost``.)
         defaults.append(timeout_middleware(subscription.timeout))
     layers = [layer for layer in defaults if getattr(layer, "asyncbus_builtin", None) not in listed]
     layers += user
@@ -178,6 +189,8 @@ def build_chain(
         # Outermost, the dead-letter layer would catch exactly what the consumer
         # catches and give the same verdict for it: skip the extra frame.
         layers = layers[1:]
+    if isinstance(handler, _BatchInnermost):
+        return _batch_plan(subscription, handler, layers, user)
     if not {getattr(layer, "asyncbus_builtin", None) for layer in layers} <= _PASS_THROUGH:
         # Retry, timeouts and the user's middleware see a stray cancellation as the
         # failure it is (the consumer does the same for the fused chain below).
@@ -222,3 +235,149 @@ def _failing_on_stray_cancellation(handler: Handler) -> Handler:
             raise failure from error
 
     return guarded
+
+
+# -- batches -------------------------------------------------------------------
+
+
+class _BatchInnermost:
+    """A batch subscription's innermost layer: the envelope's item joins its batch."""
+
+    __slots__ = ("call", "extract")
+
+    def __init__(self, call: BatchCall, extract: Callable[[Envelope], Any] | None) -> None:
+        self.call = call
+        self.extract = extract
+
+    def __call__(self, envelope: Envelope) -> Awaitable[Any]:
+        extract = self.extract
+        return join(envelope.payload if extract is None else extract(envelope), self.call)
+
+
+class BatchPlan:
+    """A batch subscription's chain: how its consumers run a batch.
+
+    Called with one envelope it is that envelope's chain (used per envelope when
+    middleware must see each one: the innermost layer joins the batch). On the
+    **fast** path (only ``routing_slip``, ``expire`` and a :class:`Retry` around the
+    handler) the consumer does their work itself for the whole list, with no task or
+    coroutine per envelope.
+
+    :ivar batch: the subscription's :class:`Batch`.
+    :ivar call: the handler called once with a list; the outcome per item.
+    :ivar extract: an envelope's item (``None``: its payload); may raise ``DecodeError``.
+    :ivar fast: whether the chain is pass-through but for a retry policy.
+    :ivar retry: the retry policy the fast path applies (``None``: none).
+    :ivar chain: the chain run per envelope otherwise.
+    """
+
+    __slots__ = ("batch", "call", "chain", "extract", "fast", "retry")
+
+    def __init__(
+        self,
+        batch: Batch,
+        innermost: _BatchInnermost,
+        chain: Handler,
+        *,
+        fast: bool,
+        retry: Retry | None,
+    ) -> None:
+        self.batch = batch
+        self.call = innermost.call
+        self.extract = innermost.extract
+        self.chain = chain
+        self.fast = fast
+        self.retry = retry
+
+    def __call__(self, envelope: Envelope) -> Awaitable[Any]:
+        return self.chain(envelope)
+
+
+def _batch_plan(
+    subscription: Subscription,
+    innermost: _BatchInnermost,
+    layers: list[Middleware],
+    user: list[Middleware],
+) -> BatchPlan:
+    assert subscription.batch is not None
+    retries = [layer for layer in layers if isinstance(layer, Retry)]
+    kinds = {getattr(layer, "asyncbus_builtin", None) for layer in layers}
+    fast = (
+        all(isinstance(layer, Retry) for layer in user)
+        and len(retries) <= 1
+        and kinds <= {*_PASS_THROUGH, "retry"}
+    )
+    chain: Handler = _failing_on_stray_cancellation(innermost)
+    for layer in reversed(layers):
+        chain = layer(chain)
+    return BatchPlan(
+        subscription.batch,
+        innermost,
+        chain,
+        fast=fast,
+        retry=retries[0] if retries else None,
+    )
+
+
+def _batch_innermost(
+    subscription: Subscription, pool: WorkerPool, niceness: int | None
+) -> _BatchInnermost:
+    """The user's batch function called once per list, as its offload asks, timed."""
+    function = subscription.handler
+    seconds = subscription.timeout
+    extract = batch_argument(function, f"subscribe({subscription.topic!r})")
+    raw: Callable[[list[Any]], Awaitable[Any]]
+    if subscription.offload is None:
+        raw = function
+    elif subscription.offload == "inline":
+
+        async def raw_inline(items: list[Any]) -> Any:
+            return await _settled(function(items))
+
+        raw = raw_inline
+    elif subscription.offload == "process":
+
+        async def raw_in_process(items: list[Any]) -> Any:
+            try:
+                pickle.dumps((function, items))
+            except Exception as error:  # pickle raises anything a __reduce__ raises
+                raise Reject(
+                    f"offload='process' needs a picklable handler and payloads; pickling "
+                    f"failed: {type(error).__name__}: {error}"
+                ) from error
+            if niceness is None:
+                return await anyio.to_process.run_sync(
+                    function, items, cancellable=True, limiter=pool.limiter
+                )
+            return await anyio.to_process.run_sync(
+                run_niced, function, items, niceness, cancellable=True, limiter=pool.limiter
+            )
+
+        raw = raw_in_process
+    else:
+
+        async def raw_in_thread(items: list[Any]) -> Any:
+            return await _settled(await pool.run(function, items))
+
+        raw = raw_in_thread
+
+    async def call(items: list[Any]) -> list[Any]:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            if seconds is None:
+                result = await raw(items)
+            else:
+                with anyio.move_on_after(seconds) as scope:
+                    result = await raw(items)
+                if scope.cancelled_caught:
+                    error = HandlerTimeout(f"batch handler took longer than {seconds:g}s")
+        except Exception as exception:
+            error = exception
+        except BaseException as exception:  # deliberate: see handler_failure
+            error = handler_failure(exception)
+            if error is None:
+                raise  # the bus's own cancellation, KeyboardInterrupt, SystemExit
+        return outcomes(len(items), result, error)
+
+    return _BatchInnermost(call, extract)

@@ -9,6 +9,7 @@
     ├── HandlerError                           .envelope .stage .attempts, __cause__ set
     ├── HandlerTimeout (also TimeoutError)     a handler outran its stage's timeout
     ├── Reject                                 raised by handlers: dead-letter now, no retry
+    ├── BatchError                             raised by batch handlers: these positions failed
     ├── SerializationError ── EncodeError, DecodeError
     └── TransportError ── ConnectError
 
@@ -18,6 +19,7 @@ redefined.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncbusError",
+    "BatchError",
     "BusClosedError",
     "ConfigurationError",
     "ConnectError",
@@ -101,6 +104,26 @@ class Reject(AsyncbusError):
     def __init__(self, reason: str = "rejected") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class BatchError(AsyncbusError):
+    """Raised by a batch handler: only the envelopes at these positions failed.
+
+    The others of the batch are acked. Each failed envelope is retried and
+    dead-lettered with its own exception (a :class:`Reject` dead-letters it at once).
+
+    :ivar failures: position in the list the handler was given -> the exception for
+        the envelope at that position.
+    """
+
+    def __init__(self, failures: Mapping[int, BaseException]) -> None:
+        self.failures: dict[int, BaseException] = dict(failures)
+        shown = ", ".join(
+            f"{position}: {type(error).__name__}"
+            for position, error in sorted(self.failures.items(), key=lambda item: repr(item[0]))[:5]
+        )
+        more = f" and {len(self.failures) - 5} more" if len(self.failures) > 5 else ""
+        super().__init__(f"{len(self.failures)} envelope(s) of the batch failed ({shown}{more})")
 
 
 class SerializationError(AsyncbusError):

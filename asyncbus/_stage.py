@@ -163,6 +163,8 @@ class Stage:
         self.wait = LatencyHistogram()
         #: The consumers' handlings: an envelope one holds is unsettled until it is None.
         self.handlings: list[Handling] = []
+        #: What each batch consumer holds: an envelope is unsettled until it is None.
+        self.batch_holds: list[list[Envelope | None]] = []
         #: Envelopes waiting on a retry timer (id(envelope) -> envelope).
         self.retrying: dict[int, Envelope] = {}
         #: Over a broker: id(envelope) -> the broker delivery to settle when it is done.
@@ -220,6 +222,8 @@ class Stage:
         if self.control is not None:
             left += self.control.clear()
         left += [h.envelope.id for h in self.handlings if h.envelope is not None]
+        left += [held.id for holds in self.batch_holds for held in holds if held is not None]
+        self.batch_holds.clear()
         left += [envelope.id for envelope in self.retrying.values()]
         self.handlings.clear()
         self.retrying.clear()
@@ -308,6 +312,37 @@ class Stage:
                 raise
         if self.room_waiters and self.queued < (self.capacity if bound is None else bound()):
             self.wake_one()  # room for more than us: keep the queue of waiters moving
+
+    def take_many(self, limit: int, into: list[Envelope | None]) -> int:
+        """Take up to ``limit`` of the oldest envelopes for a batch consumer.
+
+        They move from queued to in flight, appended to ``into``; as many publishes
+        waiting for room are woken.
+
+        :return: how many of them were sampled for timings (their latency is recorded
+            once the batch is settled).
+        """
+        count = min(limit, self.queued)
+        pop = self.pop
+        append = into.append
+        sampled = 0
+        now = 0.0
+        for _ in range(count):
+            admitted_at, envelope = pop()
+            if admitted_at:  # sampled at admission: one envelope in 8
+                if not sampled:
+                    now = _clock()
+                sampled += 1
+                self.wait.record(now - admitted_at)
+            append(envelope)
+        self.queued -= count
+        self.in_flight += count
+        waiters = self.room_waiters
+        for _ in range(count):
+            if not waiters:
+                break
+            waiters.popleft().set()
+        return sampled
 
     def wake_one(self) -> None:
         """Hand the room that appeared to the first publish waiting for it."""

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from ._adaptive import Adaptive
 from ._admission import Admission
 from ._backpressure import Backpressure
+from ._batch import Batch, batch_argument
 from ._checks import MAX_COUNT, check_seconds
 from ._exceptions import ConfigurationError
 from ._routing import compile_pattern
@@ -53,6 +54,8 @@ class Subscription:
     middleware: tuple[Middleware, ...]
     #: Sojourn shedding of the stage, ``None`` for none.
     admission: Admission | None = None
+    #: Hand the handler lists of envelopes' items, ``None`` for one at a time.
+    batch: Batch | None = None
 
     @property
     def stage(self) -> str:
@@ -89,6 +92,7 @@ def make_subscription(
     offload: str | None,
     middleware: Sequence[Middleware],
     admission: Admission | None = None,
+    batch: Batch | None = None,
 ) -> Subscription:
     """Validate everything ``subscribe`` was given and return the :class:`Subscription`.
 
@@ -108,7 +112,10 @@ def make_subscription(
         offload=offload,
         middleware=middleware,
         admission=admission,
+        batch=batch,
     )
+    if batch is not None:
+        batch_argument(handler, where)  # a first parameter annotated but not a list
     is_async = _is_async(handler)
     if is_async and offload in ("thread", "process"):
         raise ConfigurationError(f"{where}: offload={offload!r} needs a sync handler")
@@ -124,6 +131,7 @@ def make_subscription(
         offload=None if is_async else typing.cast("Offload", offload or "thread"),
         middleware=layers,
         admission=admission,
+        batch=batch,
     )
 
 
@@ -139,6 +147,7 @@ def check_options(
     offload: str | None,
     middleware: Sequence[Middleware],
     admission: Admission | None = None,
+    batch: Batch | None = None,
 ) -> tuple[Backpressure, float | None, tuple[Middleware, ...]]:
     """Validate ``subscribe``'s options, all but what depends on the handler.
 
@@ -178,7 +187,34 @@ def check_options(
         )
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigurationError(f"{where}: group must be a non-empty string, got {group!r}")
+    if batch is not None:
+        _check_batch(batch, where, capacity, concurrency, admission)
     return policy, seconds, check_middleware(middleware, where)
+
+
+def _check_batch(
+    batch: Any,
+    where: str,
+    capacity: int,
+    concurrency: int | Adaptive,
+    admission: Admission | None,
+) -> None:
+    """Refuse a batch that is not a :class:`Batch` or that cannot work on this stage."""
+    if not isinstance(batch, Batch):
+        raise ConfigurationError(f"{where}: batch must be a Batch or None, got {batch!r}")
+    # (Its own fields were checked when it was made; checked again in case it was not.)
+    Batch.__post_init__(batch)
+    if batch.max_size > capacity:
+        raise ConfigurationError(
+            f"{where}: batch max_size={batch.max_size} is larger than capacity={capacity}: "
+            "a batch could never fill (raise capacity or lower max_size)"
+        )
+    if isinstance(concurrency, Adaptive) or admission is not None:
+        raise ConfigurationError(
+            f"{where}: batch= cannot be combined with "
+            f"{'Adaptive concurrency' if isinstance(concurrency, Adaptive) else 'admission='}"
+            " (a batch stage runs a fixed number of consumers; give concurrency an int)"
+        )
 
 
 def unwrap_partial(handler: Any) -> Any:

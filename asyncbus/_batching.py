@@ -1,0 +1,281 @@
+"""A batch stage's consumers: take up to ``max_size`` envelopes, call the handler once.
+
+Each consumer loops: one yield, take what is queued (up to ``max_size``), wait up to
+``max_wait`` for more when it is fewer, then run the batch and settle each envelope
+on its own (``_consumer.conclude``: the ledger counts envelopes, a retry re-enters
+one envelope, a dead letter names one).
+
+Two ways to run a batch (``_chain.BatchPlan``):
+
+* **fast**, when the chain is pass-through but for a retry policy: this loop expires,
+  decodes, calls the handler once, then forwards results along slips and turns each
+  failure into its verdict (the retry policy's, else a dead letter) for the whole list,
+  with no task or coroutine per envelope;
+* **per envelope** otherwise (user middleware, ``deduplicate``, an instrumentation):
+  a task per envelope runs the chain, whose innermost layer joins the batch
+  (``_batch.Gather``); once every envelope joined or finished, the handler is called
+  once here and each chain gets its own outcome.
+"""
+
+from __future__ import annotations
+
+import time
+import typing
+from typing import Any
+
+import anyio
+
+from . import _instrument
+from ._batch import Failed, Gather, enter_member
+from ._chain import BatchPlan
+from ._consumer import (
+    ConsumerHost,
+    _cancelled_from_outside,
+    _result,
+    _run,
+    _settle_delivery,
+    conclude,
+)
+from ._consumer import start_consumers as start_message_consumers
+from ._dead_letters import DeadLetterReason
+from ._envelope import Envelope
+from ._failures import handler_failure, stray_cancellation
+from ._handling import Handling
+from ._instrument import Result
+from ._stage import Stage
+from ._subscription import Subscription
+from ._types import Handler
+from ._verdicts import DeadLetterNow, RetryAfter, Verdict
+from .middleware.retry import Retry
+
+__all__ = ["consume_batch", "start_consumers"]
+
+_clock = time.perf_counter
+_EXPIRED = DeadLetterNow(DeadLetterReason.EXPIRED)
+
+
+def start_consumers(
+    stage: Stage, subscription: Subscription, chain: Handler, host: ConsumerHost
+) -> None:
+    """Start ``subscription``'s consumers on ``stage``: batch consumers for a batch."""
+    if not isinstance(chain, BatchPlan):
+        start_message_consumers(stage, subscription, chain, host)
+        return
+    assert isinstance(subscription.concurrency, int)  # (batch= refuses Adaptive)
+    name = f"asyncbus batch consumer {stage.name}"
+    for _ in range(subscription.concurrency):
+        host.start_soon(consume_batch, stage, chain, host, name=name)
+
+
+async def _park(stage: Stage) -> bool:
+    """Wait until an admission wakes us; ``False`` after a stray cancellation."""
+    waiters = stage.consumer_waiters
+    waiter = anyio.Event()
+    waiters.append(waiter)
+    try:
+        await waiter.wait()
+    except BaseException as error:  # deliberate: however it ends, no wake-up is lost
+        if waiter in waiters:
+            waiters.remove(waiter)
+        elif stage.queued:
+            stage.wake_consumer()  # we were woken for an item: pass it on
+        if not isinstance(error, anyio.get_cancelled_exc_class()) or not stray_cancellation():
+            raise
+        _cancelled_from_outside(stage)
+        return False
+    return True
+
+
+async def consume_batch(stage: Stage, plan: BatchPlan, host: ConsumerHost) -> None:
+    """One consumer of a batch subscription: take a batch, run it, settle each envelope."""
+    handling = Handling(stage, host)
+    handling.activate()
+    stage.handlings.append(handling)
+    held: list[Envelope | None] = []
+    stage.batch_holds.append(held)
+    checkpoint = host.yield_now
+    cancelled = anyio.get_cancelled_exc_class()
+    max_size, max_wait = plan.batch.max_size, plan.batch.max_wait
+    while True:
+        try:
+            await checkpoint()  # the one yield per batch
+        except cancelled:
+            if not stray_cancellation():
+                raise
+            _cancelled_from_outside(stage)
+            continue
+        if not stage.queued:
+            await _park(stage)
+            if not stage.queued:
+                continue
+        sampled = stage.take_many(max_size, held)
+        if len(held) < max_size and max_wait:
+            with anyio.move_on_after(max_wait):
+                while len(held) < max_size:
+                    if not stage.queued and not await _park(stage):
+                        break
+                    sampled += stage.take_many(max_size - len(held), held)
+        envelopes = typing.cast("list[Envelope]", held.copy())
+        started = _clock()
+        if plan.fast and host.instrumentation is None:
+            await _run_fast(stage, plan, envelopes, held, handling, host)
+        else:
+            await _run_each(stage, plan, envelopes, held, host)
+        held.clear()
+        if sampled:
+            latency = _clock() - started
+            for _ in range(sampled):
+                stage.latency.record(latency)
+
+
+async def _run_fast(
+    stage: Stage,
+    plan: BatchPlan,
+    envelopes: list[Envelope],
+    held: list[Envelope | None],
+    handling: Handling,
+    host: ConsumerHost,
+) -> None:
+    """Expire, decode, call once, forward and settle, for the whole list at once."""
+    extract = plan.extract
+    items: list[Any] = []
+    members: list[int] = []
+    early: list[tuple[int, Verdict]] = []
+    now = 0.0
+    for position, envelope in enumerate(envelopes):
+        ttl = envelope.ttl
+        if ttl is not None:
+            now = now or time.time()
+            if now >= envelope.timestamp + ttl:
+                early.append((position, _EXPIRED))
+                continue
+        if extract is None:
+            items.append(envelope.payload)
+        else:
+            try:
+                items.append(extract(envelope))
+            except Exception as error:  # a DecodeError: rejected, never handled
+                early.append((position, DeadLetterNow.for_failure(error)))
+                continue
+        members.append(position)
+    for position, refused in early:
+        await _conclude(stage, handling, envelopes[position], held, position, refused, host)
+    if not members:
+        return
+    try:
+        each = await plan.call(items)
+    except BaseException as error:  # deliberate: only what is not a failure gets here
+        if not isinstance(error, anyio.get_cancelled_exc_class()):
+            await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
+        raise
+    retry = plan.retry
+    deliveries = stage.deliveries
+    ledger = stage.ledger
+    for position, outcome in zip(members, each, strict=True):
+        envelope = envelopes[position]
+        verdict: Any
+        if isinstance(outcome, Failed):
+            verdict = _retry_or_dead(outcome.error, envelope, retry)
+        elif isinstance(outcome, Verdict):
+            verdict = outcome
+        else:
+            verdict = outcome
+            if envelope.slip or envelope.reply_to is not None:
+                try:
+                    await host.forward(envelope, outcome)
+                except Exception as error:  # as the routing_slip layer's failure would be
+                    verdict = DeadLetterNow.for_failure(error)
+            elif not deliveries:
+                # Acked, in memory: counted inline, as this runs once per envelope.
+                held[position] = None
+                ledger.acked += 1
+                stage.in_flight -= 1
+                continue
+        await _conclude(stage, handling, envelope, held, position, verdict, host)
+    if host.idle_waiters:
+        host.settled(stage)
+
+
+def _retry_or_dead(error: BaseException, envelope: Envelope, retry: Retry | None) -> Verdict:
+    """What the retry layer, then the dead-letter layer, decide for a failed envelope."""
+    verdict = DeadLetterNow.for_failure(error)
+    if (
+        retry is not None
+        and verdict.reason is not DeadLetterReason.REJECTED  # Reject, DecodeError
+        and isinstance(error, retry.retry_on)
+        and envelope.attempt < retry.max_attempts
+    ):
+        return RetryAfter(retry.delay(envelope.attempt), error)
+    return verdict
+
+
+async def _conclude(
+    stage: Stage,
+    handling: Handling,
+    envelope: Envelope,
+    held: list[Envelope | None],
+    position: int,
+    verdict: Any,
+    host: ConsumerHost,
+) -> None:
+    held[position] = None
+    retrying, dead = conclude(stage, handling, envelope, verdict, host)
+    if stage.deliveries and not retrying:
+        await _settle_delivery(stage, envelope, dead, host)
+
+
+async def _run_each(
+    stage: Stage,
+    plan: BatchPlan,
+    envelopes: list[Envelope],
+    held: list[Envelope | None],
+    host: ConsumerHost,
+) -> None:
+    """A task per envelope runs the chain; their innermost layers join one call."""
+    gather = Gather(len(envelopes))
+    try:
+        async with anyio.create_task_group() as group:
+            for position, envelope in enumerate(envelopes):
+                group.start_soon(_member, stage, plan, gather, position, envelope, held, host)
+            await gather.ready.wait()
+            await gather.run(plan.call)
+    except BaseException as error:  # deliberate: only what is not a failure gets here
+        if handler_failure(error) is None and not isinstance(
+            error, anyio.get_cancelled_exc_class()
+        ):
+            await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
+        raise
+
+
+async def _member(
+    stage: Stage,
+    plan: BatchPlan,
+    gather: Gather,
+    position: int,
+    envelope: Envelope,
+    held: list[Envelope | None],
+    host: ConsumerHost,
+) -> None:
+    """One envelope of a batch: its chain (joining the batch), then its settle."""
+    enter_member(gather, position)
+    handling = Handling(stage, host)
+    handling.envelope = envelope
+    handling.activate()
+    instrumentation = host.instrumentation
+    token = None
+    if instrumentation is not None:
+        token = _instrument.enter(instrumentation, host.consumer_info(stage), envelope)
+    try:
+        result = await _run(plan.chain, envelope, host)
+    except BaseException as error:  # cancelled: the attempt is abandoned; close what opened
+        if instrumentation is not None:
+            _instrument.exit(instrumentation, token, Result("abandoned", exception=error))
+        raise
+    finally:
+        gather.finished(position)
+    held[position] = None
+    retrying, dead = conclude(stage, handling, envelope, result, host)
+    if instrumentation is not None:
+        _instrument.exit(instrumentation, token, _result(result))
+    if stage.deliveries and not retrying:
+        await _settle_delivery(stage, envelope, dead, host)
