@@ -30,3 +30,15 @@ def test_an_instance_has_only_the_documented_public_names() -> None:
     public = {name for name in dir(bus) if not name.startswith("_")}
     assert public == DOCUMENTED_METHODS | DOCUMENTED_ATTRIBUTES
     assert (bus.name, bus.workers, bus.transport) == ("svc", 2, None)
+
+
+def test_subscribe_takes_a_batch_in_every_form() -> None:
+    import inspect
+    import typing
+
+    forms = [*typing.get_overloads(Bus.subscribe), Bus.subscribe]
+    assert len(forms) == 3
+    for form in forms:
+        parameter = inspect.signature(form).parameters["batch"]
+        assert (parameter.kind, parameter.default) == (inspect.Parameter.KEYWORD_ONLY, None)
+        assert parameter.annotation == "Batch | None"

@@ -191,3 +191,21 @@ def test_partials_of_one_function_are_different_handlers_so_pub_sub() -> None:
 
     anyio.run(main)
     assert sorted(seen) == ["a", "b", "instance"]
+
+
+def test_batch_and_batch_error_import_from_asyncbus() -> None:
+    import inspect
+
+    batch_module = importlib.import_module("asyncbus._batch")
+    exceptions = importlib.import_module("asyncbus._exceptions")
+    assert asyncbus.Batch is batch_module.Batch
+    assert asyncbus.BatchError is exceptions.BatchError
+    assert {"Batch", "BatchError"} <= set(asyncbus.__all__)
+    assert issubclass(asyncbus.BatchError, asyncbus.AsyncbusError)
+    assert str(inspect.signature(asyncbus.Batch)) == (
+        "(max_size: 'int' = 100, max_wait: 'float' = 0.05) -> None"
+    )
+    assert str(inspect.signature(asyncbus.BatchError)) == (
+        "(failures: 'Mapping[int, BaseException]') -> 'None'"
+    )
+    assert asyncbus.Batch.__doc__ and asyncbus.BatchError.__doc__
