@@ -803,3 +803,45 @@ async def test_drain_waits_for_a_batch_in_flight() -> None:
                 group.start_soon(later)
                 await bus.drain()
             assert done == [0, 1, 2]
+
+
+async def test_a_publish_inside_a_batch_handler_starts_its_own_conversation() -> None:
+    out: list[Envelope] = []
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=10, max_wait=0))
+    async def handle(items: list[int]) -> None:
+        await bus.publish("out", sum(items))
+
+    @bus.subscribe("out")
+    async def collect(envelope: Envelope) -> None:
+        out.append(envelope)
+
+    with anyio.fail_after(5):
+        async with bus:
+            for n in range(3):
+                bus.publish_nowait("t", n)
+            await bus.drain()
+    [envelope] = out
+    assert (envelope.payload, envelope.causation_id) == (3, None)
+
+
+async def test_an_item_of_the_returned_list_may_be_a_verdict() -> None:
+    forwarded: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=10, max_wait=0))
+    async def handle(items: list[int]) -> list[Any]:
+        return [Skip() if item == 1 else item for item in items]
+
+    @bus.subscribe("next")
+    async def after(value: int) -> None:
+        forwarded.append(value)
+
+    with anyio.fail_after(5):
+        async with bus:
+            for n in range(3):
+                bus.publish_nowait("t", n, slip=["next"])
+            await bus.drain()
+    assert sorted(forwarded) == [0, 2]  # a skipped envelope is acked, not forwarded
+    assert ledger(stats(bus)) == (3, 3, 0, 0, 0, 0)

@@ -240,6 +240,15 @@ def check_scaling_out(
     assert sorted(result.stdout.splitlines()) == [f"fulfilled order {n}" for n in range(3)]
 
 
+def check_batches(code: str, tmp_path: Path) -> None:
+    script = tmp_path / "batches.py"
+    script.write_text(code)
+    result = run_script(script)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # 120 queued at once: calls of max_size, then the rest; the row without an id dies.
+    assert result.stdout.splitlines() == ["119 rows in calls of [50, 50, 20]; 1 dead letter"]
+
+
 # -- the tests -----------------------------------------------------------------------
 
 #: Sections whose block gets more than "it runs": what it prints or does is checked.
@@ -247,6 +256,7 @@ CHECKED = {
     "Quick start": check_quick_start,
     "Testing your handlers": check_testing_example,
     "In a FastAPI or Starlette app": check_fastapi_app,
+    "Batches": check_batches,
 }
 BROKER_SECTION = "Scaling out over a broker"
 

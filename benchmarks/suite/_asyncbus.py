@@ -5,8 +5,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
+from typing import Any
 
-from asyncbus import Bus, Retry
+import anyio
+from anyio.lowlevel import checkpoint
+
+from asyncbus import Batch, Bus, Retry
 from asyncbus.middleware import deduplicate
 
 from ._baselines import FAN_OUT, SLIP_STAGES, WORKERS
@@ -18,6 +22,8 @@ Run = Callable[[Sequence[Payload]], Awaitable[Sample]]
 
 #: Every envelope of workload 6 carries a ttl, so the expiry check runs (and passes).
 TTL = 60.0
+#: Workload 7: envelopes per publish call, and the batch handler's ``max_size``.
+BATCH = 100
 
 
 async def _publish_all(bus: Bus, topic: str, messages: Sequence[Payload]) -> float:
@@ -125,9 +131,51 @@ async def bus_reliable(messages: Sequence[Payload], *, make_bus: Callable[[], Bu
     return Sample(seconds, len(messages), tally.n)
 
 
+async def _publish_each(bus: Bus, topic: str, payloads: Sequence[Any]) -> None:
+    """Until ``Bus.publish_many`` lands: ``publish_nowait`` each (``publish`` when the
+    stage is full), then the one yield a ``publish_many`` call makes."""
+    publish_nowait = bus.publish_nowait
+    for payload in payloads:
+        try:
+            publish_nowait(topic, payload)
+        except anyio.WouldBlock:
+            await bus.publish(topic, payload)
+    await checkpoint()
+
+
+async def bus_batch(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
+    """One stage with a batch handler (``Batch(max_size=100)``), 100 envelopes per publish."""
+    tally = Tally()
+    bus = make_bus()
+
+    async def handle(items: list[Payload]) -> None:
+        tally.n += len(items)
+
+    bus.subscribe("bench.batch", handle, batch=Batch(max_size=BATCH))
+    async with bus:
+        await settle()
+        # The one-line switch once Bus.publish_many is on main:
+        # publish_many = bus.publish_many
+        publish_many = functools.partial(_publish_each, bus)
+        started = perf_counter()
+        for start in range(0, len(messages), BATCH):
+            await publish_many("bench.batch", messages[start : start + BATCH])
+        await bus.drain()
+        seconds = perf_counter() - started
+    return Sample(seconds, len(messages), tally.n)
+
+
 def bus_runners(make_bus: Callable[[], Bus] = Bus) -> dict[str, Run]:
     """asyncbus runner per workload key, each on a bus from ``make_bus``."""
-    runners = (bus_one, bus_fan_out, bus_work_queue, bus_slip, bus_request, bus_reliable)
+    runners = (
+        bus_one,
+        bus_fan_out,
+        bus_work_queue,
+        bus_slip,
+        bus_request,
+        bus_reliable,
+        bus_batch,
+    )
     return {
         str(key): functools.partial(runner, make_bus=make_bus)
         for key, runner in enumerate(runners, start=1)
