@@ -451,6 +451,34 @@ class TransportSuite:
         _check(sorted(_ids(inbox.of("c"))), sorted(_ids(sent)), "ids delivered")
 
     @pytest.mark.anyio
+    async def test_a_batch_of_deliveries_held_at_once_settles_in_any_order(
+        self, transport: Transport
+    ) -> None:
+        """What a batch consumer does: hold ``prefetch`` deliveries, then settle them last
+        first, most acked and some rejected; each is settled once and none comes back."""
+        sent = _envelopes("held", 12)
+        async with transport.subscribe("held", group="g", prefetch=len(sent)) as deliveries:
+            await transport.publish("held", sent)
+            held = [
+                await _next(deliveries, self.timeout, f"delivery {n + 1} of {len(sent)}")
+                for n in range(len(sent))
+            ]
+            _check(sorted(_ids(held)), sorted(_ids(sent)), "ids held at once")
+            rejected = []
+            for position, delivery in reversed(list(enumerate(held))):
+                if position % 4 == 1:
+                    rejected.append(delivery.envelope.id)
+                    await delivery.reject(DeadLetterReason.REJECTED.value, stage="held@g")
+                else:
+                    await delivery.ack()
+            with anyio.move_on_after(QUIET):
+                extra = await anext(deliveries)
+                raise AssertionError(f"a settled envelope came back: {extra.envelope!r}")
+        if isinstance(transport, DeadLetterStore):
+            entries = await transport.dead_letters()
+            _check(sorted(_ids(entry.envelope for entry in entries)), sorted(rejected), "dead")
+
+    @pytest.mark.anyio
     async def test_fan_out_gives_every_group_every_envelope(self, transport: Transport) -> None:
         """Two groups on one pattern each receive all envelopes, exactly once."""
         sent = _envelopes("events.fan", 10)
