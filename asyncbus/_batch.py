@@ -251,12 +251,12 @@ class Gather:
         """Call the handler once with the items that joined, then release their chains."""
         self.open = False
         positions = sorted(self.items)
-        try:
-            if positions:
-                each = await call([self.items[position] for position in positions])
-                self.outcomes = dict(zip(positions, each, strict=True))
-        finally:
-            self.done.set()
+        if positions:
+            # (Should the call raise, the bus is stopping: the members stay parked
+            # until they are cancelled with it, never released without an outcome.)
+            each = await call([self.items[position] for position in positions])
+            self.outcomes = dict(zip(positions, each, strict=True))
+        self.done.set()
 
 
 class Member:

@@ -231,12 +231,39 @@ async def _run_each(
     held: list[Envelope | None],
     host: ConsumerHost,
 ) -> None:
-    """A task per envelope runs the chain; their innermost layers join one call."""
-    gather = Gather(len(envelopes))
+    """A task per envelope runs the chain; their innermost layers join one call.
+
+    Copies of one envelope (the same id, delivered twice) go to separate calls, one
+    after the other: a middleware keyed by the id (``deduplicate`` with a broker's
+    store waits for the other copy's outcome) must not wait for a copy in its own call.
+    """
+    rounds: list[list[int]] = []
+    copies: dict[str, int] = {}
+    for position, envelope in enumerate(envelopes):
+        copy = copies.get(envelope.id, 0)
+        copies[envelope.id] = copy + 1
+        if copy == len(rounds):
+            rounds.append([])
+        rounds[copy].append(position)
+    for positions in rounds:
+        await _gather(stage, plan, envelopes, positions, held, host)
+
+
+async def _gather(
+    stage: Stage,
+    plan: BatchPlan,
+    envelopes: list[Envelope],
+    positions: list[int],
+    held: list[Envelope | None],
+    host: ConsumerHost,
+) -> None:
+    gather = Gather(len(positions))
     try:
         async with anyio.create_task_group() as group:
-            for position, envelope in enumerate(envelopes):
-                group.start_soon(_member, stage, plan, gather, position, envelope, held, host)
+            for position in positions:
+                group.start_soon(
+                    _member, stage, plan, gather, position, envelopes[position], held, host
+                )
             await gather.ready.wait()
             await gather.run(plan.call)
     except BaseException as error:  # deliberate: only what is not a failure gets here

@@ -845,3 +845,28 @@ async def test_an_item_of_the_returned_list_may_be_a_verdict() -> None:
             await bus.drain()
     assert sorted(forwarded) == [0, 2]  # a skipped envelope is acked, not forwarded
     assert ledger(stats(bus)) == (3, 3, 0, 0, 0, 0)
+
+
+async def test_two_copies_of_one_envelope_in_a_batch_do_not_wait_for_each_other() -> None:
+    from asyncbus._dedup import MemoryDedupStore
+
+    batches: list[list[int]] = []
+    bus = Bus()
+
+    # A claiming store (as a broker's): a copy waits while the other holds the claim.
+    @bus.subscribe(
+        "t",
+        batch=Batch(max_size=10, max_wait=0),
+        middleware=[deduplicate(store=MemoryDedupStore())],
+    )
+    async def handle(items: list[int]) -> None:
+        batches.append(items)
+
+    with anyio.fail_after(5):
+        async with bus:
+            bus.publish_nowait("t", 1, id="same")
+            bus.publish_nowait("t", 2, id="same")
+            bus.publish_nowait("t", 3)
+            await bus.drain()
+    assert batches == [[1, 3]]  # the second copy found the first done: skipped
+    assert ledger(stats(bus)) == (3, 3, 0, 0, 0, 0)
