@@ -337,11 +337,10 @@ class Stage:
             append(envelope)
         self.queued -= count
         self.in_flight += count
-        waiters = self.room_waiters
         for _ in range(count):
-            if not waiters:
+            if not self.room_waiters:
                 break
-            waiters.popleft().set()
+            self.wake_one()
         return sampled
 
     def wake_one(self) -> None:

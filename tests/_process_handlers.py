@@ -14,12 +14,24 @@ import os
 
 from asyncbus import Envelope
 
-__all__ = ["describe_envelope", "niceness", "raise_named", "square", "tag_with_pid"]
+__all__ = [
+    "describe_envelope",
+    "niceness",
+    "raise_named",
+    "square",
+    "squares",
+    "tag_with_pid",
+]
 
 
 def square(number: int) -> int:
     """Return ``number`` squared."""
     return number * number
+
+
+def squares(numbers: list[int]) -> list[tuple[int, int]]:
+    """A batch handler: each number squared, with the pid of the process that ran it."""
+    return [(number * number, os.getpid()) for number in numbers]
 
 
 def niceness(_: object) -> int:

@@ -870,3 +870,31 @@ async def test_two_copies_of_one_envelope_in_a_batch_do_not_wait_for_each_other(
             await bus.drain()
     assert batches == [[1, 3]]  # the second copy found the first done: skipped
     assert ledger(stats(bus)) == (3, 3, 0, 0, 0, 0)
+
+
+async def test_a_batch_handler_in_a_worker_process_gets_the_list_once() -> None:
+    import importlib
+    import os
+    import sys
+    from pathlib import Path
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    if tests_dir not in sys.path:
+        sys.path.append(tests_dir)  # the worker imports the handler by module name
+    handlers = importlib.import_module("_process_handlers")
+    results: list[tuple[int, int]] = []
+    bus = Bus()
+    bus.subscribe("t", handlers.squares, batch=Batch(max_size=10, max_wait=0), offload="process")
+
+    @bus.subscribe("sink")
+    async def sink(result: tuple[int, int]) -> None:
+        results.append(tuple(result))  # type: ignore[arg-type]
+
+    with anyio.fail_after(30):
+        async with bus:
+            for n in range(3):
+                bus.publish_nowait("t", n, slip=["sink"])
+            await bus.drain()
+    assert sorted(square for square, _ in results) == [0, 1, 4]
+    assert len({pid for _, pid in results}) == 1  # one call, in one worker process
+    assert os.getpid() not in {pid for _, pid in results}

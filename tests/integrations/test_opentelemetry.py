@@ -636,3 +636,37 @@ async def test_publish_threadsafe_from_a_plain_thread_is_a_child_of_that_thread_
             "    process t [CONSUMER] group=g attempt=1 outcome=acked",
         ]
     )
+
+
+async def test_a_batch_handler_gives_each_envelope_its_own_consumer_span(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    from asyncbus import Batch, BatchError, Reject
+
+    bus = traced_bus(provider)
+    calls: list[list[int]] = []
+
+    @bus.subscribe("rows", group="g", batch=Batch(max_size=10, max_wait=0))
+    async def insert(items: list[int]) -> None:
+        calls.append(items)
+        raise BatchError({items.index(1): Reject("bad row")})
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(3):
+                bus.publish_nowait("rows", n)
+            await bus.drain()
+
+    assert calls == [[0, 1, 2]]
+    spans = finished(exporter)
+    assert tree(spans) == "\n".join(
+        [
+            "publish rows [PRODUCER]",
+            "  process rows [CONSUMER] group=g attempt=1 outcome=acked",
+            "publish rows [PRODUCER]",
+            "  process rows [CONSUMER] group=g attempt=1 outcome=dead_lettered"
+            " ERROR(rejected: Reject: bad row) event=exception",
+            "publish rows [PRODUCER]",
+            "  process rows [CONSUMER] group=g attempt=1 outcome=acked",
+        ]
+    )
