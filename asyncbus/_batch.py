@@ -28,6 +28,7 @@ from ._exceptions import BatchError, ConfigurationError
 from ._verdicts import DeadLetterNow
 
 __all__ = [
+    "AllAcked",
     "Batch",
     "Failed",
     "Gather",
@@ -141,6 +142,12 @@ def _identity(envelope: Envelope) -> Envelope:
     return envelope
 
 
+class AllAcked(list[Any]):
+    """The outcomes of a call that returned ``None``: every item acked, with no result."""
+
+    __slots__ = ()
+
+
 class Failed:
     """One envelope's outcome of a batch call: it failed with :attr:`error`."""
 
@@ -180,7 +187,7 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
             error = invalid
         return [Failed(error)] * count
     if result is None:
-        return [None] * count
+        return AllAcked([None] * count)
     if isinstance(result, list | tuple) and len(result) == count:
         return list(result)
     wrong_return = TypeError(
