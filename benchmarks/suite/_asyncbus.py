@@ -22,7 +22,7 @@ Run = Callable[[Sequence[Payload]], Awaitable[Sample]]
 
 #: Every envelope of workload 6 carries a ttl, so the expiry check runs (and passes).
 TTL = 60.0
-#: Workload 7: envelopes per publish call, and the batch handler's ``max_size``.
+#: Workload 8: envelopes per publish call, and the batch handler's ``max_size``.
 BATCH = 100
 
 
@@ -167,16 +167,7 @@ async def bus_batch(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] 
 
 def bus_runners(make_bus: Callable[[], Bus] = Bus) -> dict[str, Run]:
     """asyncbus runner per workload key, each on a bus from ``make_bus``."""
-    runners = (
-        bus_one,
-        bus_fan_out,
-        bus_work_queue,
-        bus_slip,
-        bus_request,
-        bus_reliable,
-        bus_batch,
-    )
-    return {
-        str(key): functools.partial(runner, make_bus=make_bus)
-        for key, runner in enumerate(runners, start=1)
-    }
+    runners = (bus_one, bus_fan_out, bus_work_queue, bus_slip, bus_request, bus_reliable)
+    by_key = {str(key): runner for key, runner in enumerate(runners, start=1)}
+    by_key["8"] = bus_batch
+    return {key: functools.partial(runner, make_bus=make_bus) for key, runner in by_key.items()}

@@ -41,7 +41,7 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("4", "3-stage routing slip", 3),
     Workload("5", "request/reply round trip", 1, latency=True),
     Workload("6", "one stage, reliability chain", 1),
-    Workload("7", "one stage, batch handler, 100 per publish", 1),
+    Workload("8", "one stage, batch handler, 100 per publish", 1),
 )
 
 #: Label of the fairness floor: two tasks, one yield each per message, no other work.
