@@ -72,10 +72,34 @@ def start_consumers(
         host.start_soon(consume_batch, stage, chain, host, name=name)
 
 
-async def _park(stage: Stage) -> bool:
-    """Wait until an admission wakes us; ``False`` after a stray cancellation."""
+class _Filler:
+    """A parked batch consumer that wants ``need`` more envelopes: an admission that
+    leaves fewer queued puts it back in line instead of waking it (one wake-up per
+    batch, not one per envelope, while publishes arrive one at a time)."""
+
+    __slots__ = ("event", "need", "stage")
+
+    def __init__(self, stage: Stage, need: int) -> None:
+        self.stage = stage
+        self.need = need
+        self.event = anyio.Event()
+
+    def set(self) -> None:
+        stage = self.stage
+        if stage.queued >= self.need:
+            self.event.set()
+        else:
+            stage.consumer_waiters.append(typing.cast("anyio.Event", self))
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+async def _park(stage: Stage, need: int = 1) -> bool:
+    """Wait until an admission wakes us (once ``need`` are queued); ``False`` after a
+    stray cancellation."""
     waiters = stage.consumer_waiters
-    waiter = anyio.Event()
+    waiter = anyio.Event() if need <= 1 else typing.cast("anyio.Event", _Filler(stage, need))
     waiters.append(waiter)
     try:
         await waiter.wait()
@@ -117,9 +141,13 @@ async def consume_batch(stage: Stage, plan: BatchPlan, host: ConsumerHost) -> No
         if len(held) < max_size and max_wait:
             with anyio.move_on_after(max_wait):
                 while len(held) < max_size:
-                    if not stage.queued and not await _park(stage):
+                    need = max_size - len(held)
+                    if stage.queued < need and not await _park(stage, need):
                         break
-                    sampled += stage.take_many(max_size - len(held), held)
+                    sampled += stage.take_many(need, held)
+            if stage.queued and len(held) < max_size:
+                # What arrived while we waited, fewer than would fill the batch.
+                sampled += stage.take_many(max_size - len(held), held)
         envelopes = typing.cast("list[Envelope]", held.copy())
         started = _clock()
         if plan.fast and host.instrumentation is None:

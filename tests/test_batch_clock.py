@@ -63,6 +63,26 @@ async def test_envelopes_arriving_within_max_wait_join_the_batch() -> None:
     ]
 
 
+async def test_what_arrives_while_a_batch_waits_short_of_full_joins_it_at_max_wait() -> None:
+    calls: list[tuple[float, list[int]]] = []
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=10, max_wait=60))
+    async def handle(items: list[int]) -> None:
+        calls.append((anyio.current_time(), items))
+
+    with anyio.fail_after(3600):
+        async with bus:
+            start = anyio.current_time()
+            await bus.publish("t", 0)
+            await anyio.sleep(10)
+            await bus.publish("t", 1)
+            await anyio.sleep(10)
+            await bus.publish("t", 2)
+            await bus.drain()
+    assert [(round(at - start, 6), items) for at, items in calls] == [(60.0, [0, 1, 2])]
+
+
 async def test_max_wait_zero_takes_what_is_queued_and_goes() -> None:
     calls: list[tuple[float, list[int]]] = []
     bus = Bus()
