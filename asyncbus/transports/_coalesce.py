@@ -8,10 +8,18 @@ a timer: a lone publish is written at once, and under load a batch grows by itse
 the number of publishers waiting, up to a bound in items and bytes (the next items
 start the next batch). Each caller returns only after the write holding its item
 succeeded, so a publish still means "the broker has it".
+
+A ``timeout`` bounds the wait of every caller without a timer per caller (a cancel
+scope with a deadline per publish cost more than the rest of a publish): each batch
+takes its deadline when it opens, its first item's, and the writer bounds the write
+of a batch by what is left of it (a batch whose deadline passed while it waited is
+failed unwritten). Batches are written oldest first, so the write a batch waits
+behind ends by an earlier deadline.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -30,13 +38,14 @@ _UNKNOWN = "the transport closed while writing: the envelopes may or may not hav
 
 
 class _Batch(Generic[T]):
-    __slots__ = ("done", "error", "items", "size")
+    __slots__ = ("deadline", "done", "error", "items", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float) -> None:
         self.items: list[T] = []
         self.size = 0
         self.done = anyio.Event()
         self.error: BaseException | None = None
+        self.deadline = deadline
 
 
 class Coalescer(Generic[T]):
@@ -47,6 +56,9 @@ class Coalescer(Generic[T]):
     :param max_items: most items in one batch.
     :param max_size: most bytes (as the callers count them) in one batch; an item
         larger than that goes alone.
+    :param timeout: longest (seconds) a caller waits, queued behind other writes
+        included; past it the caller gets a :class:`TimeoutError` (its item may or may
+        not be written). ``None``: no bound.
     """
 
     def __init__(
@@ -55,8 +67,10 @@ class Coalescer(Generic[T]):
         *,
         max_items: int = 1000,
         max_size: int = 16 * 1024 * 1024,
+        timeout: float | None = None,
     ) -> None:
         self._write = write
+        self._timeout = timeout
         self._max_items = max_items
         self._max_size = max_size
         #: Batches taking items or waiting for the writer, oldest first.
@@ -71,7 +85,8 @@ class Coalescer(Generic[T]):
         the write began, the item may or may not be written.
 
         :returns: ``None`` once the write holding ``item`` succeeded, else what that
-            write raised (the caller words the error: it knows what it published).
+            write raised, or a :class:`TimeoutError` past the timeout (the caller words
+            the error: it knows what it published).
         """
         if self._closed is not None:
             return TransportError(self._closed)
@@ -80,7 +95,8 @@ class Coalescer(Generic[T]):
             batch.items
             and (len(batch.items) >= self._max_items or batch.size + size > self._max_size)
         ):
-            batch = _Batch()
+            timeout = self._timeout
+            batch = _Batch(math.inf if timeout is None else anyio.current_time() + timeout)
             self._waiting.append(batch)
             self._wake.set()
         batch.items.append(item)
@@ -118,7 +134,14 @@ class Coalescer(Generic[T]):
             return
         written = False
         try:
-            await self._write(batch.items)
+            if batch.deadline == math.inf:
+                await self._write(batch.items)
+            else:
+                left = batch.deadline - anyio.current_time()
+                if left <= 0:
+                    raise TimeoutError("the batch's deadline passed before its write began")
+                with anyio.fail_after(left):
+                    await self._write(batch.items)
             written = True
         except Exception as error:
             batch.error = error

@@ -147,6 +147,8 @@ _BLOCK_MS_MAX = 3_600_000
 #: Seconds the ack writer waits for more acks before writing (bounds their delay).
 _ACK_LINGER = 0.002
 _PAGE = 1000
+#: Topics remembered as valid (so a publish does not check its topic again).
+_VALID_TOPICS = 8192
 
 #: One publish waiting to be written: its topic, its envelopes as (meta, body), and the
 #: binding streams the writer wrote them to (filled in by the writer).
@@ -174,6 +176,40 @@ def _vanished(error: BaseException) -> bool:
         or "no such key" in message
         or "requires the key to exist" in message
     )
+
+
+def _packing_by_hiredis(connection_class: type[Any]) -> type[Any]:
+    """``connection_class`` packing its commands with hiredis (C) when it is installed.
+
+    redis-py's asyncio connections pack a command in Python, growing one buffer an
+    argument at a time: for a publish batch (a script call with a few hundred
+    arguments) that cost more than everything else the transport does for those
+    envelopes. The arguments are still encoded by the connection's own encoder (the
+    same bytes on the wire, the same errors for a bad argument); only the framing
+    moves to hiredis. Without hiredis the class is returned as it is.
+    """
+    try:
+        from hiredis import pack_command as pack
+    except ImportError:
+        return connection_class
+
+    def pack_command(self: Any, *args: Any) -> list[bytes]:
+        head = args[0]
+        if isinstance(head, str):
+            args = (*head.encode().split(), *args[1:])
+        elif b" " in head:
+            args = (*head.split(), *args[1:])
+        return [pack(tuple(map(self.encoder.encode, args)))]
+
+    return type(
+        f"HiredisPacked{connection_class.__name__}",
+        (connection_class,),
+        {"pack_command": pack_command, "__doc__": connection_class.__doc__},
+    )
+
+
+def _as_it_came(response: Any, **options: Any) -> Any:
+    return response
 
 
 class _Verbatim:
@@ -375,6 +411,7 @@ class RedisTransport(Transport):
         #: Binding stream -> its stage name ("pattern@group").
         self._names: dict[str, str] = {}
         self._routes = TopicMatches()
+        self._valid_topics: set[str] = set()
         #: Streams of request inboxes among the bindings (written with NOMKSTREAM).
         self._inbox_streams: set[str] = set()
         self._next_due = float("inf")
@@ -431,7 +468,11 @@ class RedisTransport(Transport):
             socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
             retry=retry,
         )
+        pool.connection_class = _packing_by_hiredis(pool.connection_class)
         client = aioredis.Redis.from_pool(pool)
+        # XREADGROUP's reply as it came (lists, or a map on RESP3), read by ``_fetch``
+        # alone: redis-py's parsing made a dict per entry.
+        client.set_response_callback("XREADGROUP", _as_it_came)
         try:
             with anyio.fail_after(10):
                 await client.ping()
@@ -449,7 +490,7 @@ class RedisTransport(Transport):
         }
         self._delay_wake = anyio.Event()
         self._acks.open()
-        self._publishes = Coalescer(self._write_publishes)
+        self._publishes = Coalescer(self._write_publishes, timeout=self.publish_timeout)
         await self._tasks.open()
         self._tasks.start_soon(self._move_due_loop)
         self._tasks.start_soon(self._acks.run)
@@ -602,7 +643,12 @@ class RedisTransport(Transport):
 
     async def _publish(self, topic: str, envelopes: Sequence[Envelope]) -> set[str]:
         """Write the envelopes (coalesced); return the binding streams written to."""
-        validate_topic(topic)
+        valid = self._valid_topics
+        if topic not in valid:
+            validate_topic(topic)
+            if len(valid) >= _VALID_TOPICS:
+                valid.clear()
+            valid.add(topic)
         self._redis()
         reached: set[str] = set()
         if not envelopes:
@@ -610,14 +656,14 @@ class RedisTransport(Transport):
             return reached
         wire = [self._encode(envelope) for envelope in envelopes]
         size = sum(len(meta) + len(body) for meta, body in wire)
-        with anyio.move_on_after(self.publish_timeout) as waited:
-            error = await self._publishes.submit((topic, wire, reached), size)
-        if waited.cancelled_caught:
-            raise TransportError(
-                f"Redis at {redact(self.url)}: publish to {topic!r} not confirmed within "
-                f"publish_timeout={self.publish_timeout:g} s (it may or may not be written)"
-            )
+        # Bounded by the coalescer (publish_timeout, per batch): no cancel scope per publish.
+        error = await self._publishes.submit((topic, wire, reached), size)
         if error is not None:
+            if isinstance(error, TimeoutError):
+                raise TransportError(
+                    f"Redis at {redact(self.url)}: publish to {topic!r} not confirmed within "
+                    f"publish_timeout={self.publish_timeout:g} s (it may or may not be written)"
+                ) from error
             raise self._failed(f"publish to {topic!r}", error) from error
         return reached
 
@@ -630,13 +676,10 @@ class RedisTransport(Transport):
         """Write a batch of publishes with one script that also reads the bindings' version.
 
         When the version moved (a binding was added anywhere), the bindings are read
-        again and the streams missed are written too.
+        again and the streams missed are written too. The coalescer bounds it by the
+        batch's ``publish_timeout``: a writer stuck on a silent server would hold up
+        every publish.
         """
-        # Bounded: a writer stuck on a silent server would hold up every publish.
-        with anyio.fail_after(self.publish_timeout):
-            await self._write_batch(batch)
-
-    async def _write_batch(self, batch: list[_Publish]) -> None:
         if self._bindings is None:
             await self._load_bindings()
         written = [done for _topic, _wire, done in batch]
@@ -751,21 +794,32 @@ class RedisTransport(Transport):
                 return
         client = self._redis()
         try:
-            reply: Any = await client.xreadgroup(
+            # The command itself, not ``client.xreadgroup``: its reply is read as it came
+            # (see ``connect``), without a dict per entry nor redis-py's wrapper per read.
+            reply: Any = await client.execute_command(  # type: ignore[no-untyped-call]
+                "XREADGROUP",
+                "GROUP",
                 consumer.group,
                 consumer.name,
-                {consumer.stream: ">"},
-                count=room,
-                block=self.block_ms,
+                "COUNT",
+                room,
+                "BLOCK",
+                self.block_ms,
+                "STREAMS",
+                consumer.stream,
+                ">",
             )
         except self._errors.ResponseError as error:
             if not _vanished(error):
                 raise
             await self._rebind(consumer, error)
             return
-        for _stream, entries in reply or ():
-            for entry, fields in entries:
-                self._deliver(consumer, entry, fields, 1)
+        if not reply:
+            return
+        deliver = self._deliver
+        for _stream, entries in reply.items() if isinstance(reply, dict) else reply:
+            for entry, flat in entries:
+                deliver(consumer, entry, flat, 1)
 
     async def _claim(self, consumer: _Consumer, room: int) -> int:
         """Take entries of the group idle for ``ack_timeout`` (dead or leaving consumers)."""
@@ -800,8 +854,7 @@ class RedisTransport(Transport):
                 # claiming it only refreshed its idle time; delivering it again would
                 # duplicate it. (Another consumer's entries are taken: it may be hung.)
                 continue
-            fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            self._deliver(consumer, entry, fields, int(count))
+            self._deliver(consumer, entry, flat, int(count))
             delivered += 1
         if claimed and cursor not in (b"0-0", "0-0"):
             consumer.next_claim = 0.0  # more may wait: look again at once
@@ -821,10 +874,15 @@ class RedisTransport(Transport):
         consumer.next_claim = 0.0
 
     def _deliver(
-        self, consumer: _Consumer, entry: bytes, fields: dict[bytes, bytes], count: int
+        self, consumer: _Consumer, entry: bytes, flat: list[bytes] | None, count: int
     ) -> None:
-        meta = fields.get(b"meta", b"")
-        body = fields.get(b"body", b"")
+        """Hand over the entry ``entry`` with fields ``flat`` (name, value, ...)."""
+        if flat and len(flat) == 4 and flat[0] == b"meta" and flat[2] == b"body":
+            meta, body = flat[1], flat[3]  # as this transport writes them
+        else:  # written by another client, or fields gone: whatever is there
+            fields = dict(zip(flat[::2], flat[1::2], strict=False)) if flat else {}
+            meta = fields.get(b"meta", b"")
+            body = fields.get(b"body", b"")
         error: str | None
         try:
             envelope, error = envelope_from_wire(meta, body, self.codec)
