@@ -224,3 +224,48 @@ async def test_when_the_writer_stops_nothing_waits_forever() -> None:
     assert isinstance(error, TransportError)
     assert "writer stopped" in str(error)
     assert writer.batches == []
+
+
+async def test_a_write_past_the_timeout_fails_its_batch_with_timeout_error() -> None:
+    writer = Writer()
+    writer.hold = anyio.Event()  # never set: the server does not answer
+    coalescer: Coalescer[int] = Coalescer(writer.write, timeout=0.2)
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(coalescer.run)
+        with anyio.fail_after(5):
+            error = await coalescer.submit(1)
+        task_group.cancel_scope.cancel()
+    assert isinstance(error, TimeoutError)
+    assert writer.batches == [[1]]
+
+
+async def test_a_batch_whose_deadline_passed_before_its_write_is_failed_unwritten() -> None:
+    writer = Writer()
+    coalescer: Coalescer[int] = Coalescer(writer.write, timeout=0.05)
+    results: dict[int, BaseException | None] = {}
+
+    async def submit(item: int) -> None:
+        results[item] = await coalescer.submit(item)
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(submit, 1)
+        await anyio.wait_all_tasks_blocked()
+        await anyio.sleep(0.1)  # the time passes (no writer yet): the deadline is gone
+        task_group.start_soon(coalescer.run)
+        with anyio.fail_after(5):
+            while not results:
+                await anyio.wait_all_tasks_blocked()
+                await anyio.lowlevel.checkpoint()
+        task_group.cancel_scope.cancel()
+    assert writer.batches == []  # never handed to the writer
+    assert isinstance(results[1], TimeoutError)
+
+
+async def test_a_write_within_the_timeout_succeeds() -> None:
+    writer = Writer()
+    coalescer: Coalescer[int] = Coalescer(writer.write, timeout=30)
+    async with anyio.create_task_group() as task_group:
+        results = await _submit_then_write(coalescer, task_group, range(5))
+        task_group.cancel_scope.cancel()
+    assert results == dict.fromkeys(range(5))
+    assert [sorted(batch) for batch in writer.batches] == [list(range(5))]

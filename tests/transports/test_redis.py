@@ -307,6 +307,63 @@ async def test_concurrent_publishes_share_one_write_and_each_arrives_once(
             assert ids == sorted(envelope.id for envelope in sent)
 
 
+async def test_many_envelopes_in_one_publish_are_one_script_call_in_order(
+    redis_url: str, clean_prefix: str, redis: Any
+) -> None:
+    """publish(topic, 200 envelopes): one PUBLISH script call (one round trip), every
+    envelope in the stream when it returns, in order, exactly once."""
+    from asyncbus.transports import _redis_scripts
+
+    async with RedisTransport(redis_url, prefix=clean_prefix) as transport:
+        await transport._bind("many.*", "g")
+        client: Any = transport._client
+        publish_sha = client.register_script(_redis_scripts.PUBLISH).sha
+        calls: list[tuple[Any, ...]] = []
+        execute = client.execute_command
+
+        async def counting(*args: Any, **options: Any) -> Any:
+            calls.append(args)
+            return await execute(*args, **options)
+
+        client.execute_command = counting
+        sent = _envelopes("many.x", 200)
+        reached = await transport.publish_routed("many.x", sent)
+        scripts = [args for args in calls if args[0] in ("EVALSHA", "EVAL")]
+        assert [args[1] for args in scripts] == [publish_sha]
+        assert reached == ("many.*@g",)
+        entries = await redis.xrange(_stream_key(transport, "many.*", "g"))
+    assert [json.loads(fields[b"meta"])["id"] for _entry, fields in entries] == [
+        envelope.id for envelope in sent
+    ]
+
+
+async def test_commands_packed_by_hiredis_are_the_bytes_redis_py_packs() -> None:
+    """The packing shortcut changes nothing on the wire, nor which arguments fail."""
+    pytest.importorskip("hiredis")
+    from redis.asyncio.connection import Connection
+    from redis.exceptions import DataError
+
+    from asyncbus.transports.redis import _packing_by_hiredis
+
+    packed_class = _packing_by_hiredis(Connection)
+    assert packed_class is not Connection
+    ours, theirs = packed_class(), Connection()
+    for args in [
+        ("PING",),
+        ("CONFIG GET", "maxmemory"),
+        (b"CLIENT SETNAME", b"x"),
+        ("XADD", "s:é", "*", "meta", b'{"id":"a"}', "body", b"\x00\xff" * 5000),
+        ("EVALSHA", "a" * 40, 2, "k1", "k2", -3, 0, 12.5, 1e-7, 2**70, "ünïcode"),
+        ("ZADD", "z", 1764790000123, "member"),
+    ]:
+        assert b"".join(ours.pack_command(*args)) == b"".join(theirs.pack_command(*args))
+    for bad in (True, None, object()):
+        with pytest.raises(DataError):
+            theirs.pack_command("SET", "k", bad)
+        with pytest.raises(DataError):
+            ours.pack_command("SET", "k", bad)
+
+
 async def test_an_envelope_over_max_message_size_is_refused_and_nothing_is_written(
     redis_url: str, clean_prefix: str, redis: Any
 ) -> None:
