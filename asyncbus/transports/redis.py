@@ -178,6 +178,10 @@ def _vanished(error: BaseException) -> bool:
     )
 
 
+#: Argument types hiredis packs exactly as redis-py's encoder writes them.
+_AS_THEY_ARE = frozenset({bytes, int})
+
+
 def _packing_by_hiredis(connection_class: type[Any]) -> type[Any]:
     """``connection_class`` packing its commands with hiredis (C) when it is installed.
 
@@ -199,7 +203,9 @@ def _packing_by_hiredis(connection_class: type[Any]) -> type[Any]:
             args = (*head.encode().split(), *args[1:])
         elif b" " in head:
             args = (*head.split(), *args[1:])
-        return [pack(tuple(map(self.encoder.encode, args)))]
+        encode = self.encoder.encode
+        # Bytes and ints (not bools) are written as the encoder would write them.
+        return [pack(tuple([arg if type(arg) in _AS_THEY_ARE else encode(arg) for arg in args]))]
 
     return type(
         f"HiredisPacked{connection_class.__name__}",
@@ -410,6 +416,8 @@ class RedisTransport(Transport):
         self._bindings: list[tuple[Callable[[str], bool], str]] | None = None
         #: Binding stream -> its stage name ("pattern@group").
         self._names: dict[str, str] = {}
+        #: Binding streams a publish reached -> their stage names, sorted.
+        self._stage_names: dict[frozenset[str], tuple[str, ...]] = {}
         self._routes = TopicMatches()
         self._valid_topics: set[str] = set()
         #: Streams of request inboxes among the bindings (written with NOMKSTREAM).
@@ -596,6 +604,7 @@ class RedisTransport(Transport):
         self._bindings = bindings
         self._inbox_streams = inboxes
         self._names = names
+        self._stage_names = {}
         self._version = version
         self._routes.clear()
 
@@ -628,7 +637,14 @@ class RedisTransport(Transport):
         """
         reached = await self._publish(topic, envelopes)
         if reached or not envelopes:
-            return tuple(sorted(self._names.get(stream, stream) for stream in reached))
+            key = frozenset(reached)
+            named = self._stage_names.get(key)
+            if named is None:
+                named = tuple(sorted(self._names.get(stream, stream) for stream in reached))
+                if len(self._stage_names) >= _VALID_TOPICS:
+                    self._stage_names.clear()
+                self._stage_names[key] = named
+            return named
         pipe = self._redis().pipeline(transaction=True)
         for envelope in envelopes:
             self._queue_dead_letter(pipe, unrouted_entry(envelope))
@@ -898,7 +914,7 @@ class RedisTransport(Transport):
                 attempt=count,
             )
             error = str(problem)
-        if error is None:
+        if error is None and count > 1:  # a first delivery is never one too many
             error = over_max_deliveries(count, self.max_deliveries)
         delivery = _RedisDelivery(consumer, entry, envelope, body, error)
         consumer.held[entry] = delivery
