@@ -46,21 +46,25 @@ return 1
 
 #: XADD a batch of publishes and read the bindings' version, in one command (one reply
 #: to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
-#: ARGV holds one group per publish: the number of its streams, their indexes into
-#: KEYS (negative for a request inbox: written only if it still exists, NOMKSTREAM),
-#: the number of its envelopes, then (meta, body) for each envelope.
+#: ARGV holds groups of envelopes going to the same streams (one per publish, or one
+#: for consecutive publishes to the same streams): the number of its streams, their
+#: indexes into KEYS (negative for a request inbox: written only if it still exists,
+#: NOMKSTREAM), the number of its envelopes, then (meta, body) for each envelope.
 #: Returns the version as it was when the entries were added.
 PUBLISH = """
 local i = 1
 while i <= #ARGV do
   local streams = tonumber(ARGV[i])
-  local first = i + 1
-  i = first + streams
+  local targets = {}
+  for s = 1, streams do
+    targets[s] = tonumber(ARGV[i + s])
+  end
+  i = i + streams + 1
   local envelopes = tonumber(ARGV[i])
   i = i + 1
   for at = i, i + envelopes * 2 - 1, 2 do
-    for s = first, first + streams - 1 do
-      local k = tonumber(ARGV[s])
+    for s = 1, streams do
+      local k = targets[s]
       if k > 0 then
         redis.call('XADD', KEYS[k], '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
       else

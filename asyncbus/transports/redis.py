@@ -22,14 +22,19 @@ Layout of the keys (all under ``prefix``):
 How it works:
 
 * **Routing.** ``publish`` matches the topic against the cached bindings and XADDs each
-  envelope to every matching binding stream in one MULTI/EXEC, which also reads the
-  version key. Publishes from concurrent tasks share that MULTI/EXEC (a group commit,
+  envelope to every matching binding stream with one script call (``PUBLISH``: one
+  round trip, atomic), which also reads the version key; a publish of many envelopes
+  is that one call. Publishes from concurrent tasks share it (a group commit,
   :mod:`._coalesce`): one writer task writes all that arrived during its last write,
-  and each publish returns once the write holding it succeeded. When the version moved
+  and each publish returns once the write holding it succeeded (``publish_timeout``
+  bounds each batch, queued time included). When the version moved
   (a binding was added anywhere), the bindings are read again and the streams missed
   are written too, so a binding registered before a publish always receives it. A
   publish through :meth:`RedisTransport.publish_routed` (the bus's) that no binding
   matched is stored as a ``no_subscribers`` dead letter instead.
+* **Reading.** A consumer reads with ``XREADGROUP COUNT <room>`` (its free prefetch),
+  the reply taken as it came (no dict per entry); commands are packed by hiredis
+  when it is installed (redis-py packs in Python, an argument at a time).
 * **Settling.** Every settle removes the entry from the stream together with its XACK
   (MULTI), so a stream holds exactly what its group has not settled: ``backlog`` is its
   XLEN plus the retries waiting in the sorted set. Acks are written behind, in batches
@@ -705,19 +710,29 @@ class RedisTransport(Transport):
             index: dict[str, int] = {}
             args: list[bytes | str | int] = []
             targets: list[list[str]] = []
+            # Consecutive publishes to the same streams (the usual burst: one topic) go
+            # in one group of the script's arguments: their streams named once.
+            group: list[str] | None = None
+            count_at = grouped = 0
             for topic, wire, done in batch:
-                streams = [stream for stream in self._route(topic) if stream not in done]
+                route = self._route(topic)
+                streams = [stream for stream in route if stream not in done] if done else [*route]
                 targets.append(streams)
                 if not streams:
                     continue
-                args.append(len(streams))
-                for stream in streams:
-                    if stream not in index:
-                        keys.append(stream)
-                        index[stream] = len(keys)
-                    # A negative index: an inbox, written only while it exists.
-                    args.append(-index[stream] if stream in inboxes else index[stream])
-                args.append(len(wire))
+                if streams != group:
+                    group = streams
+                    args.append(len(streams))
+                    for stream in streams:
+                        if stream not in index:
+                            keys.append(stream)
+                            index[stream] = len(keys)
+                        # A negative index: an inbox, written only while it exists.
+                        args.append(-index[stream] if stream in inboxes else index[stream])
+                    count_at, grouped = len(args), 0
+                    args.append(0)
+                grouped += len(wire)
+                args[count_at] = grouped
                 for meta, body in wire:
                     args += (meta, body)
             version = await self._scripts["PUBLISH"](keys=keys, args=args)

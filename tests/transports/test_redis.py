@@ -337,6 +337,38 @@ async def test_many_envelopes_in_one_publish_are_one_script_call_in_order(
     ]
 
 
+async def test_one_write_of_publishes_to_different_streams_routes_each_in_order(
+    redis_url: str, clean_prefix: str, redis: Any
+) -> None:
+    """Runs of publishes to the same streams share one group of the script's arguments;
+    a batch mixing topics (and one no group takes) still lands each envelope where it
+    belongs, once, in publish order."""
+    async with RedisTransport(redis_url, prefix=clean_prefix) as transport:
+        await transport._bind("mix.a", "exact")
+        await transport._bind("mix.*", "any")
+        batches: list[int] = []
+        write = transport._write_publishes
+
+        async def counting_write(batch: list[Any]) -> None:
+            batches.append(len(batch))
+            await write(batch)
+
+        transport._publishes._write = counting_write
+        topics = ["mix.a", "mix.a", "mix.b", "nobody", "mix.b", "mix.a", "mix.c", "mix.c"]
+        sent = [Envelope(topic=topic, payload=n) for n, topic in enumerate(topics)]
+        async with anyio.create_task_group() as task_group:
+            for envelope in sent:  # asyncio runs them in this order: one batch, in order
+                task_group.start_soon(transport.publish, envelope.topic, [envelope])
+        assert batches == [len(sent)]
+
+        async def ids(pattern: str, group: str) -> list[str]:
+            entries = await redis.xrange(_stream_key(transport, pattern, group))
+            return [json.loads(fields[b"meta"])["id"] for _entry, fields in entries]
+
+        assert await ids("mix.a", "exact") == [e.id for e in sent if e.topic == "mix.a"]
+        assert await ids("mix.*", "any") == [e.id for e in sent if e.topic != "nobody"]
+
+
 async def test_commands_packed_by_hiredis_are_the_bytes_redis_py_packs() -> None:
     """The packing shortcut changes nothing on the wire, nor which arguments fail."""
     pytest.importorskip("hiredis")
