@@ -69,6 +69,7 @@ How it works:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -1107,10 +1108,20 @@ class RedisTransport(Transport):
         """Move due delayed retries back to their streams (any process's, atomically)."""
         wait = 0.0
         backoff = Backoff(0.05, _BACKOFF_MAX)
+        loop = asyncio.get_running_loop()
         while True:
             self._next_due = time.time() + wait
-            with anyio.move_on_after(wait):
-                await self._delay_wake.wait()
+            wake = self._delay_wake
+            if wait > 0:
+                # A timer that sets the event, not a cancel scope with a deadline: a
+                # scope that expires (ten times a second here) formats its task's repr.
+                timer = loop.call_later(wait, wake.set)
+                try:
+                    await wake.wait()
+                finally:
+                    timer.cancel()
+            else:
+                await anyio.lowlevel.checkpoint()
             self._delay_wake = anyio.Event()
             try:
                 reply = await self._scripts["MOVE_DUE"](
