@@ -9,7 +9,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
 from types import TracebackType
@@ -950,6 +950,47 @@ class Bus:
             topic, payload, headers, ttl, slip, key, id, timeout, priority
         )
         if isinstance(sent, Receipt):  # admitted inline: no coroutine of the publisher's
+            return sent
+        return await sent
+
+    async def publish_many(
+        self,
+        topic: str,
+        payloads: Iterable[Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        slip: Sequence[str] = (),
+        key: str | None = None,
+        timeout: float | None = None,
+        priority: Priority | int | None = None,
+    ) -> list[Receipt]:
+        """Publish one envelope per payload on ``topic``; their receipts, in payload order.
+
+        Each envelope gets a fresh id (in order) and the same options, which mean what
+        they mean for :meth:`publish` and are checked once. In memory each stage admits
+        the envelopes in order with its policy (a ``BLOCK`` stage as room appears;
+        ``REJECT`` and ``DROP_*`` outcomes are in each envelope's receipt); over a broker
+        they go in one pipelined write. The call yields once, whatever the count.
+
+        :param payloads: any iterable (a generator is read once); a ``str``, ``bytes``,
+            ``bytearray`` or mapping is refused: it is one payload, not several.
+        :param timeout: one deadline for the whole call's waits in ``BLOCK`` stages.
+        :raises BusClosedError: before start or after ``aclose`` began; cut off by the
+            stop while it waited for room, with ``.receipt`` and ``.receipts`` as below.
+        :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``:
+            ``.receipts`` holds the receipts of the envelopes published before,
+            ``.receipt`` the partial one of the envelope that timed out; the envelopes
+            after it were not published.
+        :raises ConfigurationError: bad options or ``payloads``.
+        :raises RuntimeError: called from another thread than the event loop's (use
+            :meth:`publish_threadsafe` there); nothing is published.
+        """
+        await self._services.yield_now()
+        sent = self._publisher.publish_many(
+            topic, payloads, headers, ttl, slip, key, timeout, priority
+        )
+        if isinstance(sent, list):  # admitted inline
             return sent
         return await sent
 

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ._envelope import Envelope, Receipt
 
 __all__ = [
@@ -55,22 +57,35 @@ class BusClosedError(AsyncbusError, RuntimeError):
 
     :ivar receipt: for a publish the shutdown cut off while it waited for room, what
         earlier stages of its fan-out had admitted; ``None`` otherwise.
+    :ivar receipts: for a ``publish_many`` cut off so, the receipts of the envelopes
+        published before the one cut off (``receipt``); empty otherwise.
     """
 
-    def __init__(self, message: str = "", *, receipt: Receipt | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        receipt: Receipt | None = None,
+        receipts: Sequence[Receipt] = (),
+    ) -> None:
         super().__init__(message)
         self.receipt = receipt
+        self.receipts: list[Receipt] = list(receipts)
 
 
 class PublishTimeout(AsyncbusError, TimeoutError):
     """A ``BLOCK`` stage stayed full past the publish timeout.
 
     :ivar receipt: what was admitted before time ran out (earlier stages of a fan-out).
+    :ivar receipts: for ``publish_many``, the receipts of the envelopes published
+        before the one that timed out (``receipt``); those after it were not published.
+        Empty for ``publish``.
     """
 
-    def __init__(self, message: str, *, receipt: Receipt) -> None:
+    def __init__(self, message: str, *, receipt: Receipt, receipts: Sequence[Receipt] = ()) -> None:
         super().__init__(message)
         self.receipt = receipt
+        self.receipts: list[Receipt] = list(receipts)
 
 
 class HandlerError(AsyncbusError):

@@ -21,12 +21,13 @@ holds what the integrations read of it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import Context
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._envelope import Envelope, Receipt
+from ._exceptions import BusClosedError, PublishTimeout
 
 __all__ = [
     "Consumer",
@@ -38,6 +39,7 @@ __all__ = [
     "exit",
     "parts_of",
     "send",
+    "send_many",
     "send_now",
 ]
 
@@ -214,6 +216,38 @@ async def send(
         raise
     _sent(instrumentation, token, receipt, None)
     return receipt
+
+
+async def send_many(
+    instrumentation: Instrumentation,
+    kind: SendKind,
+    envelopes: Sequence[Envelope],
+    system: str,
+    route: Callable[[Sequence[Envelope], float | None], Awaitable[list[Receipt]]],
+    timeout: float | None,
+) -> list[Receipt]:
+    """``await route(envelopes, timeout)``, each envelope told to ``instrumentation`` as
+    a send of its own (before, in order, and after, with its own receipt).
+
+    When routing fails part-way, the envelopes sent before the failure (the error's
+    ``receipts``) are told their receipts, the others the error.
+    """
+    sends = [_send(instrumentation, kind, envelope, system) for envelope in envelopes]
+    try:
+        receipts = await route([envelope for envelope, _ in sends], timeout)
+    except BaseException as error:  # cancelled too: what the sends opened must close
+        done: Sequence[Receipt] = (
+            error.receipts if isinstance(error, PublishTimeout | BusClosedError) else ()
+        )
+        for index, (_, token) in enumerate(sends):
+            if index < len(done):
+                _sent(instrumentation, token, done[index], None)
+            else:
+                _sent(instrumentation, token, None, error)
+        raise
+    for (_, token), receipt in zip(sends, receipts, strict=True):
+        _sent(instrumentation, token, receipt, None)
+    return receipts
 
 
 def send_now(

@@ -102,6 +102,16 @@ class Mode(Protocol):
     def send_now(self, envelope: Envelope) -> Receipt:
         """Route ``envelope`` without waiting (see :meth:`check_nowait`)."""
 
+    async def send_many(
+        self, envelopes: Sequence[Envelope], timeout: float | None
+    ) -> list[Receipt]:
+        """Route ``envelopes`` (one topic, at least one), in order: one receipt each.
+
+        ``timeout`` bounds the whole call; on expiry (or a stop) the error carries the
+        receipts of the envelopes sent before it (``receipts``) and the partial
+        receipt of the one it cut off (``receipt``); later ones are not sent.
+        """
+
     def store(self, entry: DeadLetter) -> None:
         """Keep ``entry`` where other processes see it too (nothing in memory)."""
 
@@ -252,6 +262,18 @@ class LocalMode:
         receipt, blocked = self.offer(envelope, self.router.route(envelope.topic))
         if not blocked:
             return receipt
+        return await self.wait_for_room(envelope, receipt, blocked, timeout, progress)
+
+    async def wait_for_room(
+        self,
+        envelope: Envelope,
+        receipt: Receipt,
+        blocked: list[Stage],
+        timeout: float | None,
+        progress: Progress | None = None,
+    ) -> Receipt:
+        """Admit ``envelope`` into the full ``BLOCK`` stages ``blocked`` as room appears
+        (up to ``timeout``); ``receipt`` is what the other stages did at the door."""
         accepted = list(receipt.accepted)
         if progress is not None:
             progress.receipt = receipt
@@ -279,6 +301,45 @@ class LocalMode:
                 f"stage {waiting_on.name!r} stayed full for {timeout}s", receipt=receipt
             )
         return receipt
+
+    async def send_many(
+        self, envelopes: Sequence[Envelope], timeout: float | None
+    ) -> list[Receipt]:
+        """Offer each envelope (in order) to every stage of the topic.
+
+        When every stage has room for all of them and nobody waits for room, all are
+        admitted at once; otherwise each is offered at each door with the stage's
+        policy, a full ``BLOCK`` stage holding the rest back until it has room.
+        """
+        topic = envelopes[0].topic
+        stages = self.router.route(topic)
+        count = len(envelopes)
+        if stages and all(
+            stage.capacity - stage.queued >= count and not stage.room_waiters for stage in stages
+        ):
+            if self.observers:
+                for envelope in envelopes:
+                    self.observe(envelope)
+            listed = list(envelopes)
+            for stage in stages:
+                stage.admit_many(listed)
+            names = self.router.names(topic)
+            return [make_receipt(envelope.id, names) for envelope in envelopes]
+        receipts: list[Receipt] = []
+        deadline = None if timeout is None else anyio.current_time() + timeout
+        try:
+            for envelope in envelopes:
+                if self.observers:
+                    self.observe(envelope)
+                receipt, blocked = self.offer(envelope, self.router.route(topic))
+                if blocked:
+                    left = None if deadline is None else max(0.0, deadline - anyio.current_time())
+                    receipt = await self.wait_for_room(envelope, receipt, blocked, left)
+                receipts.append(receipt)
+        except (PublishTimeout, BusClosedError) as error:
+            error.receipts = receipts  # those sent before the one cut off
+            raise
+        return receipts
 
     def store(self, entry: DeadLetter) -> None:
         """The bus's dead-letter queue is the only one."""
@@ -420,6 +481,40 @@ class BrokerMode:
                 envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
             )
         return make_receipt(envelope.id, reached)
+
+    async def send_many(
+        self, envelopes: Sequence[Envelope], timeout: float | None
+    ) -> list[Receipt]:
+        """Publish ``envelopes`` to the broker in one call (see :meth:`send`).
+
+        The transport writes them pipelined and returns once the broker has them all;
+        ``$deadletter`` stays in this process. ``timeout`` bounds nothing here, as for
+        :meth:`send`.
+        """
+        local = self.local
+        topic = envelopes[0].topic
+        if topic == DEADLETTER_TOPIC:
+            return await local.send_many(envelopes, timeout)
+        if local.observers:
+            for envelope in envelopes:
+                local.observe(envelope)
+        listed = list(envelopes)
+        if topic.startswith(INBOX):
+            await self.transport.publish(topic, listed)
+            return [Receipt(envelope.id) for envelope in listed]
+        routed = self.port.routed
+        if routed is not None:
+            reached = await routed.publish_routed(topic, listed)
+        else:
+            reached = await self.port.publish_routed(topic, listed)
+        if reached is None:  # the transport cannot tell: name this bus's matching stages
+            reached = local.router.names(topic)
+        elif not reached:
+            for envelope in listed:
+                self.host.dead_letter(
+                    envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
+                )
+        return [make_receipt(envelope.id, reached) for envelope in listed]
 
     def send_now(self, envelope: Envelope) -> Receipt:
         """Never: see :meth:`check_nowait`."""

@@ -184,20 +184,7 @@ class Publisher:
         if type(topic) is not str:
             validate_topic(topic)  # a ConfigurationError, before it is used as a key
         where = f"publish({topic!r})"
-        if headers or key is not None or priority is not None:
-            fields = dict(check_headers(headers or {}, where))
-            if key is not None:
-                fields[HEADER_KEY] = str(key)
-            if priority is not None:
-                fields[HEADER_PRIORITY] = _priority_text(topic, priority)
-            frozen_headers: Mapping[str, str] = MappingProxyType(fields)
-        else:
-            frozen_headers = EMPTY_HEADERS
-        route = check_slip(slip, where)
-        for hop in route:
-            validate_topic(hop)
-        if ttl is not None:
-            ttl = check_seconds(ttl, f"{where}: ttl")
+        frozen_headers, route, ttl = _options(topic, headers, ttl, slip, key, priority, where)
         if id is not None and (not isinstance(id, str) or not id):
             raise ConfigurationError(f"{where}: id must be a non-empty string, got {id!r}")
         envelope_id = id if id is not None else new_id()
@@ -303,6 +290,111 @@ class Publisher:
                     stage.admit(envelope)
                 return make_receipt(envelope.id, self._router.names(topic))
         return self._mode.send(envelope, timeout, None)
+
+    def send_many(
+        self, kind: _instrument.SendKind, envelopes: list[Envelope], timeout: float | None
+    ) -> Awaitable[list[Receipt]]:
+        """Route ``envelopes`` (one topic), told to the instrumentation (if any) one by one."""
+        instrumentation = self._services.instrumentation
+        if instrumentation is None:
+            return self._mode.send_many(envelopes, timeout)
+        return _instrument.send_many(
+            instrumentation, kind, envelopes, self._system, self._mode.send_many, timeout
+        )
+
+    def publish_many(
+        self,
+        topic: str,
+        payloads: Iterable[Any],
+        headers: Mapping[str, str] | None,
+        ttl: float | None,
+        slip: Sequence[str],
+        key: str | None,
+        timeout: float | None,
+        priority: Priority | int | None,
+    ) -> list[Receipt] | Awaitable[list[Receipt]]:
+        """``Bus.publish_many`` after its yield: one envelope per payload, admitted in order.
+
+        :returns: the receipts when every stage took every envelope inline, else what
+            to await for them.
+        """
+        host = self._host
+        if host._state != "running":  # checked after the yield: aclose may have begun
+            self.check_open()
+        if threading.get_ident() != host._loop_thread:
+            raise RuntimeError(
+                f"publish_many({topic!r}) was called from a thread other than the event "
+                "loop's: use bus.publish_threadsafe(...) from other threads"
+            )
+        validate_topic(topic)
+        where = f"publish_many({topic!r})"
+        if timeout is not None:
+            timeout = check_wait(timeout, f"{where}: timeout")
+        frozen_headers, route, ttl = _options(topic, headers, ttl, slip, key, priority, where)
+        if isinstance(payloads, _ONE_PAYLOAD) or not isinstance(payloads, Iterable):
+            raise ConfigurationError(
+                f"{where}: payloads must be an iterable of payloads, got {type(payloads).__name__}"
+            )
+        cause = handled_envelope()  # published by a handler: continue its conversation
+        now = _now()
+        name = self.name
+        envelopes: list[Envelope] = []
+        append = envelopes.append
+        if cause is None:
+            for payload in payloads:
+                envelope_id = new_id()
+                append(
+                    make_envelope(
+                        envelope_id,
+                        topic,
+                        payload,
+                        frozen_headers,
+                        now,
+                        ttl,
+                        1,
+                        route,
+                        envelope_id,
+                        None,
+                        None,
+                        name,
+                    )
+                )
+        else:
+            correlation_id, causation_id = cause.correlation_id, cause.id
+            for payload in payloads:
+                append(
+                    make_envelope(
+                        new_id(),
+                        topic,
+                        payload,
+                        frozen_headers,
+                        now,
+                        ttl,
+                        1,
+                        route,
+                        correlation_id,
+                        causation_id,
+                        None,
+                        name,
+                    )
+                )
+        if not envelopes:
+            return []
+        if self._services.instrumentation is not None:
+            return self.send_many("publish", envelopes, timeout)
+        if not self._observers and self._mode.admits_inline:
+            # The common case: every stage has room for all of them, nobody waits.
+            stages = self._routes.get(topic) or self._router.route(topic)
+            count = len(envelopes)
+            if stages and all(
+                stage.capacity - stage.queued >= count and not stage.room_waiters
+                for stage in stages
+            ):
+                for stage in stages:
+                    stage.admit_many(envelopes)
+                names = stages[0].names if len(stages) == 1 else self._router.names(topic)
+                return [make_receipt(envelope.id, names) for envelope in envelopes]
+        return self._mode.send_many(envelopes, timeout)
 
     def publish_nowait(
         self,
@@ -481,6 +573,37 @@ class Publisher:
             cause=handled_envelope(),
         )
         return await replies.wait_for(envelope, seconds)
+
+
+def _options(
+    topic: str,
+    headers: Mapping[str, str] | None,
+    ttl: float | None,
+    slip: Iterable[str] | str,
+    key: str | None,
+    priority: Priority | int | None,
+    where: str,
+) -> tuple[Mapping[str, str], tuple[str, ...], float | None]:
+    """The checked headers (key and priority included), slip and ttl of a publish."""
+    if headers or key is not None or priority is not None:
+        fields = dict(check_headers(headers or {}, where))
+        if key is not None:
+            fields[HEADER_KEY] = str(key)
+        if priority is not None:
+            fields[HEADER_PRIORITY] = _priority_text(topic, priority)
+        frozen_headers: Mapping[str, str] = MappingProxyType(fields)
+    else:
+        frozen_headers = EMPTY_HEADERS
+    route = check_slip(slip, where)
+    for hop in route:
+        validate_topic(hop)
+    if ttl is not None:
+        ttl = check_seconds(ttl, f"{where}: ttl")
+    return frozen_headers, route, ttl
+
+
+#: What ``publish_many`` refuses as its ``payloads``: iterable, but surely one payload.
+_ONE_PAYLOAD = (str, bytes, bytearray, Mapping)
 
 
 def _priority_text(topic: str, priority: Priority | int) -> str:
