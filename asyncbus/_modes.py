@@ -271,9 +271,15 @@ class LocalMode:
         blocked: list[Stage],
         timeout: float | None,
         progress: Progress | None = None,
+        *,
+        named: str | None = None,
     ) -> Receipt:
         """Admit ``envelope`` into the full ``BLOCK`` stages ``blocked`` as room appears
-        (up to ``timeout``); ``receipt`` is what the other stages did at the door."""
+        (up to ``timeout``); ``receipt`` is what the other stages did at the door.
+
+        :param named: the timeout the caller was given, as its error tells it (when
+            ``timeout`` is what is left of it).
+        """
         accepted = list(receipt.accepted)
         if progress is not None:
             progress.receipt = receipt
@@ -298,7 +304,10 @@ class LocalMode:
         receipt = Receipt(envelope.id, tuple(accepted), receipt.rejected, receipt.dropped)
         if scope.cancelled_caught:
             raise PublishTimeout(
-                f"stage {waiting_on.name!r} stayed full for {timeout}s", receipt=receipt
+                f"stage {waiting_on.name!r} stayed full for {timeout}s"
+                if named is None
+                else f"stage {waiting_on.name!r} stayed full past the timeout of {named}",
+                receipt=receipt,
             )
         return receipt
 
@@ -334,7 +343,9 @@ class LocalMode:
                 receipt, blocked = self.offer(envelope, self.router.route(topic))
                 if blocked:
                     left = None if deadline is None else max(0.0, deadline - anyio.current_time())
-                    receipt = await self.wait_for_room(envelope, receipt, blocked, left)
+                    receipt = await self.wait_for_room(
+                        envelope, receipt, blocked, left, named=f"{timeout}s for the batch"
+                    )
                 receipts.append(receipt)
         except (PublishTimeout, BusClosedError) as error:
             error.receipts = receipts  # those sent before the one cut off

@@ -64,6 +64,57 @@ async def test_another_task_runs_between_any_two_publishes(anyio_backend_name: s
         assert runs == [1] * 50  # asyncio steps ready tasks in FIFO order
 
 
+async def test_publish_many_yields_once_per_call_however_many_it_publishes(
+    anyio_backend_name: str,
+) -> None:
+    """A batch is one call: one yield, before anything is admitted (a cancelled one
+    admits nothing), and other tasks run between any two calls."""
+    events: list[str] = []
+    stop = anyio.Event()
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("fair.many", capacity=1000)
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    async with bus:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await bus.publish_many("fair.many", range(10))
+        assert scope.cancelled_caught
+        assert bus.statistics().stages[0].published == 0
+        stage = bus._stages_by_name["fair.many@" + bus.statistics().stages[0].group]
+        yields = 0
+        original = bus._services.yield_now
+
+        async def counted() -> None:
+            nonlocal yields
+            yields += 1
+            await original()
+
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(_ticker, events, stop)
+            await anyio.lowlevel.checkpoint()  # the ticker has started
+            bus._services.yield_now = counted
+            try:
+                for start in range(0, 200, 20):
+                    await bus.publish_many("fair.many", range(start, start + 20))
+                    events.append("publish")
+            finally:
+                bus._services.yield_now = original
+            stop.set()
+        await bus.drain()
+    assert yields == 10
+    assert stage.ledger.published == 200 and handled == list(range(200))
+    runs = _runs(events, "publish")
+    assert sum(runs) == 10
+    if anyio_backend_name == "trio":
+        assert max(runs) <= 2
+    else:
+        assert runs == [1] * 10
+
+
 async def test_a_consumer_yields_once_per_envelope(anyio_backend_name: str) -> None:
     """A stage with a backlog lets other tasks run between any two envelopes."""
     events: list[str] = []

@@ -469,6 +469,72 @@ async def test_a_publish_that_times_out_ends_its_span_with_the_error(
     assert len(named(spans, "process t")) == 2
 
 
+async def test_publish_many_gives_each_envelope_its_own_producer_span_and_trace(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    bus = traced_bus(provider)
+    bus.subscribe("batch.t", echo, group="g")
+    with anyio.fail_after(10):
+        async with bus:
+            receipts = await bus.publish_many("batch.t", [1, 2, 3])
+            await bus.drain()
+
+    spans = finished(exporter)
+    assert tree(spans) == "\n".join(
+        [
+            "publish batch.t [PRODUCER]",
+            "  process batch.t [CONSUMER] group=g attempt=1 outcome=acked",
+        ]
+        * 3
+    )
+    producers = named(spans, "publish batch.t")
+    assert sorted(span["attributes"]["messaging.message.id"] for span in producers) == [
+        receipt.id for receipt in receipts
+    ]
+    assert len({span["trace_id"] for span in producers}) == 3  # siblings, not nested
+    for producer in producers:
+        (consumer,) = [
+            span
+            for span in named(spans, "process batch.t")
+            if span["parent_id"] == producer["span_id"]
+        ]
+        assert (
+            consumer["attributes"]["messaging.message.id"]
+            == producer["attributes"]["messaging.message.id"]
+        )
+
+
+async def test_publish_many_cut_off_by_its_timeout_ends_each_span_by_its_fate(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    gate = anyio.Event()
+
+    async def held(payload: Any) -> None:
+        await gate.wait()
+
+    bus = traced_bus(provider)
+    bus.subscribe("batch.full", held, group="g", capacity=1, backpressure=Backpressure.BLOCK)
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("batch.full", 0)  # taken by the consumer
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(PublishTimeout) as caught:
+                await bus.publish_many("batch.full", [1, 2, 3], timeout=0.01)
+            gate.set()
+            await bus.drain()
+
+    assert len(caught.value.receipts) == 1
+    spans = finished(exporter)
+    producers = named(spans, "publish batch.full")
+    assert len(producers) == 4
+    failed = [span for span in producers if span["status"] == "ERROR"]
+    # 2 timed out waiting for room, 3 was never published: both end with the error.
+    assert [span["description"] for span in failed] == [
+        "PublishTimeout: stage 'batch.full@g' stayed full past the timeout of 0.01s for the batch"
+    ] * 2
+    assert len(named(spans, "process batch.full")) == 2
+
+
 async def test_an_envelope_abandoned_at_shutdown_ends_its_span_as_abandoned(
     provider: TracerProvider, exporter: InMemorySpanExporter
 ) -> None:
