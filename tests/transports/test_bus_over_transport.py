@@ -185,3 +185,31 @@ async def test_shutdown_returns_unfinished_work_to_the_transport() -> None:
         async with second:
             await second.drain()
         assert sorted(handled) == [0, 1, 2, 3, 4]
+
+
+async def test_publish_many_is_one_routed_write_of_the_whole_batch() -> None:
+    calls: list[tuple[str, int]] = []
+
+    class Counting(MemoryTransport):
+        async def publish_routed(self, topic: str, envelopes: Any) -> Any:
+            calls.append((topic, len(envelopes)))
+            return await super().publish_routed(topic, envelopes)
+
+    bus = Bus(transport=Counting(direct=False))
+    handled: list[int] = []
+
+    @bus.subscribe("batch", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    with anyio.fail_after(10):
+        async with bus:
+            receipts = await bus.publish_many("batch", range(50))
+            nobody = await bus.publish_many("batch.nobody", [1, 2])
+            await bus.drain()
+    assert calls == [("batch", 50), ("batch.nobody", 2)]
+    assert handled == list(range(50))
+    assert [receipt.accepted for receipt in receipts] == [("batch@g",)] * 50
+    assert [entry.envelope.id for entry in bus.dead_letters.list()] == [r.id for r in nobody]
+    assert {entry.reason for entry in bus.dead_letters.list()} == {DeadLetterReason.NO_SUBSCRIBERS}
+    ledger_exact(bus)
