@@ -479,6 +479,30 @@ class TransportSuite:
             _check(sorted(_ids(entry.envelope for entry in entries)), sorted(rejected), "dead")
 
     @pytest.mark.anyio
+    async def test_publish_of_200_envelopes_reaches_one_consumer_once_each_in_order(
+        self, transport: Transport
+    ) -> None:
+        """A batch as ``Bus.publish_many`` writes it (one ``publish`` call): each envelope
+        exactly once, and in publish order for one consumer where ``capabilities.ordered``.
+        """
+        sent = _envelopes("bulk", 200)
+        inbox = _Inbox()
+        async with (
+            transport.subscribe("bulk", group="g", prefetch=50) as deliveries,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(inbox.consume, deliveries, "c")
+            await transport.publish("bulk", sent)
+            await inbox.wait_for(len(sent), self.timeout)
+            await anyio.sleep(QUIET)  # a duplicate would arrive meanwhile
+            tg.cancel_scope.cancel()
+        got = _ids(inbox.of("c"))
+        if transport.capabilities.ordered:
+            _check(got, _ids(sent), "ids in delivery order")
+        else:
+            _check(sorted(got), sorted(_ids(sent)), "ids delivered")
+
+    @pytest.mark.anyio
     async def test_fan_out_gives_every_group_every_envelope(self, transport: Transport) -> None:
         """Two groups on one pattern each receive all envelopes, exactly once."""
         sent = _envelopes("events.fan", 10)
