@@ -170,6 +170,8 @@ class Stage:
         #: Over a broker: id(envelope) -> the broker delivery to settle when it is done.
         self.deliveries: dict[int, Delivery] = {}
         self.room_waiters: deque[anyio.Event] = deque()
+        #: Room waiters that want room for several envelopes (a batch), and how many.
+        self.wanted: dict[anyio.Event, int] = {}
         self.consumer_waiters: deque[anyio.Event] = deque()
         self._buffer: deque[tuple[float, Envelope]] = deque()
         self.push: Callable[[tuple[float, Envelope]], None] = self._buffer.append
@@ -343,9 +345,42 @@ class Stage:
             self.wake_one()
         return sampled
 
+    async def wait_for_room_for(self, count: int) -> None:
+        """Wait until the queue has room for ``count`` envelopes (a batch, in line
+        with every other waiter): woken once, not once per place that frees up.
+
+        :raises BusClosedError: when the stage stops first.
+        """
+        self.entering += 1  # as in put(): drain() must not call the stage idle meanwhile
+        try:
+            while not self.closed and self.capacity - self.queued < count:
+                waiter = anyio.Event()
+                self.room_waiters.append(waiter)
+                self.wanted[waiter] = count
+                try:
+                    await waiter.wait()
+                except BaseException:  # deliberate: however the wait ends, no waiter is lost
+                    try:
+                        self.room_waiters.remove(waiter)
+                    except ValueError:
+                        self.wake_one()  # we were handed the room: pass it on
+                    raise
+                finally:
+                    del self.wanted[waiter]
+            if self.closed:
+                raise BusClosedError(f"stage {self.name!r} stopped before it had room")
+        finally:
+            self.entering -= 1
+            self.host.settled(self)
+
     def wake_one(self) -> None:
-        """Hand the room that appeared to the first publish waiting for it."""
+        """Hand the room that appeared to the first publish waiting for it (a batch
+        waiting for room for several only once there is room for all of them)."""
         if self.room_waiters:
+            if self.wanted:
+                wanted = self.wanted.get(self.room_waiters[0])
+                if wanted is not None and self.capacity - self.queued < wanted:
+                    return
             self.room_waiters.popleft().set()
 
     def wake_consumer(self) -> None:

@@ -521,3 +521,72 @@ async def test_a_controlled_stage_takes_a_batch_in_priority_lanes() -> None:
         await bus.drain()
     assert handled == list(range(20))
     assert _ledger(bus, "many.lanes@g") == (20, 20, 0, 0, 0, 0)
+
+
+async def test_a_batch_waiting_for_room_takes_it_in_runs_and_keeps_its_order(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("many.runs", group="g", capacity=8)
+    async def handle(n: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        handled.append(n)
+
+    @bus.subscribe("many.runs", group="other", capacity=3)
+    async def other(n: int) -> None:
+        pass
+
+    async with bus, anyio.create_task_group() as tg:
+        # Two batches and single publishes compete for the same full stages.
+        tg.start_soon(bus.publish_many, "many.runs", range(0, 100))
+        tg.start_soon(bus.publish_many, "many.runs", range(100, 200))
+        for n in range(200, 220):
+            await bus.publish("many.runs", n)
+    assert sorted(handled) == list(range(220))
+    for start, stop in ((0, 100), (100, 200), (200, 220)):
+        assert [n for n in handled if start <= n < stop] == list(range(start, stop))
+    assert _ledger(bus, "many.runs@g") == (220, 220, 0, 0, 0, 0)
+    assert _ledger(bus, "many.runs@other") == (220, 220, 0, 0, 0, 0)
+    assert_settled(bus)
+
+
+async def test_at_its_deadline_a_batch_takes_what_room_there_is_then_times_out(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    gates = {n: anyio.Event() for n in range(-1, 10)}
+    taken: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("many.room", group="g", capacity=4)
+    async def handle(n: int) -> None:
+        taken.append(n)
+        await gates[n].wait()
+
+    async with bus:
+        await bus.publish("many.room", -1)
+        await anyio.wait_all_tasks_blocked()
+        await bus.publish_many("many.room", range(4))  # the stage is full now
+        async with anyio.create_task_group() as tg:
+
+            async def late() -> None:
+                with pytest.raises(PublishTimeout) as caught:
+                    await bus.publish_many("many.room", range(4, 10), timeout=0.2)
+                outcome.append(caught.value)
+
+            outcome: list[PublishTimeout] = []
+            tg.start_soon(late)
+            await anyio.wait_all_tasks_blocked()
+            gates[-1].set()  # one place frees up: the batch waits for a run of two
+            await anyio.wait_all_tasks_blocked()
+            assert taken == [-1, 0]
+        [error] = outcome
+        # At the deadline the one free place took 4; 5 timed out; 6.. never published.
+        assert len(error.receipts) == 1 and error.receipts[0].accepted == ("many.room@g",)
+        for gate in gates.values():
+            gate.set()
+        await bus.drain()
+    assert taken == [-1, 0, 1, 2, 3, 4]
+    assert _ledger(bus, "many.room@g") == (6, 6, 0, 0, 0, 0)
+    assert_settled(bus)
