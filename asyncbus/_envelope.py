@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -196,6 +196,80 @@ def make_envelope(
 _set_receipt_id, _set_accepted, _set_rejected, _set_dropped = (
     getattr(Receipt, name).__set__ for name in Receipt.__dataclass_fields__
 )
+
+
+def make_envelopes(
+    topic: str,
+    payloads: Iterable[Any],
+    headers: Mapping[str, str],
+    timestamp: float,
+    ttl: float | None,
+    slip: tuple[str, ...],
+    cause: tuple[str, str] | None,
+    sender: str | None,
+) -> list[Envelope]:
+    """One new envelope per payload (``publish_many``), in order, sharing every other field.
+
+    Their ids are :func:`new_id`'s, minted in one go: the same microsecond, then the
+    process's sequence, so they sort in payload order. ``cause`` is the handled
+    envelope's ``(correlation_id, id)``; without one each envelope is its own
+    conversation.
+    """
+    prefix = f"{_time_ns() // 1000:014x}"
+    node = _node
+    sequence = _sequence
+    new, kind = _new, Envelope
+    set_id, set_topic, set_payload, set_headers = _set_id, _set_topic, _set_payload, _set_headers
+    set_timestamp, set_ttl, set_attempt, set_slip = (
+        _set_timestamp,
+        _set_ttl,
+        _set_attempt,
+        _set_slip,
+    )
+    set_correlation_id, set_causation_id = _set_correlation_id, _set_causation_id
+    set_reply_to, set_sender = _set_reply_to, _set_sender
+    correlation_id, causation_id = cause if cause is not None else (None, None)
+    envelopes: list[Envelope] = []
+    append = envelopes.append
+    for payload in payloads:
+        # new_id()'s 26 characters: microseconds (14), sequence (6), node (6).
+        envelope_id = f"{prefix}{next(sequence) & 0xFFFFFF:06x}{node}"
+        envelope: Envelope = new(kind)
+        set_id(envelope, envelope_id)
+        set_topic(envelope, topic)
+        set_payload(envelope, payload)
+        set_headers(envelope, headers)
+        set_timestamp(envelope, timestamp)
+        set_ttl(envelope, ttl)
+        set_attempt(envelope, 1)
+        set_slip(envelope, slip)
+        set_correlation_id(envelope, correlation_id or envelope_id)
+        set_causation_id(envelope, causation_id)
+        set_reply_to(envelope, None)
+        set_sender(envelope, sender)
+        append(envelope)
+    return envelopes
+
+
+def make_receipts(envelopes: Iterable[Envelope], accepted: tuple[str, ...]) -> list[Receipt]:
+    """A receipt naming ``accepted`` for each of ``envelopes``, in order."""
+    new, kind = _new, Receipt
+    set_receipt_id, set_accepted, set_rejected, set_dropped = (
+        _set_receipt_id,
+        _set_accepted,
+        _set_rejected,
+        _set_dropped,
+    )
+    receipts: list[Receipt] = []
+    append = receipts.append
+    for envelope in envelopes:
+        receipt: Receipt = new(kind)
+        set_receipt_id(receipt, envelope.id)
+        set_accepted(receipt, accepted)
+        set_rejected(receipt, ())
+        set_dropped(receipt, ())
+        append(receipt)
+    return receipts
 
 
 def make_receipt(

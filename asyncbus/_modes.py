@@ -23,7 +23,7 @@ import anyio
 from ._consumer import ConsumerHost, pump
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._dedup import DedupStore
-from ._envelope import Envelope, Receipt, make_receipt
+from ._envelope import Envelope, Receipt, make_receipt, make_receipts
 from ._exceptions import BusClosedError, ConfigurationError, PublishTimeout
 from ._routing import Router, compile_pattern
 from ._stage import Backpressure, DoorOutcome, Stage
@@ -332,11 +332,9 @@ class LocalMode:
             listed = list(envelopes)
             for stage in stages:
                 stage.admit_many(listed)
-            names = self.router.names(topic)
-            return [make_receipt(envelope.id, names) for envelope in envelopes]
+            return make_receipts(envelopes, self.router.names(topic))
         receipts: list[Receipt] = []
         deadline = None if timeout is None else anyio.current_time() + timeout
-        named = f"{timeout}s for the batch"
         index = 0
         try:
             while index < count:
@@ -349,6 +347,27 @@ class LocalMode:
                     ),
                     default=0,
                 )
+                full = [
+                    stage
+                    for stage in stages
+                    if stage.backpressure is Backpressure.BLOCK and not stage.has_room()
+                ]
+                left = None if deadline is None else max(0.0, deadline - anyio.current_time())
+                # A full BLOCK stage: wait for room for a run of the rest, before this
+                # envelope is offered anywhere (once per run, not once per envelope).
+                if (
+                    room <= 0
+                    and full
+                    and left != 0.0
+                    and await self.wait_for_batch_room(envelopes[index], full, count - index, left)
+                ):
+                    # First in line at the stages waited for: their room is ours.
+                    room = min(
+                        stage.capacity - stage.queued
+                        if stage in full or not stage.room_waiters
+                        else 0
+                        for stage in stages
+                    )
                 if room > 0:
                     run = list(envelopes[index : index + room])
                     if self.observers:
@@ -356,20 +375,20 @@ class LocalMode:
                             self.observe(envelope)
                     for stage in stages:
                         stage.admit_many(run)
-                    names = self.router.names(topic)
-                    receipts += [make_receipt(envelope.id, names) for envelope in run]
+                        if stage.room_waiters and stage.queued < stage.capacity:
+                            stage.wake_one()  # room beyond ours: keep the line moving
+                    receipts += make_receipts(run, self.router.names(topic))
                     index += len(run)
                     continue
+                # One envelope at each door with the stage's policy (out of time, or a
+                # stage that rejects or drops).
                 envelope = envelopes[index]
                 if self.observers:
                     self.observe(envelope)
                 receipt, blocked = self.offer(envelope, stages)
                 if blocked:
-                    left = None if deadline is None else max(0.0, deadline - anyio.current_time())
-                    await self.wait_for_batch_room(receipt, blocked, count - index, left)
-                    left = None if deadline is None else max(0.0, deadline - anyio.current_time())
                     receipt = await self.wait_for_room(
-                        envelope, receipt, blocked, left, named=named
+                        envelope, receipt, blocked, left, named=f"{timeout}s for the batch"
                     )
                 receipts.append(receipt)
                 index += 1
@@ -380,24 +399,27 @@ class LocalMode:
 
     @staticmethod
     async def wait_for_batch_room(
-        receipt: Receipt, blocked: list[Stage], rest: int, timeout: float | None
-    ) -> None:
-        """Wait (at most ``timeout``) until the full ``BLOCK`` stages ``blocked`` have room
-        for a run of the ``rest`` of a batch (up to half a stage's capacity), so a batch
-        waits once per run instead of once per envelope; whatever room there is when
-        time runs out is taken one envelope at a time.
+        envelope: Envelope, full: list[Stage], rest: int, timeout: float | None
+    ) -> bool:
+        """Wait (at most ``timeout``) until the full ``BLOCK`` stages have room for a run
+        of the ``rest`` of a batch (up to half a stage's capacity), ``envelope`` first.
 
-        :raises BusClosedError: when a stage stops first (with ``receipt``, what the
-            other stages admitted of the envelope waiting).
+        :returns: whether they have; ``False`` when time ran out (whatever room there is
+            then is taken one envelope at a time, until one must wait).
+        :raises BusClosedError: when a stage stops first (nothing of ``envelope`` was
+            admitted anywhere).
         """
-        with anyio.move_on_after(timeout):
-            for stage in blocked:
-                wanted = min(rest, max(1, stage.capacity // 2))
-                if wanted > 1:
-                    try:
-                        await stage.wait_for_room_for(wanted)
-                    except BusClosedError as error:
-                        raise BusClosedError(str(error), receipt=receipt) from None
+        try:
+            if timeout is None:
+                for stage in full:
+                    await stage.wait_for_room_for(min(rest, max(1, stage.capacity // 2)))
+                return True
+            with anyio.move_on_after(timeout) as scope:
+                for stage in full:
+                    await stage.wait_for_room_for(min(rest, max(1, stage.capacity // 2)))
+        except BusClosedError as error:
+            raise BusClosedError(str(error), receipt=Receipt(envelope.id)) from None
+        return not scope.cancelled_caught
 
     def store(self, entry: DeadLetter) -> None:
         """The bus's dead-letter queue is the only one."""
@@ -572,7 +594,7 @@ class BrokerMode:
                 self.host.dead_letter(
                     envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
                 )
-        return [make_receipt(envelope.id, reached) for envelope in listed]
+        return make_receipts(listed, reached)
 
     def send_now(self, envelope: Envelope) -> Receipt:
         """Never: see :meth:`check_nowait`."""

@@ -28,7 +28,9 @@ from ._envelope import (
     Envelope,
     Receipt,
     make_envelope,
+    make_envelopes,
     make_receipt,
+    make_receipts,
     new_id,
 )
 from ._exceptions import BusClosedError, ConfigurationError
@@ -336,48 +338,16 @@ class Publisher:
                 f"{where}: payloads must be an iterable of payloads, got {type(payloads).__name__}"
             )
         cause = handled_envelope()  # published by a handler: continue its conversation
-        now = _now()
-        name = self.name
-        envelopes: list[Envelope] = []
-        append = envelopes.append
-        if cause is None:
-            for payload in payloads:
-                envelope_id = new_id()
-                append(
-                    make_envelope(
-                        envelope_id,
-                        topic,
-                        payload,
-                        frozen_headers,
-                        now,
-                        ttl,
-                        1,
-                        route,
-                        envelope_id,
-                        None,
-                        None,
-                        name,
-                    )
-                )
-        else:
-            correlation_id, causation_id = cause.correlation_id, cause.id
-            for payload in payloads:
-                append(
-                    make_envelope(
-                        new_id(),
-                        topic,
-                        payload,
-                        frozen_headers,
-                        now,
-                        ttl,
-                        1,
-                        route,
-                        correlation_id,
-                        causation_id,
-                        None,
-                        name,
-                    )
-                )
+        envelopes = make_envelopes(
+            topic,
+            payloads,
+            frozen_headers,
+            _now(),
+            ttl,
+            route,
+            None if cause is None else (cause.correlation_id, cause.id),
+            self.name,
+        )
         if not envelopes:
             return []
         if self._services.instrumentation is not None:
@@ -393,7 +363,7 @@ class Publisher:
                 for stage in stages:
                     stage.admit_many(envelopes)
                 names = stages[0].names if len(stages) == 1 else self._router.names(topic)
-                return [make_receipt(envelope.id, names) for envelope in envelopes]
+                return make_receipts(envelopes, names)
         return self._mode.send_many(envelopes, timeout)
 
     def publish_nowait(

@@ -5,10 +5,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
-from typing import Any
-
-import anyio
-from anyio.lowlevel import checkpoint
 
 from asyncbus import Batch, Bus, Retry
 from asyncbus.middleware import deduplicate
@@ -22,7 +18,8 @@ Run = Callable[[Sequence[Payload]], Awaitable[Sample]]
 
 #: Every envelope of workload 6 carries a ttl, so the expiry check runs (and passes).
 TTL = 60.0
-#: Workload 8: envelopes per publish call, and the batch handler's ``max_size``.
+#: Workloads 7 and 8: envelopes per ``publish_many`` call (and workload 8's batch
+#: handler's ``max_size``).
 BATCH = 100
 
 
@@ -131,16 +128,20 @@ async def bus_reliable(messages: Sequence[Payload], *, make_bus: Callable[[], Bu
     return Sample(seconds, len(messages), tally.n)
 
 
-async def _publish_each(bus: Bus, topic: str, payloads: Sequence[Any]) -> None:
-    """Until ``Bus.publish_many`` lands: ``publish_nowait`` each (``publish`` when the
-    stage is full), then the one yield a ``publish_many`` call makes."""
-    publish_nowait = bus.publish_nowait
-    for payload in payloads:
-        try:
-            publish_nowait(topic, payload)
-        except anyio.WouldBlock:
-            await bus.publish(topic, payload)
-    await checkpoint()
+async def bus_many(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
+    """One stage, one async handler; published ``BATCH`` at a time with ``publish_many``."""
+    tally = Tally()
+    bus = make_bus()
+    bus.subscribe("bench.many", counting(tally))
+    async with bus:
+        await settle()
+        publish_many = bus.publish_many
+        started = perf_counter()
+        for start in range(0, len(messages), BATCH):
+            await publish_many("bench.many", messages[start : start + BATCH])
+        await bus.drain()
+        seconds = perf_counter() - started
+    return Sample(seconds, len(messages), tally.n)
 
 
 async def bus_batch(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] = Bus) -> Sample:
@@ -154,9 +155,7 @@ async def bus_batch(messages: Sequence[Payload], *, make_bus: Callable[[], Bus] 
     bus.subscribe("bench.batch", handle, batch=Batch(max_size=BATCH))
     async with bus:
         await settle()
-        # The one-line switch once Bus.publish_many is on main:
-        # publish_many = bus.publish_many
-        publish_many = functools.partial(_publish_each, bus)
+        publish_many = bus.publish_many
         started = perf_counter()
         for start in range(0, len(messages), BATCH):
             await publish_many("bench.batch", messages[start : start + BATCH])
@@ -169,5 +168,6 @@ def bus_runners(make_bus: Callable[[], Bus] = Bus) -> dict[str, Run]:
     """asyncbus runner per workload key, each on a bus from ``make_bus``."""
     runners = (bus_one, bus_fan_out, bus_work_queue, bus_slip, bus_request, bus_reliable)
     by_key = {str(key): runner for key, runner in enumerate(runners, start=1)}
+    by_key["7"] = bus_many
     by_key["8"] = bus_batch
     return {key: functools.partial(runner, make_bus=make_bus) for key, runner in by_key.items()}

@@ -176,6 +176,7 @@ def raw_runners() -> dict[str, Run]:
         "4": raw_slip,
         "5": raw_ping_pong,
         "6": raw_one,
+        "7": raw_one,
         "8": raw_one,  # the per-message stream: what a batch handler must beat
     }
 
@@ -293,6 +294,7 @@ def queue_runners() -> dict[str, Run]:
         "4": queue_slip,
         "5": queue_ping_pong,
         "6": queue_one,
+        "7": queue_one,
         "8": queue_one,
     }
 
@@ -368,6 +370,7 @@ def sync_runners() -> dict[str, Run]:
         "4": sync_slip,
         "5": sync_request,
         "6": sync_one,
+        "7": sync_one,
         "8": sync_one,
     }
 
@@ -418,4 +421,4 @@ async def fairness_floor_one(messages: Sequence[Payload]) -> Sample:
 def fairness_floor_runners() -> dict[str, Run | str]:
     """The fairness floor per workload key (workload 1 only, beside the peers)."""
     why = "measured on workload 1 only"
-    return {"1": fairness_floor_one, **dict.fromkeys(("2", "3", "4", "5", "6", "8"), why)}
+    return {"1": fairness_floor_one, **dict.fromkeys(("2", "3", "4", "5", "6", "7", "8"), why)}

@@ -138,6 +138,7 @@ class _FastStream:
             "5": self.request,
             "6": "no built-in retry, per-message expiry or dedup to switch on; "
             "the test client ignores ack/nack",
+            "7": "measured against the raw stream only",
             "8": "batch consume is not compared with peers",
         }
 
@@ -328,5 +329,6 @@ def bubus_runners() -> dict[str, Run | str]:
         "4": bb_slip,
         "5": bb_request,
         "6": "no per-message expiry or deduplication",
+        "7": "measured against the raw stream only",
         "8": "batch consume is not compared with peers",
     }

@@ -392,6 +392,7 @@ def check_targets(
     ratio_target("2 fan-out to 3 vs raw shape", "2", 0.7)
     ratio_target("4 3-stage slip vs raw shape", "4", 0.7)
     ratio_target("6 reliability chain vs raw stream", "6", 0.5)
+    ratio_target("7 publish_many x100 vs raw stream", "7", 1.2)
     ratio_target("8 batch handler vs raw stream", "8", 3.0)
     peer_target(
         "1 one stage vs FastStream", ("faststream", "faststream-rabbit"), 50, show_floor=True

@@ -41,6 +41,7 @@ WORKLOADS: tuple[Workload, ...] = (
     Workload("4", "3-stage routing slip", 3),
     Workload("5", "request/reply round trip", 1, latency=True),
     Workload("6", "one stage, reliability chain", 1),
+    Workload("7", "publish_many x100 into one stage, async handler", 1),
     Workload("8", "one stage, batch handler, 100 per publish", 1),
 )
 
