@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from asyncbus import Bus
 
-#: DESIGN's methods, plus ``running`` and ``subscribed()`` (documented in the guide).
+#: DESIGN's methods, plus ``running`` and ``subscribed()`` (documented in the guide) and
+#: ``publish_many`` (the README and the guide).
 DOCUMENTED_METHODS = {
     "aclose",
     "drain",
     "publish",
+    "publish_many",
     "publish_nowait",
     "publish_threadsafe",
     "request",
