@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from asyncbus import Bus, DeadLetterReason, Envelope, HandlerError, Retry
+from asyncbus.testing import capture
 from asyncbus.transports import MemoryTransport
 
 pytestmark = pytest.mark.anyio
@@ -204,10 +205,12 @@ async def test_publish_many_is_one_routed_write_of_the_whole_batch() -> None:
 
     with anyio.fail_after(10):
         async with bus:
-            receipts = await bus.publish_many("batch", range(50))
-            nobody = await bus.publish_many("batch.nobody", [1, 2])
+            with capture(bus) as captured:
+                receipts = await bus.publish_many("batch", range(50))
+                nobody = await bus.publish_many("batch.nobody", [1, 2])
             await bus.drain()
     assert calls == [("batch", 50), ("batch.nobody", 2)]
+    assert captured.payloads() == [*range(50), 1, 2]
     assert handled == list(range(50))
     assert [receipt.accepted for receipt in receipts] == [("batch@g",)] * 50
     assert [entry.envelope.id for entry in bus.dead_letters.list()] == [r.id for r in nobody]
