@@ -6,8 +6,10 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 from types import MappingProxyType
 from typing import Any
 
@@ -215,61 +217,45 @@ def make_envelopes(
     envelope's ``(correlation_id, id)``; without one each envelope is its own
     conversation.
     """
-    prefix = f"{_time_ns() // 1000:014x}"
-    node = _node
-    sequence = _sequence
-    new, kind = _new, Envelope
-    set_id, set_topic, set_payload, set_headers = _set_id, _set_topic, _set_payload, _set_headers
-    set_timestamp, set_ttl, set_attempt, set_slip = (
-        _set_timestamp,
-        _set_ttl,
-        _set_attempt,
-        _set_slip,
-    )
-    set_correlation_id, set_causation_id = _set_correlation_id, _set_causation_id
-    set_reply_to, set_sender = _set_reply_to, _set_sender
-    correlation_id, causation_id = cause if cause is not None else (None, None)
-    envelopes: list[Envelope] = []
-    append = envelopes.append
-    for payload in payloads:
-        # new_id()'s 26 characters: microseconds (14), sequence (6), node (6).
-        envelope_id = f"{prefix}{next(sequence) & 0xFFFFFF:06x}{node}"
-        envelope: Envelope = new(kind)
-        set_id(envelope, envelope_id)
-        set_topic(envelope, topic)
-        set_payload(envelope, payload)
-        set_headers(envelope, headers)
-        set_timestamp(envelope, timestamp)
-        set_ttl(envelope, ttl)
-        set_attempt(envelope, 1)
-        set_slip(envelope, slip)
-        set_correlation_id(envelope, correlation_id or envelope_id)
-        set_causation_id(envelope, causation_id)
-        set_reply_to(envelope, None)
-        set_sender(envelope, sender)
-        append(envelope)
+    values = list(payloads)
+    count = len(values)
+    # new_id()'s 26 characters: microseconds (14), sequence (6), node (6).
+    prefix, node = f"{_time_ns() // 1000:014x}", _node
+    ids = [f"{prefix}{number & 0xFFFFFF:06x}{node}" for number in islice(_sequence, count)]
+    envelopes: list[Envelope] = list(map(_new, repeat(Envelope, count)))
+    # Each slot filled for the whole batch by a loop in C (map), not one call at a time.
+    _fill(map(_set_id, envelopes, ids))
+    _fill(map(_set_topic, envelopes, repeat(topic, count)))
+    _fill(map(_set_payload, envelopes, values))
+    _fill(map(_set_headers, envelopes, repeat(headers, count)))
+    _fill(map(_set_timestamp, envelopes, repeat(timestamp, count)))
+    _fill(map(_set_ttl, envelopes, repeat(ttl, count)))
+    _fill(map(_set_attempt, envelopes, repeat(1, count)))
+    _fill(map(_set_slip, envelopes, repeat(slip, count)))
+    if cause is None:
+        _fill(map(_set_correlation_id, envelopes, ids))
+        _fill(map(_set_causation_id, envelopes, repeat(None, count)))
+    else:
+        _fill(map(_set_correlation_id, envelopes, repeat(cause[0], count)))
+        _fill(map(_set_causation_id, envelopes, repeat(cause[1], count)))
+    _fill(map(_set_reply_to, envelopes, repeat(None, count)))
+    _fill(map(_set_sender, envelopes, repeat(sender, count)))
     return envelopes
 
 
-def make_receipts(envelopes: Iterable[Envelope], accepted: tuple[str, ...]) -> list[Receipt]:
+def make_receipts(envelopes: Sequence[Envelope], accepted: tuple[str, ...]) -> list[Receipt]:
     """A receipt naming ``accepted`` for each of ``envelopes``, in order."""
-    new, kind = _new, Receipt
-    set_receipt_id, set_accepted, set_rejected, set_dropped = (
-        _set_receipt_id,
-        _set_accepted,
-        _set_rejected,
-        _set_dropped,
-    )
-    receipts: list[Receipt] = []
-    append = receipts.append
-    for envelope in envelopes:
-        receipt: Receipt = new(kind)
-        set_receipt_id(receipt, envelope.id)
-        set_accepted(receipt, accepted)
-        set_rejected(receipt, ())
-        set_dropped(receipt, ())
-        append(receipt)
+    count = len(envelopes)
+    receipts: list[Receipt] = list(map(_new, repeat(Receipt, count)))
+    _fill(map(_set_receipt_id, receipts, [envelope.id for envelope in envelopes]))
+    _fill(map(_set_accepted, receipts, repeat(accepted, count)))
+    _fill(map(_set_rejected, receipts, repeat((), count)))
+    _fill(map(_set_dropped, receipts, repeat((), count)))
     return receipts
+
+
+#: Runs an iterator to its end in C, keeping nothing.
+_fill: Callable[[Iterable[Any]], None] = deque[Any](maxlen=0).extend
 
 
 def make_receipt(
