@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._exceptions import TransportError
@@ -82,6 +83,40 @@ class JetStreamPublisher:
             await future
         finally:
             self._waiting.pop(token, None)
+
+    async def publish_many(
+        self, subject: str, messages: Sequence[tuple[bytes, dict[str, str]]]
+    ) -> None:
+        """Publish every message, pipelined (all written before any ack is awaited, so
+        nats-py sends them in one write), and return once the stream stored them all.
+
+        :raises NoStreamError: when no stream captures ``subject``.
+        :raises TransportError: when the stream refused a message (the first refused).
+        :raises TimeoutError: when an ack did not come within ``timeout``.
+        """
+        create_future = asyncio.get_running_loop().create_future
+        waiting = self._waiting
+        deadline = time.monotonic() + self._timeout
+        tokens = self._tokens
+        sent: list[tuple[str, asyncio.Future[None]]] = []
+        publish = self._nc.publish
+        prefix = self._prefix
+        try:
+            for body, headers in messages:
+                token = str(next(tokens))
+                future: asyncio.Future[None] = create_future()
+                waiting[token] = (future, deadline)
+                sent.append((token, future))
+                await publish(subject, body, reply=prefix + token, headers=headers)
+            for _token, future in sent:
+                await future
+        finally:
+            for token, future in sent:
+                waiting.pop(token, None)
+                if future.done() and not future.cancelled():
+                    future.exception()  # retrieved: only the first failure is raised
+                else:
+                    future.cancel()
 
     async def _on_reply(self, msg: Msg) -> None:
         entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)

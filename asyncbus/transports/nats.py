@@ -57,6 +57,13 @@ Worth knowing:
   dropped the open pull request (it found no interest while the client was away)
   without answering it. If it did not, the old request may still bring up to one
   more batch, which waits in the subscription (kept in progress) until taken.
+* A ``publish`` of many envelopes is one pipelined write: every message is written
+  (each with its own reply subject on one shared inbox, :mod:`._nats_publisher`)
+  before any stream ack is awaited, and the call returns once the stream acked
+  them all. Acks of deliveries are written behind (``ack_nowait``): queued, and
+  written together within a moment by one task (:class:`~._kit.AckWriter`), before
+  the subscription or the transport closes; a process that dies first gets those
+  messages again after ``ack_timeout``.
 * Order: one subscription receives a topic's envelopes in stream (publish) order;
   ``nack`` and redeliveries after ``ack_timeout`` come back later, out of order.
 * Retention is by interest and new groups start with what is published after they
@@ -70,7 +77,6 @@ Worth knowing:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -97,7 +103,7 @@ from ._codec import (
     envelope_from_wire,
     envelope_to_wire,
 )
-from ._kit import Backoff, TaskOwner, redact, require_asyncio
+from ._kit import AckWriter, Backoff, TaskOwner, redact, require_asyncio
 from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description
 from ._nats_handbacks import HandBacks
@@ -141,14 +147,16 @@ _RELEASED = "was released when its subscription ended"
 _PULL_EXPIRES = 5.0
 #: Past expiry plus this, a request that never answered (server restart) is forgotten.
 _PULL_GRACE = 1.0
-#: Envelopes of one publish() call in flight at once (written in order, acks awaited).
-_PUBLISH_WINDOW = 256
+#: Topics whose subject is kept checked (then the cache starts over).
+_SUBJECTS_KEPT = 512
 #: Seconds to wait before asking again after the server refused a pull request.
 _PULL_PAUSE = 0.25
 #: Longest wait between two attempts to make a vanished stream or consumer again.
 _RESTORE_BACKOFF_MAX = 2.0
 #: Seconds closing the connection may take (past the close deadline too: it is local).
 _CLOSE_TIMEOUT = 0.5
+#: Seconds the ack writer waits for more acks before writing them together.
+_ACK_LINGER = 0.002
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -195,6 +203,19 @@ def _broker_call(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
 
 
+def _delivered(msg: Msg) -> int:
+    """How many times JetStream delivered ``msg`` (``num_delivered``), from its reply
+    subject, without building nats-py's metadata objects.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``
+    (other forms, with a domain and an account hash, are left to nats-py).
+    """
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9 and tokens[4].isdigit():
+        return int(tokens[4]) or 1
+    return msg.metadata.num_delivered or 1
+
+
 def _ascii_json(data: bytes) -> str:
     """The same JSON document with every non-ASCII character escaped."""
     return json.dumps(json.loads(data), separators=(",", ":"), ensure_ascii=True)
@@ -206,9 +227,16 @@ def _header_size(headers: Mapping[str, str]) -> int:
 
 
 class _NatsDelivery(BaseDelivery):
-    """A delivery from :class:`NatsTransport`."""
+    """A delivery from :class:`NatsTransport`; its acks are written behind.
+
+    Acks are written together by the transport's writer (within a moment, before
+    the subscription or the transport closes): a process that dies first gets the
+    message redelivered after ``ack_timeout``, as at-least-once delivery allows.
+    """
 
     __slots__ = ("_consumer", "_msg")
+
+    acks_behind = True
 
     def __init__(
         self, consumer: _PullConsumer, msg: Msg, envelope: Envelope, error: str | None
@@ -220,10 +248,12 @@ class _NatsDelivery(BaseDelivery):
     def _settled(self) -> None:
         self._consumer.forget(self)
 
-    async def _ack(self) -> None:
-        """Done: the consumer forgets it."""
-        with _broker_call(f"cannot ack {self.envelope.id}"):
-            await self._msg.ack()
+    def _queue_ack(self) -> None:
+        """Done: ``+ACK`` it, written with the other acks queued meanwhile."""
+        consumer = self._consumer
+        consumer.transport._acks.queue(
+            consumer.name, consumer.stage, self._msg.reply, self.envelope.id
+        )
 
     async def _nack(self, delay: float | None) -> None:
         """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
@@ -260,7 +290,9 @@ class _PullConsumer:
         self.pattern = pattern
         self.group = group
         self.name = consumer_name(pattern, group)
+        self.stage = f"{pattern}@{group}"
         self.prefetch = prefetch
+        self.max_deliveries = transport.max_deliveries
         self.inbox = nc.new_inbox()
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{self.name}"
         self.ready: deque[Msg] = deque()
@@ -373,7 +405,10 @@ class _PullConsumer:
         while True:
             if self.closed:
                 raise StopAsyncIteration
-            wakeup = self.wakeup = anyio.Event()
+            if self.ready and self.failure is None:
+                wakeup = self.wakeup  # a message is at hand: no waiting this time
+            else:
+                wakeup = self.wakeup = anyio.Event()
             if self.nc.is_closed:
                 raise TransportError("the connection to NATS is closed")
             if self.failure is not None:
@@ -393,7 +428,7 @@ class _PullConsumer:
                 with _broker_call("cannot skip a replay for another group"):
                     await msg.ack()
                 continue
-            if delivery.error is None:
+            if delivery.error is None and delivery.envelope.attempt > self.max_deliveries:
                 delivery.error = await self.transport._over_max_deliveries(self, msg)
             self.unsettled[id(delivery)] = delivery
             return delivery
@@ -624,6 +659,20 @@ class NatsTransport(Transport):
         self._restore_lock = anyio.Lock()
         self._groups = GroupDirectory(self.stream)
         self._handbacks = HandBacks(self)
+        #: What a broker call may raise (nats-py's errors are added once it is imported).
+        self._errors: tuple[type[BaseException], ...] = (TimeoutError, OSError)
+        #: Subject of each topic published to lately (checked once).
+        self._subjects: dict[str, str] = {}
+        #: The server's max_payload (read at connect).
+        self._max_payload = 1 << 20
+        #: Acks written behind, by consumer name: the reply subjects to ``+ACK``.
+        self._acks = AckWriter[str, str](
+            "NatsTransport",
+            self._write_acks,
+            self.cleanup_scope,
+            linger=_ACK_LINGER,
+            timeout=self.request_timeout,
+        )
 
     def __repr__(self) -> str:
         return f"NatsTransport({redact(self.url)!r}, prefix={self.prefix!r})"
@@ -658,6 +707,7 @@ class NatsTransport(Transport):
             return
         try:
             from nats.aio.client import Client as NatsClient
+            from nats.errors import Error as NatsError
         except ImportError as error:
             raise ConnectError(
                 "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
@@ -678,6 +728,7 @@ class NatsTransport(Transport):
             "reconnected_cb": self._on_reconnected,
             "closed_cb": self._on_closed,
         }
+        self._errors = (NatsError, TimeoutError, OSError)
         nc = NatsClient()
         try:
             # nats-py gives each attempt connect_timeout; all of them get it together.
@@ -710,6 +761,9 @@ class NatsTransport(Transport):
                 raise ConnectError(f"NatsTransport on {where}: {error}") from error
             raise
         self._nc, self._js, self._publishes = nc, js, publisher
+        self._max_payload = nc.max_payload
+        self._acks.open()
+        self._tasks.start_soon(self._acks.run, name="asyncbus NATS ack writer")
 
     async def _ensure_streams(self, js: JetStreamContext) -> None:
         from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -782,7 +836,15 @@ class NatsTransport(Transport):
                 await js.update_stream(dataclasses.replace(existing, **changes))
 
     async def aclose(self) -> None:
-        """Flush what is buffered (acks, naks) and close the connection, shielded."""
+        """Write the acks queued, flush what is buffered (acks, naks) and close the
+        connection, shielded."""
+        if self._nc is None:
+            return
+        with self.cleanup_scope(self.request_timeout):
+            try:
+                await self._acks.flush()
+            except Exception as error:
+                logger.warning("NATS: acks lost at close (redelivered later): %s", error)
         nc, self._nc, self._js = self._nc, None, None
         publisher, self._publishes = self._publishes, None
         if nc is None:
@@ -792,7 +854,11 @@ class NatsTransport(Transport):
                 consumer.request = None
                 consumer.wake()
         # Keep-alives stop; lingering inboxes unsubscribe (shielded, by the deadline).
-        await self._tasks.aclose()
+        try:
+            await self._tasks.aclose()
+        finally:
+            # What is still queued (a write cut short puts its acks back) is lost.
+            self._acks.close()
         with self.cleanup_scope():
             try:
                 with anyio.move_on_after(self.request_timeout):
@@ -829,6 +895,8 @@ class NatsTransport(Transport):
         logger.info("NATS %s: reconnected", _address(self.url))
         self._groups.forget()  # announcements may have been missed meanwhile
         self._server = _server_id(self._nc)
+        if self._nc is not None:
+            self._max_payload = self._nc.max_payload
         # The open pull requests may be gone: a restarted server forgot them, and the
         # same server drops one whose inbox had no interest while we were away (then
         # nothing answers it before its expiry). Ask again at once rather than wait
@@ -844,6 +912,33 @@ class NatsTransport(Transport):
         for consumer in list(self._consumers):
             consumer.wake()
 
+    async def _write_acks(self, batch: dict[str, list[tuple[str, str | None]]]) -> list[str]:
+        """``+ACK`` the queued deliveries (the AckWriter's ``write``): each one a message
+        to its reply subject, buffered by nats-py and sent in one write.
+
+        :returns: the consumers whose acks are lost for good (the connection is
+            closed: the server delivers those messages again after ``ack_timeout``).
+        """
+        nc = self._nc
+        if nc is None or nc.is_closed:
+            return list(batch)
+        publish = nc.publish
+        written: list[str] = []
+        try:
+            for name, acks in batch.items():
+                for reply, _envelope_id in acks:
+                    await publish(reply)
+                written.append(name)
+        except self._errors as error:
+            # Closed meanwhile: the rest is lost (written again, an ack is harmless).
+            logger.debug("NATS: writing acks failed: %s", error)
+            return [name for name in batch if name not in written]
+        return []
+
+    def unsettled_acks(self) -> list[tuple[str, str]]:
+        """(stage name, envelope id) of the acks the transport closed without writing."""
+        return self._acks.take_lost()
+
     def _publisher(self) -> JetStreamPublisher:
         if self._publishes is None:
             raise TransportError("NatsTransport is not connected: use `async with transport:`")
@@ -857,8 +952,18 @@ class NatsTransport(Transport):
     # -- publishing ---------------------------------------------------------------
 
     def _check_topic(self, topic: str) -> None:
-        validate_topic(topic)
-        _check_subject_text("topic", topic)
+        self._subject(topic)
+
+    def _subject(self, topic: str) -> str:
+        """The subject of ``topic`` (checked once per topic: a few hundred are kept)."""
+        subject = self._subjects.get(topic)
+        if subject is None:
+            validate_topic(topic)
+            _check_subject_text("topic", topic)
+            if len(self._subjects) >= _SUBJECTS_KEPT:
+                self._subjects.clear()
+            subject = self._subjects[topic] = f"{self.prefix}.{topic}"
+        return subject
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """Publish each envelope to ``{prefix}.{topic}`` and wait for the stream's ack.
@@ -867,21 +972,9 @@ class NatsTransport(Transport):
         :raises TransportError: when the server refuses or does not confirm in time,
             or an envelope is larger than the server's ``max_payload``.
         """
-        self._check_topic(topic)
-        subject = f"{self.prefix}.{topic}"
-        if len(envelopes) == 1:
-            await self._send(subject, envelopes[0], None)
-            return
-        # Pipelined: each window is written in order, then its acks are awaited.
-        for start in range(0, len(envelopes), _PUBLISH_WINDOW):
-            window = envelopes[start : start + _PUBLISH_WINDOW]
-            results = await asyncio.gather(
-                *(self._send(subject, envelope, None) for envelope in window),
-                return_exceptions=True,
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+        subject = self._subject(topic)
+        message = self._message
+        await self._send_all(subject, [message(envelope, None) for envelope in envelopes])
 
     async def publish_routed(
         self, topic: str, envelopes: Sequence[Envelope]
@@ -949,40 +1042,71 @@ class NatsTransport(Transport):
             await self._send(f"{self.prefix}.{envelope.topic}", envelope, target)
 
     async def _send(self, subject: str, envelope: Envelope, target: str | None) -> None:
-        nc, _js = self._client()
+        await self._send_all(subject, [self._message(envelope, target)])
+
+    def _message(self, envelope: Envelope, target: str | None) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of ``envelope`` on the wire (for group ``target`` only,
+        a replay, when given).
+
+        :raises TransportError: when it is larger than the server's ``max_payload``.
+        """
+        meta, body = envelope_to_wire(envelope, self.codec)
+        msg_id = envelope.id
+        if target is not None or HEADER_REPLAYED in envelope.headers:
+            # A replay reuses the envelope id; it must not be dropped as a duplicate
+            # of the original (or of another replay of it).
+            msg_id = f"{envelope.id}:{target or ''}:{envelope.timestamp!r}"
+        if "\r" in msg_id or "\n" in msg_id:
+            msg_id = msg_id.replace("\r", " ").replace("\n", " ")
+        # Header values must be ASCII for every nats-py (up to 2.14 a non-ASCII value
+        # loses the whole header block): escape what msgspec wrote as UTF-8.
+        headers = {
+            "Nats-Msg-Id": msg_id,
+            HEADER_META: meta.decode() if meta.isascii() else _ascii_json(meta),
+        }
+        if target is not None:
+            headers[HEADER_REPLAY_GROUP] = target
+        limit = self._max_payload
+        # (A UTF-8 character is at most 4 bytes: most messages are surely small enough.)
+        if len(body) + 4 * (len(msg_id) + len(headers[HEADER_META])) + 256 > limit:
+            size = len(body) + _header_size(headers)
+            if size > limit:
+                raise TransportError(
+                    f"envelope {envelope.id} is {size} bytes on the wire, over the NATS "
+                    f"server's max_payload of {limit} bytes"
+                )
+        return body, headers
+
+    async def _send_all(self, subject: str, messages: list[tuple[bytes, dict[str, str]]]) -> None:
+        """Publish ``messages`` (body, headers) to ``subject`` in one pipelined write;
+        return once the stream stored every one."""
         if self._restore_lock.locked():
             # The stream and consumers are being made again: a publish stored before
             # this process's consumers exist would reach none of them.
             async with self._restore_lock:
                 pass
-        meta, body = envelope_to_wire(envelope, self.codec)
-        msg_id = envelope.id
-        if HEADER_REPLAYED in envelope.headers or target is not None:
-            # A replay reuses the envelope id; it must not be dropped as a duplicate
-            # of the original (or of another replay of it).
-            msg_id = f"{envelope.id}:{target or ''}:{envelope.timestamp!r}"
-        headers = {"Nats-Msg-Id": msg_id.replace("\r", " ").replace("\n", " ")}
-        # Header values must be ASCII for every nats-py (up to 2.14 a non-ASCII value
-        # loses the whole header block): escape what msgspec wrote as UTF-8.
-        headers[HEADER_META] = meta.decode() if meta.isascii() else _ascii_json(meta)
-        if target is not None:
-            headers[HEADER_REPLAY_GROUP] = target
-        size = len(body) + _header_size(headers)
-        if size > nc.max_payload:
-            raise TransportError(
-                f"envelope {envelope.id} is {size} bytes on the wire, over the NATS "
-                f"server's max_payload of {nc.max_payload} bytes"
-            )
-        with _broker_call(f"publish of {envelope.id} to {subject} was not confirmed"):
+        publisher = self._publisher()
+        try:
             try:
-                await self._publisher().publish(subject, body, headers)
+                if len(messages) == 1:
+                    body, headers = messages[0]
+                    await publisher.publish(subject, body, headers)
+                else:
+                    await publisher.publish_many(subject, messages)
             except NoStreamError:
                 # The server lost its state (a restart with an empty store) or someone
                 # deleted the stream: make it again, with this process's consumers,
-                # and publish once more.
+                # and publish once more (what was stored is dropped as a duplicate).
                 logger.warning("NATS: no stream captures %s; making it again", subject)
                 await self._restore()
-                await self._publisher().publish(subject, body, headers)
+                await self._publisher().publish_many(subject, messages)
+        except self._errors as error:
+            what = f"{len(messages)} envelopes" if len(messages) > 1 else "envelope"
+            first = messages[0][1]["Nats-Msg-Id"] if messages else "-"
+            raise TransportError(
+                f"publish of {what} {first}{'...' if len(messages) > 1 else ''} to "
+                f"{subject} was not confirmed: {type(error).__name__}: {error}"
+            ) from error
 
     # -- consuming ----------------------------------------------------------------
 
@@ -1045,6 +1169,10 @@ class NatsTransport(Transport):
             yield consumer
         finally:
             with self.cleanup_scope():
+                try:  # what was acked is written before the rest goes back
+                    await self._acks.flush([consumer.name])
+                except Exception as error:
+                    logger.warning("NATS: acks of %s not written yet: %s", consumer.name, error)
                 if _is_inbox(group):
                     await self._drop_inbox(consumer, subscription)
                 elif await consumer.release(subscription):
@@ -1104,8 +1232,7 @@ class NatsTransport(Transport):
         target = headers.get(HEADER_REPLAY_GROUP)
         if target is not None and target != consumer.name:
             return None
-        metadata = msg.metadata
-        attempt = metadata.num_delivered or 1
+        attempt = _delivered(msg)
         error: str | None
         try:
             meta = headers.get(HEADER_META)
@@ -1116,7 +1243,7 @@ class NatsTransport(Transport):
             )
         except (DecodeError, UnicodeEncodeError) as failure:
             # Not an asyncbus message (or a mangled one): hand it over to be rejected.
-            msg_id = headers.get("Nats-Msg-Id") or f"nats-{metadata.sequence.stream}"
+            msg_id = headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"
             envelope = make_envelope(
                 msg_id,
                 msg.subject[len(self.prefix) + 1 :] or msg.subject,

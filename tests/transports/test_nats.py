@@ -775,3 +775,76 @@ async def test_large_batch_is_pipelined_in_publish_order(transport: NatsTranspor
                 got.append(delivery.envelope.payload)
                 await delivery.ack()
     assert got == list(range(1000))
+
+
+@pytest.mark.anyio
+async def test_many_envelopes_are_one_write_and_all_stored_when_publish_returns(
+    transport: NatsTransport,
+) -> None:
+    """200 envelopes of one publish() leave in one socket write (one round trip), and
+    the call returns once the stream stored every one; each is delivered once, in order."""
+    sent = [Envelope(topic="bulk", payload=n) for n in range(200)]
+    connection: Any = transport._nc._transport  # type: ignore[union-attr]  # nats-py's socket
+    command = f"HPUB {transport.prefix}.bulk ".encode()
+    writes: list[int] = []
+    write_lines = connection.writelines
+
+    def counting(chunks: list[bytes]) -> Any:
+        published = b"".join(chunks).count(command)
+        if published:
+            writes.append(published)
+        return write_lines(chunks)
+
+    got: list[int] = []
+    async with transport.subscribe("bulk", group="g", prefetch=256) as deliveries:
+        connection.writelines = counting
+        try:
+            await transport.publish("bulk", sent)
+        finally:
+            del connection.writelines  # the class's method again
+        assert writes == [200]
+        assert await transport.backlog("bulk", "g") == 200  # all stored on return
+        with anyio.fail_after(15):
+            while len(got) < len(sent):
+                delivery = await anext(deliveries)
+                assert delivery.envelope.id == sent[len(got)].id
+                got.append(delivery.envelope.payload)
+                await delivery.ack()
+        await _nothing_within(deliveries, 0.3)
+    assert got == list(range(200))
+
+
+@pytest.mark.anyio
+async def test_acks_written_behind_are_written_before_the_subscription_ends(
+    transport: NatsTransport,
+) -> None:
+    sent = [Envelope(topic="acks", payload=n) for n in range(20)]
+    async with transport.subscribe("acks", group="g", prefetch=32) as deliveries:
+        await transport.publish("acks", sent)
+        for _ in sent:
+            delivery = await _next(deliveries)
+            assert delivery.acks_behind
+            delivery.ack_nowait()  # queued for the writer; the subscription ends at once
+        name = consumer_name("acks", "g")
+        assert transport._acks.queued(name)
+    assert not transport._acks.queued(name)  # written as the subscription ended
+    assert transport.unsettled_acks() == []
+    # Not given back, not redelivered after ack_timeout: the server has the acks.
+    async with transport.subscribe("acks", group="g", prefetch=32) as deliveries:
+        await _nothing_within(deliveries, ACK_TIMEOUT + 0.5)
+
+
+@pytest.mark.anyio
+async def test_acks_queued_when_the_connection_is_gone_are_reported_lost(
+    nats_url: str, cleanup: str
+) -> None:
+    sent = Envelope(topic="lost", payload=1)
+    transport = NatsTransport(nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT)
+    async with transport, transport.subscribe("lost", group="g", prefetch=1) as deliveries:
+        await transport.publish("lost", [sent])
+        delivery = await _next(deliveries)
+        assert transport._nc is not None
+        await transport._nc.close()  # the connection goes before the writer writes
+        delivery.ack_nowait()
+    assert transport.unsettled_acks() == [("lost@g", sent.id)]
+    assert transport.unsettled_acks() == []  # reported once

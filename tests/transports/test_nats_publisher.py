@@ -12,7 +12,7 @@ import pytest
 
 from asyncbus import TransportError
 from asyncbus.transports._kit import TaskOwner
-from asyncbus.transports._nats_publisher import JetStreamPublisher
+from asyncbus.transports._nats_publisher import JetStreamPublisher, NoStreamError
 
 nats = pytest.importorskip("nats")
 
@@ -163,3 +163,38 @@ async def test_stop_fails_what_still_waits(stream: tuple[Any, str]) -> None:
 
 async def _ignore(msg: Any) -> None:
     return None
+
+
+@pytest.mark.anyio
+async def test_publish_many_returns_once_every_message_is_stored(
+    stream: tuple[Any, str], publisher: JetStreamPublisher
+) -> None:
+    nc, name = stream
+    messages = [(b"%d" % index, {"Nats-Msg-Id": f"m-{index}"}) for index in range(300)]
+    await publisher.publish_many(f"{name.lower()}.items", messages)
+    info = await nc.jetstream().stream_info(name)
+    assert (info.state.messages, info.state.first_seq, info.state.last_seq) == (300, 1, 300)
+    assert publisher._waiting == {}
+
+
+@pytest.mark.anyio
+async def test_publish_many_raises_the_first_refusal_and_stores_the_rest(
+    stream: tuple[Any, str], publisher: JetStreamPublisher
+) -> None:
+    nc, name = stream
+    refused = {"Nats-Msg-Id": "m-1", "Nats-Expected-Stream": "SOME_OTHER_STREAM"}
+    messages = [(b"0", {"Nats-Msg-Id": "m-0"}), (b"1", refused), (b"2", {"Nats-Msg-Id": "m-2"})]
+    with pytest.raises(TransportError, match="JetStream refused the message"):
+        await publisher.publish_many(f"{name.lower()}.items", messages)
+    info = await nc.jetstream().stream_info(name)
+    assert info.state.messages == 2
+    assert publisher._waiting == {}
+
+
+@pytest.mark.anyio
+async def test_publish_many_where_no_stream_captures_the_subject(
+    publisher: JetStreamPublisher,
+) -> None:
+    with pytest.raises(NoStreamError):
+        await publisher.publish_many(f"nostream_{secrets.token_hex(4)}.x", [(b"x", {}), (b"y", {})])
+    assert publisher._waiting == {}
