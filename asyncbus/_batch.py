@@ -174,15 +174,30 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
                 or not isinstance(position, int)
                 or not 0 <= position < count
             ]
-            if not wrong:
+            # An envelope fails with an Exception; a value that is not one (a string, or
+            # KeyboardInterrupt / CancelledError, never raised) would otherwise crash the
+            # consumer or stop the bus.
+            odd = [
+                (position, failure)
+                for position, failure in failures.items()
+                if not isinstance(failure, Exception)
+            ]
+            invalid: Exception
+            if wrong:
+                invalid = ValueError(
+                    f"BatchError names position(s) {', '.join(map(repr, wrong[:5]))}, but the "
+                    f"batch handler was given {count} item(s) (positions 0 to {count - 1})"
+                )
+            elif odd:
+                invalid = TypeError(
+                    "BatchError's failures must be exceptions (instances of Exception); "
+                    + ", ".join(f"position {p!r} has {_what(f)}" for p, f in odd[:5])
+                )
+            else:
                 each: list[Any] = [None] * count
                 for position, failure in failures.items():
                     each[position] = Failed(failure)
                 return each
-            invalid = ValueError(
-                f"BatchError names position(s) {', '.join(map(repr, wrong[:5]))}, but the "
-                f"batch handler was given {count} item(s) (positions 0 to {count - 1})"
-            )
             invalid.__cause__ = error
             error = invalid
         return [Failed(error)] * count
@@ -198,6 +213,13 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
         DeadLetterReason.HANDLER_FAILED, f"TypeError: {wrong_return}", wrong_return
     )
     return [verdict] * count
+
+
+def _what(failure: object) -> str:
+    """A failure that is not an ``Exception``, for an error message."""
+    if isinstance(failure, BaseException):
+        return f"a {type(failure).__name__}"
+    return _short(failure)
 
 
 def _short(value: Any) -> str:

@@ -122,6 +122,7 @@ async def consume_batch(stage: Stage, plan: BatchPlan, host: ConsumerHost) -> No
     stage.handlings.append(handling)
     held: list[Envelope | None] = []
     stage.batch_holds.append(held)
+    handling.batch = held  # (drain() in the handler does not wait for these)
     checkpoint = host.yield_now
     cancelled = anyio.get_cancelled_exc_class()
     max_size, max_wait = plan.batch.max_size, plan.batch.max_wait

@@ -674,13 +674,11 @@ class Bus:
         seconds = check_wait(timeout, "drain(timeout)")
         handling = current_handling()
         stage = None
-        if (
-            handling is not None
-            and handling.host is self._services
-            and handling.envelope is not None
-        ):
+        # In a handler: what it holds (one envelope, or a batch's) is not waited for.
+        in_hand = handling.in_hand() if handling is not None else 0
+        if in_hand and handling is not None and handling.host is self._services:
             stage = handling.stage
-            stage.draining += 1
+            stage.draining += in_hand
             self._wake_drainers()  # another handler's drain may have waited for this one
         try:
             with anyio.move_on_after(seconds):
@@ -688,7 +686,7 @@ class Bus:
                 return
         finally:
             if stage is not None:
-                stage.draining -= 1
+                stage.draining -= in_hand
         raise TimeoutError(_not_drained(self, timeout))
 
     async def _wait_idle(self, *, strict: bool) -> None:

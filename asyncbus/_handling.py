@@ -53,14 +53,24 @@ class Handling:
     :ivar stage: the stage the consumer belongs to.
     :ivar host: the services of the bus that owns the stage.
     :ivar envelope: the envelope being handled, ``None`` between two.
+    :ivar batch: a batch consumer's envelopes in hand (settled ones are ``None``);
+        ``None`` for a per-message consumer.
     """
 
-    __slots__ = ("envelope", "host", "stage")
+    __slots__ = ("batch", "envelope", "host", "stage")
 
     def __init__(self, stage: StageView, host: HandlingHost) -> None:
         self.stage = stage
         self.host = host
         self.envelope: Envelope | None = None
+        self.batch: list[Envelope | None] | None = None
+
+    def in_hand(self) -> int:
+        """How many envelopes the handler running here holds in flight (0 between two)."""
+        if self.envelope is not None:
+            return 1
+        batch = self.batch
+        return 0 if batch is None else len(batch) - batch.count(None)
 
     def activate(self) -> None:
         """Make this the calling task's handling (once, when the consumer starts)."""
