@@ -24,11 +24,11 @@ from ._consumer import ConsumerHost, pump
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._dedup import DedupStore
 from ._envelope import Envelope, Receipt, make_receipt, make_receipts
-from ._exceptions import BusClosedError, ConfigurationError, PublishTimeout
+from ._exceptions import BusClosedError, ConfigurationError, EncodeError, PublishTimeout
 from ._routing import Router, compile_pattern
 from ._stage import Backpressure, DoorOutcome, Stage
 from .transports._bound import BoundTransport
-from .transports._codec import Codec
+from .transports._codec import Codec, encode_payload
 from .transports.base import DedupStoreProvider, Transport, TransportSettings
 
 __all__ = [
@@ -453,6 +453,23 @@ class LocalMode:
         return anyio.CancelScope(shield=True)
 
 
+def _batch_encode_error(
+    topic: str, envelopes: list[Envelope], error: EncodeError, codec: Codec | None
+) -> EncodeError:
+    """``error`` of a batch's write, saying which payload of the batch could not be encoded
+    (looked for only now, on the error's path)."""
+    where = f"publish_many({topic!r}), a batch of {len(envelopes)}"
+    for position, envelope in enumerate(envelopes):
+        if codec is None:
+            break
+        try:
+            encode_payload(codec, envelope.payload)
+        except Exception:  # a codec raises what its library raises
+            where += f": the payload at position {position} (envelope {envelope.id})"
+            break
+    return EncodeError(f"{where}: {error}")
+
+
 class BrokerMode:
     """A broker holds envelopes between publish and handle, for every process.
 
@@ -583,10 +600,15 @@ class BrokerMode:
             await self.transport.publish(topic, listed)
             return [Receipt(envelope.id) for envelope in listed]
         routed = self.port.routed
-        if routed is not None:
-            reached = await routed.publish_routed(topic, listed)
-        else:
-            reached = await self.port.publish_routed(topic, listed)
+        try:
+            if routed is not None:
+                reached = await routed.publish_routed(topic, listed)
+            else:
+                reached = await self.port.publish_routed(topic, listed)
+        except EncodeError as error:
+            raise _batch_encode_error(
+                topic, listed, error, getattr(self.transport, "codec", None)
+            ) from error
         if reached is None:  # the transport cannot tell: name this bus's matching stages
             reached = local.router.names(topic)
         elif not reached:
