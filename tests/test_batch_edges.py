@@ -186,8 +186,7 @@ def test_outcomes_refuse_a_failure_that_is_not_an_exception_naming_its_position(
     failure = each[0].error
     assert isinstance(failure, TypeError) and failure.__cause__ is error
     assert str(failure) == (
-        "BatchError's failures must be exceptions (instances of Exception); "
-        "position 1 has 'oops'"
+        "BatchError's failures must be exceptions (instances of Exception); position 1 has 'oops'"
     )
 
 
@@ -196,3 +195,71 @@ def test_outcomes_name_wrong_positions_before_wrong_failures() -> None:
     (failure, _) = [outcome.error for outcome in outcomes(2, None, error)]
     assert isinstance(failure, ValueError)
     assert str(failure).startswith("BatchError names position(s) True, -1, but")
+
+
+# -- what held: pinned ----------------------------------------------------------------
+
+
+async def test_a_publish_many_cancelled_while_blocked_keeps_what_it_admitted_and_no_more() -> None:
+    release = anyio.Event()
+    handled: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("t", capacity=4, batch=Batch(max_size=2, max_wait=0))
+    async def handle(items: list[int]) -> None:
+        await release.wait()
+        handled.extend(items)
+
+    with anyio.fail_after(10):
+        async with bus:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(bus.publish_many, "t", range(20))
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+            # 2 taken by the consumer, 4 queued; the publisher waited for room for the rest.
+            assert ledger(stats(bus)) == (6, 0, 0, 0, 4, 2)
+            release.set()
+            await bus.drain()
+    assert handled == [0, 1, 2, 3, 4, 5]
+    assert ledger(stats(bus)) == (6, 6, 0, 0, 0, 0)
+
+
+async def test_two_publish_many_into_one_full_block_stage_keep_each_order_and_the_ledger() -> None:
+    handled: list[tuple[str, int]] = []
+    bus = Bus()
+
+    @bus.subscribe("t", capacity=4, batch=Batch(max_size=3, max_wait=0))
+    async def handle(items: list[tuple[str, int]]) -> None:
+        handled.extend(items)
+        await anyio.lowlevel.checkpoint()
+
+    with anyio.fail_after(10):
+        async with bus:
+            async with anyio.create_task_group() as group:
+                for name in ("a", "b"):
+                    group.start_soon(bus.publish_many, "t", [(name, n) for n in range(50)])
+            await bus.drain()
+    for name in ("a", "b"):
+        assert [n for who, n in handled if who == name] == list(range(50))
+    assert ledger(stats(bus)) == (100, 100, 0, 0, 0, 0)
+
+
+async def test_a_generator_of_payloads_that_raises_publishes_nothing() -> None:
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0))
+    async def handle(items: list[int]) -> None:
+        pass
+
+    def payloads() -> Any:
+        yield 1
+        yield 2
+        raise LookupError("midway")
+
+    with anyio.fail_after(10):
+        async with bus:
+            with pytest.raises(LookupError, match="midway"):
+                await bus.publish_many("t", payloads())
+            await bus.drain()
+    assert ledger(stats(bus)) == (0, 0, 0, 0, 0, 0)
