@@ -355,6 +355,7 @@ async def _member(
     enter_member(gather, position)
     handling = Handling(stage, host)
     handling.envelope = envelope
+    handling.batch = held  # (a drain() in a middleware leaves out the whole batch)
     handling.activate()
     instrumentation = host.instrumentation
     token = None

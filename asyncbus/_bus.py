@@ -664,7 +664,8 @@ class Bus:
 
         Thread-safe publishes made before the call (or by handlers it waits for) are
         waited for too. Awaited in a handler, it waits for everything but the
-        handlers that are themselves draining (it would wait for itself otherwise).
+        handlers that are themselves draining (it would wait for itself otherwise; a
+        batch handler leaves out its whole batch).
 
         :raises TimeoutError: when that has not happened within ``timeout`` seconds,
             saying what is still queued, in flight or on its way.

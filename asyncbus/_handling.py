@@ -53,8 +53,9 @@ class Handling:
     :ivar stage: the stage the consumer belongs to.
     :ivar host: the services of the bus that owns the stage.
     :ivar envelope: the envelope being handled, ``None`` between two.
-    :ivar batch: a batch consumer's envelopes in hand (settled ones are ``None``);
-        ``None`` for a per-message consumer.
+    :ivar batch: the envelopes of the batch in hand (settled ones are ``None``), in a
+        batch consumer and in each of its envelopes' tasks; ``None`` for a per-message
+        consumer.
     """
 
     __slots__ = ("batch", "envelope", "host", "stage")
@@ -66,11 +67,12 @@ class Handling:
         self.batch: list[Envelope | None] | None = None
 
     def in_hand(self) -> int:
-        """How many envelopes the handler running here holds in flight (0 between two)."""
-        if self.envelope is not None:
-            return 1
+        """How many envelopes the handler running here holds in flight (0 between two):
+        a batch's all (its members wait for one another), else the one handled."""
         batch = self.batch
-        return 0 if batch is None else len(batch) - batch.count(None)
+        if batch is not None:
+            return len(batch) - batch.count(None)
+        return 0 if self.envelope is None else 1
 
     def activate(self) -> None:
         """Make this the calling task's handling (once, when the consumer starts)."""

@@ -263,3 +263,28 @@ async def test_a_generator_of_payloads_that_raises_publishes_nothing() -> None:
                 await bus.publish_many("t", payloads())
             await bus.drain()
     assert ledger(stats(bus)) == (0, 0, 0, 0, 0, 0)
+
+
+async def test_drain_in_a_middleware_of_a_batch_stage_leaves_out_the_whole_batch() -> None:
+    order: list[str] = []
+    bus = Bus()
+
+    @middleware
+    async def draining(envelope: Envelope, call_next: Handler) -> Any:
+        if envelope.payload == 0:
+            with anyio.fail_after(5):  # (before: the other members waited for this one)
+                await bus.drain()
+            order.append("drained")
+        return await call_next(envelope)
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0), middleware=[draining])
+    async def handle(items: list[int]) -> None:
+        order.append(f"batch {items}")
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish_many("t", range(3))
+            await bus.drain()
+    assert order == ["drained", "batch [0, 1, 2]"]
+    assert ledger(stats(bus)) == (3, 3, 0, 0, 0, 0)
+    assert len(bus.dead_letters) == 0
