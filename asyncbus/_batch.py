@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import inspect
 import math
+import operator
 import typing
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -166,14 +167,18 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
     """
     if error is not None:
         if isinstance(error, BatchError):
-            failures = error.failures
-            wrong = [
-                position
-                for position in failures
-                if isinstance(position, bool)
-                or not isinstance(position, int)
-                or not 0 <= position < count
-            ]
+            failures: dict[int, Any] = {}
+            wrong: list[Any] = []
+            repeated: list[int] = []
+            for given, failure in error.failures.items():
+                # Any integer (numpy's too) names a position; a bool does not.
+                position = _index(given)
+                if position is None or not 0 <= position < count:
+                    wrong.append(given)
+                elif position in failures:
+                    repeated.append(position)
+                else:
+                    failures[position] = failure
             # An envelope fails with an Exception; a value that is not one (a string, or
             # KeyboardInterrupt / CancelledError, never raised) would otherwise crash the
             # consumer or stop the bus.
@@ -187,6 +192,11 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
                 invalid = ValueError(
                     f"BatchError names position(s) {', '.join(map(repr, wrong[:5]))}, but the "
                     f"batch handler was given {count} item(s) (positions 0 to {count - 1})"
+                )
+            elif repeated:
+                invalid = ValueError(
+                    f"BatchError names position(s) {', '.join(map(repr, repeated[:5]))} "
+                    "more than once"
                 )
             elif odd:
                 invalid = TypeError(
@@ -213,6 +223,16 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
         DeadLetterReason.HANDLER_FAILED, f"TypeError: {wrong_return}", wrong_return
     )
     return [verdict] * count
+
+
+def _index(position: object) -> int | None:
+    """``position`` as a list index, ``None`` when it is no integer (or a bool)."""
+    if isinstance(position, bool):
+        return None
+    try:
+        return operator.index(position)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _what(failure: object) -> str:

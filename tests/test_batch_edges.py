@@ -288,3 +288,53 @@ async def test_drain_in_a_middleware_of_a_batch_stage_leaves_out_the_whole_batch
     assert order == ["drained", "batch [0, 1, 2]"]
     assert ledger(stats(bus)) == (3, 3, 0, 0, 0, 0)
     assert len(bus.dead_letters) == 0
+
+
+class Position:
+    """An integer position that is not an ``int`` (as numpy's integers are not)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"Position({self.value})"
+
+
+def test_outcomes_take_any_integer_as_a_position() -> None:
+    failure = ValueError("bad")
+    each = outcomes(3, None, BatchError({Position(1): failure}))  # type: ignore[dict-item]
+    assert each[0] is None and each[2] is None
+    assert isinstance(each[1], Failed) and each[1].error is failure
+
+
+def test_outcomes_refuse_a_position_named_twice() -> None:
+    error = BatchError({1: ValueError(), Position(1): ValueError()})  # type: ignore[dict-item]
+    (failure, _, _) = [outcome.error for outcome in outcomes(3, None, error)]
+    assert isinstance(failure, ValueError) and failure.__cause__ is error
+    assert str(failure) == "BatchError names position(s) 1 more than once"
+
+
+@pytest.mark.parametrize("layers", PATHS)
+async def test_a_batch_error_with_integer_like_positions_fails_only_those(
+    layers: tuple[Any, ...],
+) -> None:
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0), middleware=layers)
+    async def handle(items: list[int]) -> None:
+        raise BatchError({Position(1): ValueError("one")})  # type: ignore[dict-item]
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish_many("t", range(3))
+            await bus.drain()
+    [entry] = bus.dead_letters.list()
+    assert (entry.envelope.payload, entry.reason.value, entry.error) == (
+        1,
+        "handler_failed",
+        "ValueError: one",
+    )
+    assert ledger(stats(bus)) == (3, 2, 1, 0, 0, 0)
