@@ -10,6 +10,7 @@ import anyio.lowlevel
 import pytest
 
 from asyncbus import (
+    HEADER_REPLAYED,
     Batch,
     BatchError,
     Bus,
@@ -338,3 +339,42 @@ async def test_a_batch_error_with_integer_like_positions_fails_only_those(
         "ValueError: one",
     )
     assert ledger(stats(bus)) == (3, 2, 1, 0, 0, 0)
+
+
+async def test_a_failed_batch_is_announced_per_envelope_and_replayed_as_a_batch() -> None:
+    announced: list[Any] = []
+    batches: list[list[tuple[int, int, bool]]] = []
+    fail = True
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0))
+    async def handle(items: list[Envelope]) -> None:
+        batches.append([(e.payload, e.attempt, HEADER_REPLAYED in e.headers) for e in items])
+        if fail:
+            raise ValueError("down")
+
+    @bus.subscribe("$deadletter")
+    async def announce(entry: Any) -> None:
+        announced.append((entry.envelope.payload, entry.reason.value))
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish_many("t", range(3))
+            await bus.drain()
+            assert sorted(announced) == [
+                (0, "handler_failed"),
+                (1, "handler_failed"),
+                (2, "handler_failed"),
+            ]
+            fail = False
+            await bus.dead_letters.replay(*(e.envelope.id for e in bus.dead_letters.list()))
+            await bus.drain()
+    assert batches[0] == [(0, 1, False), (1, 1, False), (2, 1, False)]
+    assert sorted(item for batch in batches[1:] for item in batch) == [
+        (0, 1, True),
+        (1, 1, True),
+        (2, 1, True),
+    ]
+    assert len(announced) == 3 and len(bus.dead_letters) == 0
+    stage = stats(bus)
+    assert ledger(stage) == (6, 3, 3, 0, 0, 0)
