@@ -222,6 +222,8 @@ class _ReceiptSlots:
 assert _EnvelopeSlots.__slots__ == Envelope.__slots__
 assert _ReceiptSlots.__slots__ == Receipt.__slots__
 
+_new = object.__new__
+
 #: ``make_envelope(every field, in order) -> Envelope``, skipping the dataclass machinery.
 make_envelope = cast(
     "Callable[[str, str, Any, Mapping[str, str], float, float | None, int, "
@@ -261,19 +263,28 @@ def make_envelopes(
     stamp = _ID_MARK | (_time_ns() // 1000) << 24 | (first & 0xFFFFFF)
     node = _node
     ids = [digits[3:] + node for digits in map(hex, range(stamp, stamp + count))]
-    build = make_envelope
-    if cause is None:  # each its own conversation
-        return [
-            build(id, topic, value, headers, timestamp, ttl, 1, slip, id, None, None, sender)
-            for id, value in zip(ids, values, strict=True)
-        ]
-    correlation, causation = cause
-    return [
-        build(
-            id, topic, value, headers, timestamp, ttl, 1, slip, correlation, causation, None, sender
-        )
-        for id, value in zip(ids, values, strict=True)
-    ]
+    correlation, causation = (None, None) if cause is None else cause
+    # A plain loop of slot stores: no __init__ call per envelope (a third cheaper).
+    envelopes: list[Envelope] = []
+    append = envelopes.append
+    twin, final = _EnvelopeSlots, Envelope
+    for id, value in zip(ids, values, strict=True):
+        envelope = _new(twin)
+        envelope.id = id
+        envelope.topic = topic
+        envelope.payload = value
+        envelope.headers = headers
+        envelope.timestamp = timestamp
+        envelope.ttl = ttl
+        envelope.attempt = 1
+        envelope.slip = slip
+        envelope.correlation_id = id if correlation is None else correlation
+        envelope.causation_id = causation
+        envelope.reply_to = None
+        envelope.sender = sender
+        envelope.__class__ = final  # type: ignore[assignment]
+        append(envelope)  # type: ignore[arg-type]
+    return envelopes
 
 
 #: The bit above new_id()'s 80 (see make_envelopes).
@@ -282,8 +293,19 @@ _ID_MARK = 1 << 80
 
 def make_receipts(envelopes: Sequence[Envelope], accepted: tuple[str, ...]) -> list[Receipt]:
     """A receipt naming ``accepted`` for each of ``envelopes``, in order."""
-    build = make_receipt
-    return [build(envelope.id, accepted) for envelope in envelopes]
+    # As in make_envelopes: slot stores in a loop, no __init__ call per receipt.
+    receipts: list[Receipt] = []
+    append = receipts.append
+    twin, final = _ReceiptSlots, Receipt
+    for envelope in envelopes:
+        receipt = _new(twin)
+        receipt.id = envelope.id
+        receipt.accepted = accepted
+        receipt.rejected = ()
+        receipt.dropped = ()
+        receipt.__class__ = final  # type: ignore[assignment]
+        append(receipt)  # type: ignore[arg-type]
+    return receipts
 
 
 #: Runs an iterator to its end in C, keeping nothing.
