@@ -155,7 +155,7 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
                 continue
         admitted_at, envelope = pop()
         stage.queued -= 1
-        if stage.room_waiters:
+        if stage.room_waiters and stage.capacity - stage.queued >= stage.room_needed:
             stage.wake_one()
         stage.in_flight += 1
         if admitted_at:  # sampled at admission: one envelope in 8
@@ -256,7 +256,7 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
             newest_first = control.lifo
         admitted_at, envelope = lanes.take(newest_first)
         stage.queued -= 1
-        if stage.room_waiters:
+        if stage.room_waiters and stage.capacity - stage.queued >= stage.room_needed:
             stage.wake_one()
         stage.in_flight += 1
         crew.in_flight += 1

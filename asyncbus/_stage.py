@@ -172,6 +172,11 @@ class Stage:
         self.room_waiters: deque[anyio.Event] = deque()
         #: Room waiters that want room for several envelopes (a batch), and how many.
         self.wanted: dict[anyio.Event, int] = {}
+        #: Room the first room waiter needs, or less (never more): a consumer calls
+        #: :meth:`wake_one` only once there is this much, not for every envelope it
+        #: takes while a batch waits for room for many. Back to 1 whenever the first
+        #: waiter leaves; :meth:`wake_one` learns a batch waiter's need.
+        self.room_needed = 1
         self.consumer_waiters: deque[anyio.Event] = deque()
         self._buffer: deque[tuple[float, Envelope]] = deque()
         self.push: Callable[[tuple[float, Envelope]], None] = self._buffer.append
@@ -240,6 +245,7 @@ class Stage:
         for waiter in self.room_waiters:
             waiter.set()
         self.room_waiters.clear()
+        self.room_needed = 1
         self.consumer_waiters.clear()
         return left
 
@@ -309,6 +315,7 @@ class Stage:
             except BaseException:  # deliberate: however the wait ends, no waiter is lost
                 try:
                     self.room_waiters.remove(waiter)
+                    self.room_needed = 1  # (it may have been the first)
                 except ValueError:
                     self.wake_one()  # we were handed the room: pass it on
                 raise
@@ -362,6 +369,7 @@ class Stage:
                 except BaseException:  # deliberate: however the wait ends, no waiter is lost
                     try:
                         self.room_waiters.remove(waiter)
+                        self.room_needed = 1  # (it may have been the first)
                     except ValueError:
                         self.wake_one()  # we were handed the room: pass it on
                     raise
@@ -380,7 +388,9 @@ class Stage:
             if self.wanted:
                 wanted = self.wanted.get(self.room_waiters[0])
                 if wanted is not None and self.capacity - self.queued < wanted:
+                    self.room_needed = wanted
                     return
+            self.room_needed = 1
             self.room_waiters.popleft().set()
 
     def wake_consumer(self) -> None:
