@@ -57,6 +57,7 @@ _EXPIRED = DeadLetterNow(DeadLetterReason.EXPIRED)
 _ttl = operator.attrgetter("ttl")
 _slip = operator.attrgetter("slip")
 _reply_to = operator.attrgetter("reply_to")
+_payload = operator.attrgetter("payload")
 
 
 def start_consumers(
@@ -174,7 +175,7 @@ async def _run_fast(
     count = len(envelopes)
     if extract is None and list(map(_ttl, envelopes)).count(None) == count:
         # The common case: nothing to expire or decode.
-        items = [envelope.payload for envelope in envelopes]
+        items = list(map(_payload, envelopes))
         members: Sequence[int] = range(count)
     else:
         items, members = await _admit(stage, plan, envelopes, held, handling, host)
@@ -195,8 +196,11 @@ async def _run_fast(
         and list(map(_reply_to, envelopes)).count(None) == count
     ):
         # Every one acked, in memory, nothing to forward: counted at once.
-        for position in members:
-            held[position] = None
+        if len(members) == len(held):  # all of them (their positions are distinct)
+            held[:] = [None] * len(held)
+        else:
+            for position in members:
+                held[position] = None
         ledger.acked += len(members)
         stage.in_flight -= len(members)
         if host.idle_waiters:
