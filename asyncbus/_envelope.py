@@ -36,11 +36,21 @@ _time_ns = time.time_ns
 _sequence = itertools.count()
 
 
+def _id_tails(node: str) -> list[str]:
+    # An id's last two digits of sequence and its node, for each value of the last byte:
+    # make_envelopes writes a batch's ids as a shared head plus one of these.
+    return [f"{low:02x}{node}" for low in range(256)]
+
+
+_tails = _id_tails(_node)
+
+
 def _reseed() -> None:
     # A forked child must not mint the same ids as its parent.
-    global _node, _sequence
+    global _node, _sequence, _tails
     _node = os.urandom(3).hex()
     _sequence = itertools.count()
+    _tails = _id_tails(_node)
 
 
 if hasattr(os, "register_at_fork"):
@@ -255,14 +265,7 @@ def make_envelopes(
     count = len(values)
     if not count:
         return []
-    # new_id()'s 20 hex digits of (microseconds << 24 | sequence), then the node: the
-    # batch takes ``count`` numbers of the sequence and counts up from the first, so
-    # hex() in C writes each id. (The leading 1 bit keeps the zero padding, cut off.)
-    first = next(_sequence)
-    _fill(islice(_sequence, count - 1))
-    stamp = _ID_MARK | (_time_ns() // 1000) << 24 | (first & 0xFFFFFF)
-    node = _node
-    ids = [digits[3:] + node for digits in map(hex, range(stamp, stamp + count))]
+    ids = _batch_ids(count)
     correlation, causation = (None, None) if cause is None else cause
     # A plain loop of slot stores: no __init__ call per envelope (a third cheaper).
     envelopes: list[Envelope] = []
@@ -287,7 +290,30 @@ def make_envelopes(
     return envelopes
 
 
-#: The bit above new_id()'s 80 (see make_envelopes).
+def _batch_ids(count: int) -> list[str]:
+    """``count`` ids of :func:`new_id`'s format, in order, for one batch.
+
+    new_id()'s 20 hex digits of (microseconds << 24 | sequence), then the node. The
+    batch takes ``count`` numbers of the sequence and counts up from the first one's
+    stamp, so the ids sort in batch order. Within a run that shares all but the last
+    byte, each id is one string concatenation, in C: the run's 18 digits of head plus
+    a precomputed tail (the last 2 digits and the node).
+    """
+    first = next(_sequence)
+    _fill(islice(_sequence, count - 1))
+    stamp = (_time_ns() // 1000) << 24 | (first & 0xFFFFFF)
+    ids: list[str] = []
+    while count:
+        low = stamp & 0xFF
+        run = min(count, 256 - low)
+        head = hex(_ID_MARK | stamp)[3:21]  # (the leading 1 bit keeps the zero padding)
+        ids += map(head.__add__, _tails[low : low + run])
+        stamp += run
+        count -= run
+    return ids
+
+
+#: The bit above new_id()'s 80 (see _batch_ids).
 _ID_MARK = 1 << 80
 
 
