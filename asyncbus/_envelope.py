@@ -229,8 +229,11 @@ class _ReceiptSlots:
 
 # __class__ assignment needs the same slots in the same order: a field added to the
 # dataclass without its twin fails here, at import, not on the first publish.
-assert _EnvelopeSlots.__slots__ == Envelope.__slots__
-assert _ReceiptSlots.__slots__ == Receipt.__slots__
+# (A raise, not an assert: python -O must not skip it.)
+if _EnvelopeSlots.__slots__ != Envelope.__slots__:  # pragma: no cover
+    raise RuntimeError("_EnvelopeSlots must have Envelope's slots, in its order")
+if _ReceiptSlots.__slots__ != Receipt.__slots__:  # pragma: no cover
+    raise RuntimeError("_ReceiptSlots must have Receipt's slots, in its order")
 
 _new = object.__new__
 
