@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-import asyncbus._bus as bus_module
+import asyncbus._publishing as bus_module
 from asyncbus import Bus
 from asyncbus._envelope import EMPTY_HEADERS, make_envelope, make_receipt
 from suite._baselines import fairness_floor_one
@@ -39,7 +39,7 @@ _ENVELOPE = make_envelope(
 )
 _RECEIPT = make_receipt("constant", ("bench.one@bench",))
 
-#: Variant name -> the module globals of asyncbus._bus it replaces.
+#: Variant name -> the module globals of asyncbus._publishing it replaces.
 VARIANTS: dict[str, dict[str, Callable[..., Any]]] = {
     "as it is": {},
     "id constant": {"new_id": lambda: "constant"},

@@ -257,3 +257,21 @@ def test_the_traced_rows_run_every_workload_and_report_their_cost(loop: str) -> 
     rows = [line for line in table if line.startswith("  ") and "x (" in line]
     assert [row.split()[0] for row in rows] == [workload.key for workload in WORKLOADS]
     assert max(len(line) for line in table) <= 100
+
+
+@pytest.mark.bench
+def test_hot_path_costs_replaces_each_piece_of_a_publish_and_reports_it() -> None:
+    # benchmarks/hot_path_costs.py swaps module globals of the publishing layer: when a
+    # refactoring moves them, this fails instead of the script.
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    done = subprocess.run(
+        [sys.executable, "hot_path_costs.py", "--messages", "300", "--rounds", "3"],
+        cwd=benchmarks,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for variant in ("as it is", "id constant", "envelope constant", "receipt constant"):
+        assert re.search(rf"^  {variant} +[\d.]+", done.stdout, re.M), done.stdout
