@@ -34,6 +34,7 @@ def test_a_small_run_reports_both_brokers_and_every_target(
         ("asyncbus", 2),  # both tables
         ("hand-written single", 2),  # what single publishes compare with
         ("hand-written pipelined", 2),  # what batch publishing compares with
+        ("asyncbus batch", 2),  # publish_many of 100 into a Batch(max_size=100) consumer
     ):
         row = rf"^  {side} +[\d,]+ +[\d.]+{ratios} +[\d,]+ [\d,]+ [\d,]+$"
         assert len(re.findall(row, out, re.M)) == count, out
@@ -42,9 +43,19 @@ def test_a_small_run_reports_both_brokers_and_every_target(
     assert [broker for _verdict, broker in verdicts] == [
         "Redis Streams",
         "Redis Streams",
+        "Redis Streams",
+        "NATS JetStream",
         "NATS JetStream",
     ]
-    hand_written = [verdict for verdict, _broker in verdicts[::2]]
+    batch_targets = re.findall(
+        r"^  (?:PASS|FAIL) +(?:Redis Streams|NATS JetStream): asyncbus batch vs hand-written "
+        r"pipelined +>= 0\.8x hand-written pipelined +[\d.]+x \(rounds [\d.]+-[\d.]+\)$",
+        out,
+        re.M,
+    )
+    assert len(batch_targets) == 2, out
+    # FastStream (the second) is n/a when it is not installed; the rest are judged.
+    hand_written = [verdict for index, (verdict, _broker) in enumerate(verdicts) if index != 1]
     assert all(verdict in ("PASS", "FAIL") for verdict in hand_written)
     # Tiny runs may miss a target: the exit status says exactly that, nothing else.
     assert code == (1 if "FAIL" in [verdict for verdict, _broker in verdicts] else 0)
@@ -62,7 +73,7 @@ def test_brokers_that_are_down_are_skipped_with_a_note(
     assert main([*argv, "--check"]) == 0
     out = capsys.readouterr().out
     assert "\ntargets:\n" in out
-    assert out.count("n/a   ") == 3
+    assert out.count("n/a   ") == 5
     assert main([*argv, "--only", "nats"]) == 0
     out = capsys.readouterr().out
     assert "Redis Streams: skipped (not asked for (--only nats))" in out
@@ -87,8 +98,10 @@ def test_a_small_rabbit_run_reports_every_side_on_each_loop(
     out = capsys.readouterr().out
     for loop in ("asyncio", "uvloop"):
         assert f"RabbitMQ end to end on {loop}, 200 messages," in out
-    for side in ("asyncbus", "aio-pika", "aio-pika pipelined", "asyncbus transport"):
+    for side in ("asyncbus", "aio-pika", "aio-pika pipelined", "asyncbus batch"):
         rows = re.findall(rf"^  {side} +\d+ +[+-]\d+%/[+-]\d+% +\d+   \d+$", out, re.M)
         assert len(rows) == 2, out
     ratios = re.findall(r"^  asyncbus / aio-pika = [\d.]+ \(per round: [\d.]+\)$", out, re.M)
     assert len(ratios) == 2, out
+    batch = r"^  asyncbus batch / aio-pika pipelined = [\d.]+ \(per round: [\d.]+, no target\)$"
+    assert len(re.findall(batch, out, re.M)) == 2, out
