@@ -87,13 +87,21 @@ class _Filler:
 
     def set(self) -> None:
         stage = self.stage
-        if stage.queued >= self.need:
+        if stage.queued >= self.need or _starved(stage):
             self.event.set()
         else:
             stage.consumer_waiters.append(typing.cast("anyio.Event", self))
 
     async def wait(self) -> None:
         await self.event.wait()
+
+
+def _starved(stage: Stage) -> bool:
+    """Over a broker, whether the stage holds every delivery its subscription may
+    (``prefetch`` = capacity): none comes until one is settled, so a batch waiting to
+    fill would wait out ``max_wait`` for nothing (the stage's other consumers hold the
+    rest, each waiting too, when ``concurrency * max_size`` exceeds the capacity)."""
+    return len(stage.deliveries) >= stage.capacity
 
 
 async def _park(stage: Stage, need: int = 1) -> bool:
@@ -144,7 +152,7 @@ async def consume_batch(stage: Stage, plan: BatchPlan, host: ConsumerHost) -> No
             with anyio.move_on_after(max_wait):
                 while len(held) < max_size:
                     need = max_size - len(held)
-                    if stage.queued < need and not await _park(stage, need):
+                    if stage.queued < need and (_starved(stage) or not await _park(stage, need)):
                         break
                     sampled += stage.take_many(need, held)
             if stage.queued and len(held) < max_size:

@@ -128,3 +128,31 @@ async def test_a_partial_batch_error_acks_the_rest_and_nothing_comes_back(
             ]
         assert sorted(handled) == list(range(10))  # each once: nothing redelivered
         assert await _left_in_broker(kind, url, unique_prefix, "jobs", "g") == 0
+
+
+async def test_batches_that_cannot_fill_within_the_prefetch_do_not_wait_out_max_wait(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    # Two consumers of up to 10 each, but the stage (prefetch) holds 10: once both hold
+    # part of a batch, no delivery comes until one of them runs. Waiting out max_wait
+    # each time (about once per 10 envelopes) would take far past the deadline below;
+    # only the last, partial batches may wait it out (once, side by side).
+    batches: list[list[int]] = []
+    bus = Bus(transport=make_transport(kind, url, unique_prefix))
+
+    @bus.subscribe(
+        "jobs", group="g", batch=Batch(max_size=10, max_wait=5), capacity=10, concurrency=2
+    )
+    async def handle(items: list[int]) -> None:
+        batches.append(items)
+
+    async with bus:
+        await bus.subscribed()
+        with anyio.fail_after(25):
+            for n in range(COUNT):
+                await bus.publish("jobs", n)
+            await bus.drain()
+        assert _ledger(bus, "jobs") == (COUNT, COUNT, 0, 0, 0, 0)
+    assert sorted(n for batch in batches for n in batch) == list(range(COUNT))
+    assert all(1 <= len(batch) <= 10 for batch in batches)
+    assert await _left_in_broker(kind, url, unique_prefix, "jobs", "g") == 0
