@@ -47,7 +47,9 @@ class Batch:
 
     A consumer takes what is queued, up to ``max_size``; with fewer it waits up to
     ``max_wait`` seconds (the loop's clock) for more, then calls the handler once with
-    the list, in queue order. The handler gets payloads, or envelopes when its first
+    the list, in queue order. Over a broker it stops waiting once the stage holds
+    ``capacity`` deliveries (its subscription's prefetch): none comes before one is
+    settled. The handler gets payloads, or envelopes when its first
     parameter is annotated ``list[Envelope]`` (or ``Sequence[Envelope]``), or decoded
     models when annotated ``list[SomeModel]``. Returning normally acks every envelope;
     raising fails every one (retried and dead-lettered each on its own); raising
