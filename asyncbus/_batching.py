@@ -37,6 +37,7 @@ from ._consumer import (
     _run,
     _settle_delivery,
     conclude,
+    logger,
 )
 from ._consumer import start_consumers as start_message_consumers
 from ._dead_letters import DeadLetterReason
@@ -49,6 +50,7 @@ from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, RetryAfter, Verdict
 from .middleware.retry import Retry
+from .transports.base import BaseDelivery
 
 __all__ = ["consume_batch", "start_consumers"]
 
@@ -199,11 +201,11 @@ async def _run_fast(
     ledger = stage.ledger
     if (
         isinstance(each, AllAcked)
-        and not deliveries
         and not any(map(_slip, envelopes))
         and list(map(_reply_to, envelopes)).count(None) == count
     ):
-        # Every one acked, in memory, nothing to forward: counted at once.
+        # Every one acked, nothing to forward: counted at once; over a broker whose
+        # acks are written behind, each delivery's ack queued here, without an await.
         if len(members) == len(held):  # all of them (their positions are distinct)
             held[:] = [None] * len(held)
         else:
@@ -211,6 +213,10 @@ async def _run_fast(
                 held[position] = None
         ledger.acked += len(members)
         stage.in_flight -= len(members)
+        if deliveries:
+            awaited = _ack_behind(stage, [envelopes[position] for position in members])
+            for envelope in awaited:
+                await _settle_delivery(stage, envelope, None, host)
         if host.idle_waiters:
             host.settled(stage)
         return
@@ -238,6 +244,29 @@ async def _run_fast(
         await _conclude(stage, handling, envelope, held, position, verdict, host)
     if host.idle_waiters:
         host.settled(stage)
+
+
+def _ack_behind(stage: Stage, acked: list[Envelope]) -> list[Envelope]:
+    """Queue the ack of each of ``acked``'s deliveries that acks behind (as
+    ``_settle_delivery`` would, a refused one counted abandoned); the envelopes whose
+    deliveries must be awaited instead."""
+    deliveries = stage.deliveries
+    awaited: list[Envelope] = []
+    for envelope in acked:
+        delivery = deliveries.get(id(envelope))
+        if delivery is None:
+            continue
+        if not (isinstance(delivery, BaseDelivery) and delivery.acks_behind):
+            awaited.append(envelope)
+            continue
+        del deliveries[id(envelope)]
+        try:
+            delivery.ack_nowait()
+        except Exception:
+            logger.warning("could not settle %s with the broker", envelope.id, exc_info=True)
+            stage.ledger.ack_lost()  # the broker delivers it again
+            stage.unsettled.append(envelope.id)
+    return awaited
 
 
 async def _admit(
