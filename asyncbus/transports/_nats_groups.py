@@ -68,17 +68,21 @@ class GroupDirectory:
         self._groups: dict[str, tuple[Callable[[str], bool], str]] | None = None
         self._routes = TopicMatches(sort=True)
         self._subscriptions: list[Subscription] = []
+        #: Counts the changes to what is kept (a publish compares it before and after).
+        self.changes = 0
 
     def forget(self) -> None:
         """Read the consumers again at the next look (something changed, or may have)."""
         self._groups = None
         self._routes.clear()
+        self.changes += 1
 
     def add(self, name: str, pattern: str, group: str) -> None:
         """Record a consumer this process created."""
         if self._groups is not None and name not in self._groups:
             self._groups[name] = (compile_pattern(pattern), f"{pattern}@{group}")
             self._routes.clear()
+            self.changes += 1
 
     def known(self, topic: str) -> tuple[str, ...] | None:
         """Stage names of the groups ``topic`` reaches, sorted; ``None`` until read."""
@@ -111,6 +115,7 @@ class GroupDirectory:
             offset += len(page)
         self._groups = groups
         self._routes.clear()
+        self.changes += 1
 
     async def watch(self, nc: Client) -> None:
         """Forget what was read whenever the server announces a consumer created or deleted."""

@@ -1008,7 +1008,16 @@ class NatsTransport(Transport):
             for envelope in envelopes:
                 await self.add_dead_letter(unrouted_entry(envelope))
             return ()
+        changes = self._groups.changes
         await self.publish(topic, envelopes)
+        if self._groups.changes != changes:
+            # The server announced a consumer created or deleted while the publish was on
+            # its way: the announcement of one made before the publish was stored comes
+            # before its acknowledgement, so the groups known now are those it reached.
+            # (None found now: it went to those that were there, it is not a dead letter.)
+            if self._groups.known(topic) is None:
+                await self._read_groups()
+            names = self._groups.known(topic) or names
         return names
 
     async def _read_groups(self) -> None:

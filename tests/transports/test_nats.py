@@ -848,3 +848,49 @@ async def test_acks_queued_when_the_connection_is_gone_are_reported_lost(
         delivery.ack_nowait()
     assert transport.unsettled_acks() == [("lost@g", sent.id)]
     assert transport.unsettled_acks() == []  # reported once
+
+
+@pytest.mark.anyio
+async def test_a_group_announced_while_a_routed_publish_travels_is_named_in_its_receipt(
+    transport: NatsTransport, nats_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process makes group "late" for the topic after this transport looked up the
+    # groups of a publish and before the publish is stored: the server announces the new
+    # consumer before it acknowledges the publish, and the receipt names every group the
+    # message went to, "late" too.
+    announced = anyio.Event()
+    forget = transport._groups.forget
+
+    def forget_and_tell() -> None:
+        forget()
+        announced.set()
+
+    monkeypatch.setattr(transport._groups, "forget", forget_and_tell)
+    publish = transport.publish
+    with anyio.fail_after(30):
+        async with contextlib.AsyncExitStack() as stack:
+            other = await stack.enter_async_context(
+                NatsTransport(nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT)
+            )
+            audit = await stack.enter_async_context(
+                other.subscribe("orders.*", group="audit", prefetch=10)
+            )
+            first = Envelope(topic="orders.shipped")
+            assert await transport.publish_routed("orders.shipped", [first]) == ("orders.*@audit",)
+            await (await _next(audit)).ack()
+
+            async def publish_as_a_group_appears(topic: str, envelopes: Any) -> None:
+                late = other.subscribe("orders.shipped", group="late", prefetch=10)
+                stack.push_async_exit(late.__aexit__)
+                deliveries.append(await late.__aenter__())
+                await announced.wait()
+                await publish(topic, envelopes)
+
+            deliveries: list[AsyncIterator[Any]] = []
+            monkeypatch.setattr(transport, "publish", publish_as_a_group_appears)
+            second = Envelope(topic="orders.shipped")
+            reached = await transport.publish_routed("orders.shipped", [second])
+            assert reached == ("orders.*@audit", "orders.shipped@late")
+            for got in (await _next(audit), await _next(deliveries[0])):
+                assert got.envelope.id == second.id
+                await got.ack()
