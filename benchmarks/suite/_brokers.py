@@ -294,22 +294,25 @@ def with_pool(url: str) -> str:
     return parts._replace(query=query).geturl()
 
 
-async def redis_asyncbus(url: str, messages: Sequence[Payload]) -> Run:
-    prefix = f"bench-brokers-ab-{token()}"
+BusRun = Callable[[Any, Sequence[Payload]], Awaitable[Run]]
+
+
+async def redis_bus(url: str, messages: Sequence[Payload], run: BusRun, tag: str) -> Run:
+    """``run`` over a RedisTransport under a fresh prefix, whose keys are deleted after."""
+    prefix = f"bench-brokers-{tag}-{token()}"
     try:
-        return await asyncbus_run(RedisTransport(with_pool(url), prefix=prefix), messages)
+        return await run(RedisTransport(with_pool(url), prefix=prefix), messages)
     finally:
         with anyio.CancelScope(shield=True):
             await redis_delete_prefix(url, prefix)
+
+
+async def redis_asyncbus(url: str, messages: Sequence[Payload]) -> Run:
+    return await redis_bus(url, messages, asyncbus_run, "ab")
 
 
 async def redis_asyncbus_batch(url: str, messages: Sequence[Payload]) -> Run:
-    prefix = f"bench-brokers-abb-{token()}"
-    try:
-        return await asyncbus_batch_run(RedisTransport(with_pool(url), prefix=prefix), messages)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await redis_delete_prefix(url, prefix)
+    return await redis_bus(url, messages, asyncbus_batch_run, "abb")
 
 
 async def redis_hand_consume(client: Any, stream: str, counter: Counter) -> None:
@@ -463,24 +466,22 @@ async def nats_delete_streams(url: str, *names: str) -> None:
         await nc.close()
 
 
-async def nats_asyncbus(url: str, messages: Sequence[Payload]) -> Run:
-    prefix = f"bench-brokers-ab-{token()}"
-    transport = NatsTransport(url, prefix=prefix)
+async def nats_bus(url: str, messages: Sequence[Payload], run: BusRun, tag: str) -> Run:
+    """``run`` over a NatsTransport under a fresh prefix, whose streams are deleted after."""
+    transport = NatsTransport(url, prefix=f"bench-brokers-{tag}-{token()}")
     try:
-        return await asyncbus_run(transport, messages)
+        return await run(transport, messages)
     finally:
         with anyio.CancelScope(shield=True):
             await nats_delete_streams(url, transport.stream, transport.dead_letter_stream)
+
+
+async def nats_asyncbus(url: str, messages: Sequence[Payload]) -> Run:
+    return await nats_bus(url, messages, asyncbus_run, "ab")
 
 
 async def nats_asyncbus_batch(url: str, messages: Sequence[Payload]) -> Run:
-    prefix = f"bench-brokers-abb-{token()}"
-    transport = NatsTransport(url, prefix=prefix)
-    try:
-        return await asyncbus_batch_run(transport, messages)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await nats_delete_streams(url, transport.stream, transport.dead_letter_stream)
+    return await nats_bus(url, messages, asyncbus_batch_run, "abb")
 
 
 async def nats_hand_single(url: str, messages: Sequence[Payload]) -> Run:
