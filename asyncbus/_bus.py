@@ -95,6 +95,7 @@ class _Services:
         "failure_log",
         "idle_waiters",
         "instrumentation",
+        "publish_yield",
         "yield_now",
     )
 
@@ -102,6 +103,11 @@ class _Services:
         self._bus = bus
         #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
         self.yield_now: Callable[[], Awaitable[None]] = checkpoint
+        #: What ``publish`` and ``publish_many`` await before they admit anything: the
+        #: backend's yield in memory; over a broker a cancellation check only, since
+        #: waiting for the broker's confirmation is the call's one yield (resolved at
+        #: start).
+        self.publish_yield: Callable[[], Awaitable[None]] = checkpoint
         # Told where envelopes leave and around each dispatch (tracing, carried
         # contextvars); None costs the hot path one attribute check.
         self.instrumentation: _instrument.Instrumentation | None = None
@@ -352,6 +358,7 @@ class Bus:
         self._pool = pool
         self._loop_thread = threading.get_ident()
         self._services.yield_now = fast_checkpoint()
+        self._services.publish_yield = self._mode.publish_yield(self._services.yield_now)
         self._clock = loop_clock()
         self.dead_letters.use_clock(self._clock)
         self._stop_requested = anyio.Event()
@@ -642,7 +649,7 @@ class Bus:
         self._state = "closed"
         # A call after this may run under another backend: yield through anyio again,
         # so it meets BusClosedError, not the old backend's yield.
-        self._services.yield_now = checkpoint
+        self._services.yield_now = self._services.publish_yield = checkpoint
         for waiter in self._services.idle_waiters:
             waiter.event.set()
         self._services.idle_waiters.clear()
@@ -939,12 +946,15 @@ class Bus:
         :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``
             (``.receipt`` tells which stages accepted).
 
-        Every call yields to the event loop once before it admits anything, like
-        anyio's ``send``: a publishing loop never starves other tasks, and a publish
-        cancelled at that yield admits nothing. (One cancelled later, while it waits
-        for room in a ``BLOCK`` stage, keeps what earlier stages already admitted.)
+        Every call yields to the event loop once, like anyio's ``send``: a publishing
+        loop never starves other tasks. In memory it yields before it admits anything,
+        and a publish cancelled at that yield admits nothing. (One cancelled later,
+        while it waits for room in a ``BLOCK`` stage, keeps what earlier stages already
+        admitted.) Over a broker the wait for the broker's confirmation is that yield: a
+        publish whose cancel scope is already cancelled sends nothing; one cancelled
+        while it waits may have been stored (at-least-once).
         """
-        await self._services.yield_now()
+        await self._services.publish_yield()
         sent = self._publisher.publish(
             topic, payload, headers, ttl, slip, key, id, timeout, priority
         )
@@ -985,7 +995,7 @@ class Bus:
         :raises RuntimeError: called from another thread than the event loop's (use
             :meth:`publish_threadsafe` there); nothing is published.
         """
-        await self._services.yield_now()
+        await self._services.publish_yield()
         sent = self._publisher.publish_many(
             topic, payloads, headers, ttl, slip, key, timeout, priority
         )

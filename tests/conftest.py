@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -16,6 +18,12 @@ import sniffio
 from asyncbus import Bus
 
 T = TypeVar("T")
+
+# The helpers beside this file (``_turns``, ``_spans``...) are imported by name from
+# every test directory: pytest's importlib mode puts none of them on sys.path itself.
+_HERE = str(Path(__file__).parent)
+if _HERE not in sys.path:
+    sys.path.append(_HERE)
 
 
 @pytest.fixture(

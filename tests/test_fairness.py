@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import anyio.lowlevel
 import pytest
+from _turns import run_lengths, ticker  # type: ignore[import-not-found]
 
 from asyncbus import Bus, BusClosedError
 
@@ -47,14 +48,14 @@ async def test_another_task_runs_between_any_two_publishes(anyio_backend_name: s
         pass
 
     async with bus, anyio.create_task_group() as task_group:
-        task_group.start_soon(_ticker, events, stop)
+        task_group.start_soon(ticker, events, stop)
         await anyio.lowlevel.checkpoint()  # the ticker has started
         for n in range(50):
             await bus.publish("fair.publish", n)
             events.append("publish")
         stop.set()
         await bus.drain()
-    runs = _runs(events, "publish")
+    runs = run_lengths(events, "publish")
     assert sum(runs) == 50
     if anyio_backend_name == "trio":
         # Trio steps each batch of ready tasks in a random order: two publishes can
@@ -86,7 +87,7 @@ async def test_publish_many_yields_once_per_call_however_many_it_publishes(
         assert bus.statistics().stages[0].published == 0
         stage = bus._stages_by_name["fair.many@" + bus.statistics().stages[0].group]
         yields = 0
-        original = bus._services.yield_now
+        original = bus._services.publish_yield
 
         async def counted() -> None:
             nonlocal yields
@@ -94,20 +95,20 @@ async def test_publish_many_yields_once_per_call_however_many_it_publishes(
             await original()
 
         async with anyio.create_task_group() as task_group:
-            task_group.start_soon(_ticker, events, stop)
+            task_group.start_soon(ticker, events, stop)
             await anyio.lowlevel.checkpoint()  # the ticker has started
-            bus._services.yield_now = counted
+            bus._services.publish_yield = counted
             try:
                 for start in range(0, 200, 20):
                     await bus.publish_many("fair.many", range(start, start + 20))
                     events.append("publish")
             finally:
-                bus._services.yield_now = original
+                bus._services.publish_yield = original
             stop.set()
         await bus.drain()
     assert yields == 10
     assert stage.ledger.published == 200 and handled == list(range(200))
-    runs = _runs(events, "publish")
+    runs = run_lengths(events, "publish")
     assert sum(runs) == 10
     if anyio_backend_name == "trio":
         assert max(runs) <= 2
@@ -129,10 +130,10 @@ async def test_a_consumer_yields_once_per_envelope(anyio_backend_name: str) -> N
         for n in range(40):
             bus.publish_nowait("fair.backlog", n)  # a backlog, queued without yielding
         async with anyio.create_task_group() as task_group:
-            task_group.start_soon(_ticker, events, stop)
+            task_group.start_soon(ticker, events, stop)
             await bus.drain()
             stop.set()
-    runs = _runs(events, "handled")
+    runs = run_lengths(events, "handled")
     assert sum(runs) == 40
     if anyio_backend_name == "trio":
         assert max(runs) <= 2
@@ -160,19 +161,6 @@ async def test_a_publish_that_waits_for_room_waits() -> None:
         await bus.drain()
     [stage] = bus.statistics().stages
     assert (stage.published, stage.acked) == (2, 2)
-
-
-async def _ticker(events: list[str], stop: anyio.Event) -> None:
-    """Another task: one "tick" per turn of the event loop until ``stop``."""
-    while not stop.is_set():
-        events.append("tick")
-        await anyio.lowlevel.checkpoint()
-
-
-def _runs(events: list[str], name: str) -> list[int]:
-    """Lengths of the runs of ``name`` in ``events`` (other entries separate runs)."""
-    marks = "".join("x" if event == name else " " for event in events)
-    return [len(run) for run in marks.split()]
 
 
 @pytest.mark.parametrize("call", ["publish", "request"])

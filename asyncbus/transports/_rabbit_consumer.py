@@ -76,10 +76,6 @@ RELEASED = "was released when its subscription ended"
 RETURNED = "went back to the queue"
 
 
-#: A bare yield to the event loop: ``anyio.lowlevel.checkpoint`` on asyncio, without
-#: looking the backend up on every delivery (the transport runs on asyncio only).
-_yield = partial(asyncio.sleep, 0)
-
 
 def retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a done future's exception as retrieved (asyncio logs unretrieved ones)."""
@@ -166,13 +162,16 @@ class ConsumerChannel:
     """One channel of a subscription, and which of its delivery tags are settled.
 
     Its acks are queued in the transport's :class:`~._kit.AckWriter` under it and
-    written by :meth:`flush`.
+    written by :meth:`flush`: at once when ``ack_batch`` of them wait (half the
+    channel's prefetch: the broker is never kept from sending more while they linger).
     """
 
-    __slots__ = ("channel", "consuming", "done", "lock", "next_tag", "tag")
+    __slots__ = ("ack_batch", "channel", "consuming", "done", "lock", "next_tag", "tag")
 
-    def __init__(self, channel: AbstractChannel) -> None:
+    def __init__(self, channel: AbstractChannel, prefetch: int = 0) -> None:
         self.channel = channel
+        #: Acks waiting under this channel that make the writer write without lingering.
+        self.ack_batch = max(1, prefetch // 2)
         self.tag = ""
         self.consuming = False
         #: Every delivery tag below this one is settled and written.
@@ -234,8 +233,9 @@ class ConsumerChannel:
 class RabbitDelivery(BaseDelivery):
     """A delivery from :class:`~.rabbit.RabbitTransport`; its acks are written behind.
 
-    Acks go with others, within 2 ms: a process that dies before the ack is written
-    gets the message redelivered, as at-least-once delivery allows.
+    Acks go with others, within the transport's ack linger (or at once when half the
+    prefetch waits): a process that dies before the ack is written gets the message
+    redelivered, as at-least-once delivery allows.
     """
 
     __slots__ = ("_before", "_body", "_consumer", "_deadline", "_subscription", "_tag")
@@ -318,6 +318,7 @@ class Subscription:
         return self
 
     async def __anext__(self) -> Delivery:
+        """The next delivery; waits (and only then yields) when none is at hand."""
         while True:
             if self.closed:
                 raise StopAsyncIteration
@@ -325,9 +326,8 @@ class Subscription:
                 await self._consume()
                 continue
             if self.ready:
-                await _yield()  # once per delivery, as anyio's streams do
-                if not self.ready or self.consumer is None:
-                    continue
+                # Handed out without a yield each (the prefetch bounds how many are at
+                # hand; whoever takes them yields per envelope, as the bus's consumers do).
                 delivery = self.ready.popleft()
                 if not delivery.settleable:
                     continue
@@ -351,7 +351,7 @@ class Subscription:
                     link = await transport._wait_link(None)
                     await transport._declare_queue(link, self.pattern, self.group)
                     channel = await link.consumer.channel(publisher_confirms=False)
-                    consumer = self.consumer = ConsumerChannel(channel)
+                    consumer = self.consumer = ConsumerChannel(channel, self.prefetch)
                     channel.closing.add_done_callback(partial(self._channel_closed, consumer))
                     cancelled = getattr(channel, "on_consumer_cancel_callbacks", None)
                     if cancelled is not None:

@@ -51,9 +51,10 @@ How it works:
   was lost may arrive twice (at-least-once; ``deduplicate()`` handles it).
 * **Consuming.** A channel per subscription with ``basic.qos(prefetch)`` and manual
   acks; consuming starts at the first iteration. Acks are written behind by one task,
-  within 2 ms: one ``multiple`` ack per contiguous run of settled delivery tags,
-  single acks for the rest, so a slow delivery never holds back the acks of later
-  ones.
+  within 20 ms, or at once when half the prefetch waits (a busy consumer writes one
+  ack per ~half its prefetch, and the broker never stops sending for want of acks):
+  one ``multiple`` ack per contiguous run of settled delivery tags, single acks for
+  the rest, so a slow delivery never holds back the acks of later ones.
 * **nack** republishes the envelope with ``attempt + 1`` to the group's queue (or to a
   retry queue when delayed), waits for the confirm, then acks the original. **reject**
   publishes the dead letter, waits for the confirm, then acks. If the publish fails
@@ -182,8 +183,9 @@ T = TypeVar("T")
 _EXTRA_MISSING = "RabbitTransport needs the 'rabbit' extra: pip install 'asyncbus[rabbit]'"
 #: Largest ``asyncbus-meta`` header: the whole content header must fit in one frame.
 _META_LIMIT = 64 * 1024
-#: Seconds the ack writer waits for more acks before writing (bounds their delay).
-_ACK_LINGER = 0.002
+#: Seconds the ack writer waits for more acks before writing (bounds their delay; a
+#: channel with half its prefetch waiting is written at once).
+_ACK_LINGER = 0.02
 #: Unused retry queues are deleted after twice their delay plus this (ms).
 _RETRY_EXPIRES_MS = 10 * 60 * 1000
 #: Entries the catalog keeps (every process records its queues once: duplicates).
@@ -1155,7 +1157,7 @@ class RabbitTransport(Transport):
         self, consumer: ConsumerChannel, tag: int, stage: str, envelope_id: str | None
     ) -> None:
         """Queue the ack of ``tag`` (``envelope_id``: the bus's ack, reported if lost)."""
-        self._acks.queue(consumer, stage, tag, envelope_id)
+        self._acks.queue(consumer, stage, tag, envelope_id, consumer.ack_batch)
 
     async def _write_acks(
         self, batch: dict[ConsumerChannel, list[tuple[int, str | None]]]

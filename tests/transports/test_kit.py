@@ -152,6 +152,36 @@ async def test_ack_writer_batches_acks_and_retries_a_failed_write() -> None:
 
 
 @pytest.mark.anyio
+async def test_ack_writer_stops_lingering_once_a_key_holds_its_batch() -> None:
+    broker = _Broker()
+    # A linger far beyond the test's deadline: only a full batch can be written in time.
+    writer: AckWriter[str, int] = AckWriter("T", broker.write, _scope, linger=3600)
+    writer.open()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(writer.run)
+        writer.queue("s1", "a@g", 1, "e1", 3)
+        writer.queue("s2", "b@g", 7, "e7", 3)
+        writer.queue("s1", "a@g", 2, "e2", 3)
+        await anyio.wait_all_tasks_blocked()
+        assert broker.written == []  # two of three under s1: still lingering
+        writer.queue("s1", "a@g", 3, "e3", 3)
+        with anyio.fail_after(5):
+            await broker.wrote.wait()
+        assert broker.written == [{"s1": [1, 2, 3], "s2": [7]}]  # everything queued goes
+        broker.wrote = anyio.Event()
+        writer.queue("s1", "a@g", 4, "e4", 3)
+        await anyio.wait_all_tasks_blocked()
+        assert broker.written == [{"s1": [1, 2, 3], "s2": [7]}]  # lingering again
+        for tag in (5, 6):
+            writer.queue("s1", "a@g", tag, f"e{tag}", 3)
+        with anyio.fail_after(5):
+            await broker.wrote.wait()
+        tasks.cancel_scope.cancel()
+    assert broker.written == [{"s1": [1, 2, 3], "s2": [7]}, {"s1": [4, 5, 6]}]
+    assert writer.take_lost() == []
+
+
+@pytest.mark.anyio
 async def test_ack_writer_reports_the_bus_acks_it_lost_once() -> None:
     broker = _Broker()
     broker.gone = {"s1"}

@@ -8,6 +8,7 @@ confirmed them all. Against the real RabbitMQ (127.0.0.1:5672), on asyncio only.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -58,6 +59,23 @@ async def _take(deliveries: AsyncIterator[Delivery], count: int) -> list[Deliver
             await delivery.ack()
             taken.append(delivery)
     return taken
+
+
+def _record_acks(
+    deliveries: AsyncIterator[Delivery],
+    written: list[tuple[int, bool]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Record ``(delivery tag, multiple)`` of every ack written on the subscription's
+    channel from now on."""
+    channel = deliveries.consumer.channel  # type: ignore[attr-defined]
+    original = channel.basic_ack
+
+    async def recorded(delivery_tag: int, multiple: bool = False, **options: Any) -> Any:
+        written.append((delivery_tag, multiple))
+        return await original(delivery_tag, multiple=multiple, **options)
+
+    monkeypatch.setattr(channel, "basic_ack", recorded)
 
 
 async def _nothing_within(deliveries: AsyncIterator[Delivery], seconds: float = QUIET) -> None:
@@ -171,14 +189,7 @@ async def test_consecutive_acks_go_out_as_multiple_acks_covering_every_tag_once(
         async with transport.subscribe("acks", group="g", prefetch=COUNT) as deliveries:
             await transport.publish("acks", envelopes)
             first = await _take(deliveries, 1)
-            consumer = deliveries.consumer  # type: ignore[attr-defined]
-            original = consumer.channel.basic_ack
-
-            async def recorded(delivery_tag: int, multiple: bool = False, **options: Any) -> Any:
-                written.append((delivery_tag, multiple))
-                return await original(delivery_tag, multiple=multiple, **options)
-
-            monkeypatch.setattr(consumer.channel, "basic_ack", recorded)
+            _record_acks(deliveries, written, monkeypatch)
             rest = await _take(deliveries, COUNT - 1)
             assert [d.envelope.id for d in first + rest] == [e.id for e in envelopes]
         # Leaving wrote what was still queued.
@@ -189,3 +200,41 @@ async def test_consecutive_acks_go_out_as_multiple_acks_covering_every_tag_once(
     tags = [tag for tag, _multiple in written]
     assert tags == sorted(tags) and tags[-1] == COUNT
     assert len(tags) == len(set(tags))
+
+
+@pytest.mark.parametrize(("prefetch", "count", "per_write"), [(1, 5, 1), (4, 12, 2)])
+async def test_acks_go_out_at_half_the_prefetch_without_waiting_for_the_linger(
+    rabbit_url: str,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    prefetch: int,
+    count: int,
+    per_write: int,
+) -> None:
+    # An hour's linger: a consumer that had to wait for it would never get past its
+    # prefetch, so every delivery arriving proves the acks went out in batches of half
+    # the prefetch (at once for a prefetch of 1).
+    monkeypatch.setattr("asyncbus.transports.rabbit._ACK_LINGER", 3600.0)
+    envelopes = _envelopes("half", count)
+    written: list[tuple[int, bool]] = []
+    async with (
+        RabbitTransport(rabbit_url, prefix=prefix) as transport,
+        transport.subscribe("half", group="g", prefetch=prefetch) as deliveries,
+    ):
+        await transport.publish("half", envelopes)
+        with anyio.fail_after(30):
+            first = await anext(deliveries)
+        _record_acks(deliveries, written, monkeypatch)
+        await first.ack()
+        rest = await _take(deliveries, count - 1)
+        assert [d.envelope.id for d in [first, *rest]] == [e.id for e in envelopes]
+        await _nothing_within(deliveries)
+    # Multiple acks, each tag covered once; every write but the last (made as the
+    # subscription ended) covered at least half the prefetch.
+    tags = [tag for tag, _multiple in written]
+    assert {multiple for _tag, multiple in written} == {True}
+    assert tags == sorted(set(tags)) and tags[-1] == count
+    covered = [tag - before for before, tag in itertools.pairwise([0, *tags])]
+    assert all(step >= per_write for step in covered[:-1]), covered
+    if prefetch == 1:
+        assert tags == list(range(1, count + 1))  # each written at once

@@ -5,7 +5,10 @@ to a cancellation) costs more than the rest of handling a small envelope. A
 transport whose deliveries offer ``ack_nowait`` queues each ack here under a key
 (what one write addresses: a stream and group, a channel) and returns at once; the
 writer task lingers a moment so that a busy consumer's acks go together, then hands
-everything queued to the transport's ``write``. What a write did not take is kept
+everything queued to the transport's ``write``. A key can set a batch size: once that
+many of its acks wait, the writer stops lingering (a broker that holds back deliveries
+until earlier ones are acked, RabbitMQ's prefetch, is never kept waiting for the
+linger, and a busy consumer writes one ack for many deliveries). What a write did not take is kept
 (and written again: acks are idempotent) or, when the transport says the broker
 will deliver those envelopes again anyway, reported as lost. A transport closing
 writes what is queued first, within its clean-up deadline; what is still queued
@@ -73,17 +76,24 @@ class AckWriter(Generic[K, T]):
         self._open = False
         # Made in ``open``, inside the event loop that uses them.
         self._wake: anyio.Event
+        #: Set when a key holds its batch of acks: the writer stops lingering.
+        self._full: anyio.Event
         self._lock: anyio.Lock
 
     def open(self) -> None:
         """Accept acks (called when the transport connects, before :meth:`run` starts)."""
         self._wake = anyio.Event()
+        self._full = anyio.Event()
         self._lock = anyio.Lock()
         self._open = True
 
-    def queue(self, key: K, stage: str, item: T, envelope_id: str | None) -> None:
+    def queue(
+        self, key: K, stage: str, item: T, envelope_id: str | None, batch: int = 0
+    ) -> None:
         """Queue one ack of ``stage`` under ``key``; the writer writes it within ``linger``.
 
+        :param batch: once this many acks wait under ``key``, the writer writes at once
+            instead of lingering (``0``: it always lingers).
         :raises TransportError: when the transport is not connected (or closed).
         """
         if not self._open:
@@ -95,6 +105,8 @@ class AckWriter(Generic[K, T]):
         queued.append((item, envelope_id))
         if not self._wake.is_set():
             self._wake.set()
+        if batch and len(queued) >= batch and not self._full.is_set():
+            self._full.set()
 
     def queued(self, key: K) -> bool:
         """Whether acks wait under ``key``."""
@@ -108,6 +120,9 @@ class AckWriter(Generic[K, T]):
         async with self._lock:
             if keys is None:
                 batch, self._pending = self._pending, {}
+                # Taken now (the lock may have yielded): what filled a batch goes in
+                # this write, so the next one lingers again.
+                self._full = anyio.Event()
             else:
                 batch = {key: self._pending.pop(key) for key in keys if key in self._pending}
             if not batch:
@@ -129,8 +144,10 @@ class AckWriter(Generic[K, T]):
         backoff = Backoff()
         while True:
             await self._wake.wait()
-            # Linger a moment so that a busy consumer's acks go in one write.
-            await anyio.sleep(self._linger)
+            if not self._full.is_set():
+                # Linger a moment so that a busy consumer's acks go in one write.
+                with anyio.move_on_after(self._linger):
+                    await self._full.wait()
             self._wake = anyio.Event()
             try:
                 with self._cleanup_scope(self._timeout):
