@@ -540,10 +540,13 @@ class BrokerMode:
     def publish_yield(
         self, yield_now: Callable[[], Awaitable[None]]
     ) -> Callable[[], Awaitable[None]]:
-        """A cancellation check only: the wait for the broker's confirmation is the
-        publish's one yield (a second pass of the event loop per publish cost a
-        RabbitMQ publisher about a fifth of its CPU per message)."""
-        return anyio.lowlevel.checkpoint_if_cancelled
+        """A cancellation check only when the transport's publish always waits for the
+        broker (``publish_waits``): that wait is the publish's one yield (a second pass
+        of the event loop per publish cost a RabbitMQ publisher about a fifth of its CPU
+        per message). Otherwise the backend's yield, first, as in memory."""
+        if self.transport.publish_waits:
+            return anyio.lowlevel.checkpoint_if_cancelled
+        return yield_now
 
     def lost_acks(self) -> Iterable[tuple[str, str]]:
         """Acks written behind that the broker never got."""

@@ -76,7 +76,6 @@ RELEASED = "was released when its subscription ended"
 RETURNED = "went back to the queue"
 
 
-
 def retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a done future's exception as retrieved (asyncio logs unretrieved ones)."""
     if not future.cancelled():

@@ -249,6 +249,11 @@ class Transport(AsyncResource, abc.ABC):
     #: True when a bus may skip the transport and keep envelopes in its stages' own
     #: streams (the in-process transport); brokers are always gone through.
     direct: bool = False
+    #: True when :meth:`publish` (and ``publish_routed``, when it has it) always
+    #: awaits the broker before returning: that wait is then the publishing call's one
+    #: yield to the event loop, and the bus does not yield again before sending. Left
+    #: False, the bus yields first (a transport that may return without awaiting).
+    publish_waits: ClassVar[bool] = False
 
     #: When clean-up with the broker gives up (anyio clock), set by :meth:`close_by`.
     close_deadline: float = math.inf
@@ -324,7 +329,8 @@ class Transport(AsyncResource, abc.ABC):
         """Hand ``envelopes`` (all on ``topic``) to the broker; return once it confirmed.
 
         The broker routes each one to every (pattern, group) subscribed to a matching
-        pattern; the envelope id travels as the broker's message id.
+        pattern; the envelope id travels as the broker's message id. See
+        :attr:`publish_waits` for how it counts toward the bus's fairness rule.
         """
 
     @abc.abstractmethod

@@ -93,6 +93,8 @@ class MemoryTransport(Transport):
         delayed_nack=True, dedup=False, per_message_ttl=False, replay=True, durable=False
     )
     name: ClassVar[str] = "memory"
+    #: Every publish checkpoints (the call's one yield), as a broker's would.
+    publish_waits: ClassVar[bool] = True
 
     def __init__(self, *, codec: Codec | None = None, direct: bool = True) -> None:
         """

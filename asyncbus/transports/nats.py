@@ -592,6 +592,8 @@ class NatsTransport(Transport):
         ordered=True,
     )
     name: ClassVar[str] = "nats"
+    #: Every publish awaits the broker's confirmation (the call's one yield).
+    publish_waits: ClassVar[bool] = True
 
     def __init__(
         self,

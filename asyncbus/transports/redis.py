@@ -367,6 +367,8 @@ class RedisTransport(Transport):
         ordered=True,
     )
     name: ClassVar[str] = "redis"
+    #: Every publish awaits the broker's confirmation (the call's one yield).
+    publish_waits: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import pytest
+from _turns import run_lengths, ticker  # type: ignore[import-not-found]
 from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncbus import Bus, DeadLetter, Envelope, Reject, Retry
@@ -163,3 +165,44 @@ async def test_a_protocol_only_delivery_is_a_delivery() -> None:
     assert isinstance(delivery, Delivery)
     assert not isinstance(delivery, BaseDelivery)  # no ``error``: taken as decoded
     assert isinstance(DetailedDelivery(Envelope(topic="jobs"), []), Delivery)
+
+
+async def test_a_publish_through_a_transport_that_never_awaits_still_yields_once(
+    anyio_backend_name: str,
+) -> None:
+    """``publish_waits`` left False: the bus yields before sending, so a publishing loop
+    still lets another task run between any two publishes, and a cancelled publish
+    sends nothing."""
+    assert ProtocolTransport.publish_waits is False
+    transport = ProtocolTransport()
+    bus = Bus(transport)
+    events: list[str] = []
+    stop = anyio.Event()
+    handled: list[int] = []
+
+    @bus.subscribe("turns", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    async with bus:
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await bus.publish("turns", -1)
+        assert scope.cancelled_caught
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(ticker, events, stop)
+            await anyio.lowlevel.checkpoint()  # the ticker has started
+            for n in range(10):
+                await bus.publish("turns", n)
+                events.append("publish")
+            stop.set()
+        await bus.drain()
+    runs = run_lengths(events, "publish")
+    assert sum(runs) == 10
+    if anyio_backend_name == "trio":
+        assert max(runs) <= 2  # trio steps a batch of ready tasks in a random order
+    else:
+        assert runs == [1] * 10
+    assert handled == list(range(10))
+    [stage] = bus.statistics().stages
+    assert (stage.published, stage.acked) == (10, 10)

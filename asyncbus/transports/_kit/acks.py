@@ -87,9 +87,7 @@ class AckWriter(Generic[K, T]):
         self._lock = anyio.Lock()
         self._open = True
 
-    def queue(
-        self, key: K, stage: str, item: T, envelope_id: str | None, batch: int = 0
-    ) -> None:
+    def queue(self, key: K, stage: str, item: T, envelope_id: str | None, batch: int = 0) -> None:
         """Queue one ack of ``stage`` under ``key``; the writer writes it within ``linger``.
 
         :param batch: once this many acks wait under ``key``, the writer writes at once
