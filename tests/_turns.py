@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import anyio
 import anyio.lowlevel
 
@@ -17,3 +19,20 @@ def run_lengths(events: list[str], name: str) -> list[int]:
     """Lengths of the runs of ``name`` in ``events`` (other entries separate runs)."""
     marks = "".join("x" if event == name else " " for event in events)
     return [len(run) for run in marks.split()]
+
+
+async def publish_runs(publish: Callable[[int], Awaitable[object]], count: int) -> list[int]:
+    """Await ``publish(n)`` for each ``n`` below ``count`` while another task ticks once
+    per turn of the event loop: the lengths of the runs of publishes no tick separated
+    (all 1 when every publish yields; trio, which steps a batch of ready tasks in a
+    random order, may pair two across a batch boundary, never three)."""
+    events: list[str] = []
+    stop = anyio.Event()
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(ticker, events, stop)
+        await anyio.lowlevel.checkpoint()  # the ticker has started
+        for n in range(count):
+            await publish(n)
+            events.append("publish")
+        stop.set()
+    return run_lengths(events, "publish")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import anyio.lowlevel
 import pytest
-from _turns import run_lengths, ticker  # type: ignore[import-not-found]
+from _turns import publish_runs, run_lengths, ticker  # type: ignore[import-not-found]
 
 from asyncbus import Bus, BusClosedError
 
@@ -39,23 +39,15 @@ async def test_every_publish_is_a_checkpoint_that_admits_nothing_when_cancelled(
 
 async def test_another_task_runs_between_any_two_publishes(anyio_backend_name: str) -> None:
     """A publishing loop that always finds room still lets other tasks run each call."""
-    events: list[str] = []
-    stop = anyio.Event()
     bus = Bus()
 
     @bus.subscribe("fair.publish", capacity=1000)
     async def handle(n: int) -> None:
         pass
 
-    async with bus, anyio.create_task_group() as task_group:
-        task_group.start_soon(ticker, events, stop)
-        await anyio.lowlevel.checkpoint()  # the ticker has started
-        for n in range(50):
-            await bus.publish("fair.publish", n)
-            events.append("publish")
-        stop.set()
+    async with bus:
+        runs = await publish_runs(lambda n: bus.publish("fair.publish", n), 50)
         await bus.drain()
-    runs = run_lengths(events, "publish")
     assert sum(runs) == 50
     if anyio_backend_name == "trio":
         # Trio steps each batch of ready tasks in a random order: two publishes can

@@ -17,7 +17,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import anyio
 import anyio.lowlevel
 import pytest
-from _turns import run_lengths, ticker  # type: ignore[import-not-found]
+from _turns import publish_runs  # type: ignore[import-not-found]
 from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncbus import Bus, DeadLetter, Envelope, Reject, Retry
@@ -176,8 +176,6 @@ async def test_a_publish_through_a_transport_that_never_awaits_still_yields_once
     assert ProtocolTransport.publish_waits is False
     transport = ProtocolTransport()
     bus = Bus(transport)
-    events: list[str] = []
-    stop = anyio.Event()
     handled: list[int] = []
 
     @bus.subscribe("turns", group="g")
@@ -189,18 +187,11 @@ async def test_a_publish_through_a_transport_that_never_awaits_still_yields_once
             scope.cancel()
             await bus.publish("turns", -1)
         assert scope.cancelled_caught
-        async with anyio.create_task_group() as task_group:
-            task_group.start_soon(ticker, events, stop)
-            await anyio.lowlevel.checkpoint()  # the ticker has started
-            for n in range(10):
-                await bus.publish("turns", n)
-                events.append("publish")
-            stop.set()
+        runs = await publish_runs(lambda n: bus.publish("turns", n), 10)
         await bus.drain()
-    runs = run_lengths(events, "publish")
     assert sum(runs) == 10
     if anyio_backend_name == "trio":
-        assert max(runs) <= 2  # trio steps a batch of ready tasks in a random order
+        assert max(runs) <= 2
     else:
         assert runs == [1] * 10
     assert handled == list(range(10))
