@@ -48,7 +48,7 @@ from ._instrument import Result
 from ._stage import Stage
 from ._subscription import Subscription
 from ._types import Handler
-from ._verdicts import DeadLetterNow, RetryAfter, Verdict
+from ._verdicts import DeadLetterNow, Verdict
 from .middleware.retry import Retry
 from .transports.base import BaseDelivery
 
@@ -307,15 +307,9 @@ async def _admit(
 
 def _retry_or_dead(error: BaseException, envelope: Envelope, retry: Retry | None) -> Verdict:
     """What the retry layer, then the dead-letter layer, decide for a failed envelope."""
-    verdict = DeadLetterNow.for_failure(error)
-    if (
-        retry is not None
-        and verdict.reason is not DeadLetterReason.REJECTED  # Reject, DecodeError
-        and isinstance(error, retry.retry_on)
-        and envelope.attempt < retry.max_attempts
-    ):
-        return RetryAfter(retry.delay(envelope.attempt), error)
-    return verdict
+    if retry is not None and (again := retry._retry_after(error, envelope.attempt)) is not None:
+        return again
+    return DeadLetterNow.for_failure(error)
 
 
 async def _conclude(

@@ -96,11 +96,24 @@ class Retry:
         """Marks this as the built-in ``retry`` layer (a listed one replaces the default)."""
         return "retry"
 
+    def _retry_after(self, error: BaseException, attempt: int) -> RetryAfter | None:
+        """This layer's decision on ``error`` raised by attempt ``attempt``: the
+        :class:`RetryAfter` it returns, or ``None`` when it lets the failure through
+        (``Reject`` and undecodable payloads never retry; the bus's own cancellation is
+        no failure). The one rule, for a call and for a batch's envelopes alike."""
+        if (
+            isinstance(error, Reject | DecodeError)
+            or not isinstance(error, self.retry_on)
+            or attempt >= self.max_attempts
+            or handler_failure(error) is None
+        ):
+            return None
+        return RetryAfter(self.delay(attempt), error)
+
     def __call__(self, call_next: Handler) -> Handler:
         """Wrap ``call_next``: a retryable failure returns :class:`RetryAfter` the delay."""
-        max_attempts = self.max_attempts
         retry_on = self.retry_on
-        delay = self.delay
+        retry_after = self._retry_after
 
         async def handle(envelope: Envelope) -> Any:
             try:
@@ -108,10 +121,9 @@ class Retry:
             except (Reject, DecodeError):
                 raise
             except retry_on as error:
-                if envelope.attempt >= max_attempts:
+                verdict = retry_after(error, envelope.attempt)
+                if verdict is None:
                     raise
-                if handler_failure(error) is None:
-                    raise  # the bus's own cancellation (retry_on=BaseException): not a failure
-                return RetryAfter(delay(envelope.attempt), error)
+                return verdict
 
         return handle
