@@ -537,7 +537,8 @@ class Subscription:
             self.wake.set()
 
     async def sync(self) -> None:
-        """A round trip on the consumer channel: deliveries sent before it have arrived."""
+        """A round trip on the consumer channel: deliveries sent before it have arrived,
+        and the broker has the acks written before it (a channel's frames go in order)."""
         consumer = self.consumer
         if consumer is None or consumer.channel.is_closed:
             return

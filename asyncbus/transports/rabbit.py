@@ -1294,11 +1294,10 @@ class RabbitTransport(Transport):
             else:
                 total += count
         mine = [s for s in self._subscriptions if s.queue == queue]
-        for subscription in mine:
-            await subscription.sync()
         # The queue's count leaves out what is delivered and unacked, so acks still
-        # waiting to be written are written now (or counted while they wait): a drain
-        # that returns leaves nothing handled here for the broker to deliver again.
+        # waiting to be written are written now (or counted while they wait), before the
+        # round trip below: its answer means the broker has them, and a drain that
+        # returns leaves nothing handled here for the broker to deliver again.
         waiting = [
             s.consumer for s in mine if s.consumer is not None and self._acks.queued(s.consumer)
         ]
@@ -1308,6 +1307,8 @@ class RabbitTransport(Transport):
             except Exception as error:  # kept queued: the writer tries again
                 logger.debug("RabbitMQ: writing acks for a backlog count failed: %s", error)
             total += sum(1 for consumer in waiting if self._acks.queued(consumer))
+        for subscription in mine:
+            await subscription.sync()
         return total + sum(subscription.unsettled() for subscription in mine)
 
     # -- dead letters ---------------------------------------------------------

