@@ -36,3 +36,15 @@ async def publish_runs(publish: Callable[[int], Awaitable[object]], count: int) 
             events.append("publish")
         stop.set()
     return run_lengths(events, "publish")
+
+
+def assert_each_yielded(runs: list[int], count: int, backend: str) -> None:
+    """``runs`` (from :func:`run_lengths`) show ``count`` calls that each yielded: on
+    asyncio, which steps ready tasks in FIFO order, a tick between any two; on trio,
+    which steps each batch of ready tasks in a random order, two calls can meet across
+    a batch boundary, never three."""
+    assert sum(runs) == count
+    if backend == "trio":
+        assert max(runs) <= 2
+    else:
+        assert runs == [1] * count

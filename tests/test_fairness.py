@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import anyio.lowlevel
 import pytest
-from _turns import publish_runs, run_lengths, ticker  # type: ignore[import-not-found]
+from _turns import assert_each_yielded, publish_runs, run_lengths, ticker  # type: ignore[import-not-found]
 
 from asyncbus import Bus, BusClosedError
 
@@ -48,13 +48,7 @@ async def test_another_task_runs_between_any_two_publishes(anyio_backend_name: s
     async with bus:
         runs = await publish_runs(lambda n: bus.publish("fair.publish", n), 50)
         await bus.drain()
-    assert sum(runs) == 50
-    if anyio_backend_name == "trio":
-        # Trio steps each batch of ready tasks in a random order: two publishes can
-        # meet across a batch boundary, never three.
-        assert max(runs) <= 2
-    else:
-        assert runs == [1] * 50  # asyncio steps ready tasks in FIFO order
+    assert_each_yielded(runs, 50, anyio_backend_name)
 
 
 async def test_publish_many_yields_once_per_call_however_many_it_publishes(
@@ -101,11 +95,7 @@ async def test_publish_many_yields_once_per_call_however_many_it_publishes(
     assert yields == 10
     assert stage.ledger.published == 200 and handled == list(range(200))
     runs = run_lengths(events, "publish")
-    assert sum(runs) == 10
-    if anyio_backend_name == "trio":
-        assert max(runs) <= 2
-    else:
-        assert runs == [1] * 10
+    assert_each_yielded(runs, 10, anyio_backend_name)
 
 
 async def test_a_consumer_yields_once_per_envelope(anyio_backend_name: str) -> None:
@@ -126,11 +116,7 @@ async def test_a_consumer_yields_once_per_envelope(anyio_backend_name: str) -> N
             await bus.drain()
             stop.set()
     runs = run_lengths(events, "handled")
-    assert sum(runs) == 40
-    if anyio_backend_name == "trio":
-        assert max(runs) <= 2
-    else:
-        assert runs == [1] * 40
+    assert_each_yielded(runs, 40, anyio_backend_name)
 
 
 async def test_a_publish_that_waits_for_room_waits() -> None:

@@ -8,12 +8,12 @@ writer task lingers a moment so that a busy consumer's acks go together, then ha
 everything queued to the transport's ``write``. A key can set a batch size: once that
 many of its acks wait, the writer stops lingering (a broker that holds back deliveries
 until earlier ones are acked, RabbitMQ's prefetch, is never kept waiting for the
-linger, and a busy consumer writes one ack for many deliveries). What a write did not take is kept
-(and written again: acks are idempotent) or, when the transport says the broker
-will deliver those envelopes again anyway, reported as lost. A transport closing
-writes what is queued first, within its clean-up deadline; what is still queued
-after that is lost too. The bus reports every lost ack (``unsettled_acks``) as
-abandoned in its ``ShutdownReport``.
+linger, and a busy consumer writes one ack for many deliveries). What a write did not
+take is kept (and written again: acks are idempotent) or, when the transport says the
+broker will deliver those envelopes again anyway, reported as lost. A transport closing
+writes what is queued first, within its clean-up deadline; what is still queued after
+that is lost too. The bus reports every lost ack (``unsettled_acks``) as abandoned in
+its ``ShutdownReport``.
 """
 
 from __future__ import annotations
