@@ -1,0 +1,122 @@
+"""What a bus does differently in memory and over a broker: the :class:`Mode` protocol.
+
+A bus holds one mode, chosen when it is made (:func:`asyncbus._modes.choose_mode`);
+this module is the contract between the bus and its mode, and what a mode needs of
+the bus (:class:`ModeHost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
+
+import anyio
+
+from .._consumer import ConsumerHost
+from .._dead_letters import DeadLetter, DeadLetterQueue
+from .._dedup import DedupStore
+from .._envelope import Envelope, Receipt
+from .._stage import Stage
+
+__all__ = ["CLOSE_GRACE", "INBOX", "Mode", "ModeHost", "Progress"]
+
+#: Topics of request inboxes over a broker: "_reply.<bus instance>.<request id>".
+INBOX = "_reply."
+
+#: Seconds at the end of an ``aclose`` deadline kept for closing with a broker
+#: (settling, releasing deliveries, closing connections); at most a quarter of it.
+CLOSE_GRACE = 1.0
+
+
+class Progress(Protocol):
+    """A caller that may be cancelled while its publish waits: told what was admitted."""
+
+    receipt: Receipt | None
+
+
+class ModeHost(ConsumerHost, Protocol):
+    """What a mode needs of the bus: the consumers' services and background tasks."""
+
+    def start_background(
+        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any
+    ) -> None:
+        """Run ``function(*args)`` in the bus's task group, counted until it ends
+        (``drain()`` waits for it); nothing when the bus is not running."""
+
+
+class Mode(Protocol):
+    """What a bus does differently in memory and over a broker (one per bus)."""
+
+    #: The transport's name for what the bus sends (``"memory"`` in its stages).
+    system: str
+    #: Whether a publish may be admitted into the stages inline (no broker round trip).
+    admits_inline: bool
+
+    async def open(self, stack: AsyncExitStack, dead_letters: DeadLetterQueue) -> None:
+        """Start: enter the transport (closed with ``stack``), restore its dead letters."""
+
+    def close_by(self, deadline: float) -> float:
+        """A stop was asked for by ``deadline``: the deadline left for draining."""
+
+    def publish_yield(
+        self, yield_now: Callable[[], Awaitable[None]]
+    ) -> Callable[[], Awaitable[None]]:
+        """What a publish awaits before it admits anything, given the backend's yield.
+
+        Every publish yields once (the fairness rule): in memory that is ``yield_now``,
+        before anything is admitted; over a broker the wait for the broker's
+        confirmation is the yield, and before sending only a cancellation is checked.
+        """
+
+    def lost_acks(self) -> Iterable[tuple[str, str]]:
+        """``(stage name, envelope id)`` of acks the broker never got (they come back)."""
+
+    async def backlog(self, stages: Iterable[Stage]) -> int:
+        """Envelopes still held elsewhere for ``stages`` (``drain()`` waits for them)."""
+
+    def start(self, stage: Stage) -> None:
+        """``stage`` got consumers: feed it from the broker if it has one."""
+
+    def check_nowait(self) -> None:
+        """Raise :class:`anyio.WouldBlock` when a publish cannot complete without waiting."""
+
+    async def send(
+        self, envelope: Envelope, timeout: float | None, progress: Progress | None = None
+    ) -> Receipt:
+        """Route ``envelope`` to every group of its topic (observers are told first)."""
+
+    def send_now(self, envelope: Envelope) -> Receipt:
+        """Route ``envelope`` without waiting (see :meth:`check_nowait`)."""
+
+    async def send_many(
+        self, envelopes: Sequence[Envelope], timeout: float | None
+    ) -> list[Receipt]:
+        """Route ``envelopes`` (one topic, at least one), in order: one receipt each.
+
+        ``timeout`` bounds the whole call; on expiry (or a stop) the error carries the
+        receipts of the envelopes sent before it (``receipts``) and the partial
+        receipt of the one it cut off (``receipt``); later ones are not sent.
+        """
+
+    def store(self, entry: DeadLetter) -> None:
+        """Keep ``entry`` where other processes see it too (nothing in memory)."""
+
+    def forget(self, ids: Sequence[str]) -> None:
+        """The dead letters ``ids`` left the queue: forget their stored copies."""
+
+    async def replay(self, entry: DeadLetter, envelope: Envelope) -> Receipt:
+        """Send ``envelope`` (``entry``'s, made new) to the stage that dead-lettered it."""
+
+    def replies_elsewhere(self, reply_to: str) -> bool:
+        """Whether ``reply_to`` names a requester in another process."""
+
+    async def reply_address(self, request_id: str, inbox: Callable[[], Awaitable[str]]) -> str:
+        """Where the reply to request ``request_id`` goes (``inbox`` opens this bus's)."""
+
+    def dedup_store(self, window: float) -> DedupStore | None:
+        """The broker's shared dedup store, ``None`` in memory or without one."""
+
+    def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
+        """A shielded scope for settling with the broker, bounded by the close deadline."""
