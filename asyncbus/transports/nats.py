@@ -16,7 +16,8 @@ What it keeps on the server, for ``prefix="asyncbus"``:
   delivery limit (the bus's retry policy decides). Every process subscribing with the
   same (pattern, group) pulls from it: competing consumers. Each subscription asks
   for no more than ``prefetch`` minus what it holds, so ``prefetch`` bounds each
-  subscription alone (the consumer's own ``max_ack_pending`` is unlimited).
+  subscription alone (the consumer's own ``max_ack_pending`` is unlimited); the
+  pulling side is :mod:`._nats_consumer`.
 * stream ``ASYNCBUS_DLQ`` (limits retention, ``max_age = dead_letter_ttl``,
   ``max_msgs = dead_letter_maxlen``) keeps dead letters, one subject per envelope id
   (``asyncbus_dlq.{id}``), so removing an id is a purge by subject.
@@ -84,26 +85,30 @@ import json
 import logging
 import re
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
 import anyio
 
 from .._dead_letters import DeadLetter
-from .._envelope import EMPTY_HEADERS, HEADER_REPLAYED, Envelope, make_envelope
+from .._envelope import HEADER_REPLAYED, Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeError, TransportError
 from .._routing import compile_pattern, validate_topic
 from ._codec import (
     Codec,
     dead_letter_from_wire,
     dead_letter_to_wire,
-    envelope_from_wire,
     envelope_to_wire,
 )
-from ._kit import AckWriter, Backoff, TaskOwner, redact, require_asyncio
+from ._kit import AckWriter, TaskOwner, redact, require_asyncio
+from ._nats_consumer import (
+    HEADER_META,
+    HEADER_REPLAY_GROUP,
+    PullConsumer,
+    broker_call,
+)
 from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description
 from ._nats_handbacks import HandBacks
@@ -111,14 +116,12 @@ from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     INBOX_GROUP_PREFIX,
-    BaseDelivery,
     Capabilities,
     Delivery,
     Transport,
     checked_max_deliveries,
     checked_prefetch,
     checked_seconds,
-    over_max_deliveries,
     unrouted_entry,
 )
 
@@ -132,27 +135,15 @@ __all__ = ["HEADER_META", "HEADER_REPLAY_GROUP", "NatsTransport", "consumer_name
 
 logger = logging.getLogger("asyncbus.transport.nats")
 
-#: Header holding the envelope's fields (everything but the payload) as JSON.
-HEADER_META = "asyncbus-meta"
-#: Header naming the one consumer a replayed envelope is for; other groups skip it.
-HEADER_REPLAY_GROUP = "asyncbus-replay-group"
 #: Header of a dead-letter message telling how its body holds the payload.
 _HEADER_BODY = "asyncbus-body"
 _HEADER_DEAD_LETTER = "asyncbus-dead-letter"
 
-#: Why a delivery its subscription gave back cannot be settled.
-_RELEASED = "was released when its subscription ended"
 #: A pull request lives this long on the server (then it answers 408 and we ask again),
 #: or less with a short ack_timeout (see :meth:`NatsTransport.pull_expires`).
 _PULL_EXPIRES = 5.0
-#: Past expiry plus this, a request that never answered (server restart) is forgotten.
-_PULL_GRACE = 1.0
 #: Topics whose subject is kept checked (then the cache starts over).
 _SUBJECTS_KEPT = 512
-#: Seconds to wait before asking again after the server refused a pull request.
-_PULL_PAUSE = 0.25
-#: Longest wait between two attempts to make a vanished stream or consumer again.
-_RESTORE_BACKOFF_MAX = 2.0
 #: Seconds closing the connection may take (past the close deadline too: it is local).
 _CLOSE_TIMEOUT = 0.5
 #: Seconds the ack writer waits for more acks before writing them together.
@@ -192,30 +183,6 @@ def _address(url: str) -> str:
     return f"{parts.hostname or '127.0.0.1'}:{port}"
 
 
-@contextmanager
-def _broker_call(what: str) -> Iterator[None]:
-    """Turn nats-py's errors (and timeouts, socket errors) into :class:`TransportError`."""
-    from nats.errors import Error as NatsError
-
-    try:
-        yield
-    except (NatsError, TimeoutError, OSError) as error:
-        raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
-
-
-def _delivered(msg: Msg) -> int:
-    """How many times JetStream delivered ``msg`` (``num_delivered``), from its reply
-    subject, without building nats-py's metadata objects.
-
-    ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``
-    (other forms, with a domain and an account hash, are left to nats-py).
-    """
-    tokens = msg.reply.split(".")
-    if len(tokens) == 9 and tokens[4].isdigit():
-        return int(tokens[4]) or 1
-    return msg.metadata.num_delivered or 1
-
-
 def _ascii_json(data: bytes) -> str:
     """The same JSON document with every non-ASCII character escaped."""
     return json.dumps(json.loads(data), separators=(",", ":"), ensure_ascii=True)
@@ -224,326 +191,6 @@ def _ascii_json(data: bytes) -> str:
 def _header_size(headers: Mapping[str, str]) -> int:
     # "NATS/1.0\r\n" + "name: value\r\n"... + "\r\n"
     return 12 + sum(len(name) + len(value.encode()) + 4 for name, value in headers.items())
-
-
-class _NatsDelivery(BaseDelivery):
-    """A delivery from :class:`NatsTransport`; its acks are written behind.
-
-    Acks are written together by the transport's writer (within a moment, before
-    the subscription or the transport closes): a process that dies first gets the
-    message redelivered after ``ack_timeout``, as at-least-once delivery allows.
-    """
-
-    __slots__ = ("_consumer", "_msg")
-
-    acks_behind = True
-
-    def __init__(
-        self, consumer: _PullConsumer, msg: Msg, envelope: Envelope, error: str | None
-    ) -> None:
-        super().__init__(envelope, error)
-        self._consumer = consumer
-        self._msg = msg
-
-    def _settled(self) -> None:
-        self._consumer.forget(self)
-
-    def _queue_ack(self) -> None:
-        """Done: ``+ACK`` it, written with the other acks queued meanwhile."""
-        consumer = self._consumer
-        consumer.transport._acks.queue(
-            consumer.name, consumer.stage, self._msg.reply, self.envelope.id
-        )
-
-    async def _nack(self, delay: float | None) -> None:
-        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
-        with _broker_call(f"cannot nack {self.envelope.id}"):
-            await self._msg.nak(delay=delay if delay is not None and delay > 0 else None)
-
-    async def _reject(self, entry: DeadLetter) -> None:
-        """Store a dead letter in the dead-letter stream, then terminate the message.
-
-        When storing fails the message is left unsettled: the broker delivers it
-        again after ``ack_timeout`` rather than lose it.
-        """
-        await self._consumer.transport.add_dead_letter(entry)
-        with _broker_call(f"cannot settle {self.envelope.id}"):
-            await self._msg.term()
-
-
-class _PullConsumer:
-    """One ``subscribe()`` context: its pull request, messages and unsettled deliveries.
-
-    One pull request is open at a time, for as many messages as there is room for:
-    what was asked for plus what is held never exceeds ``prefetch``. Messages arrive
-    on a private inbox and wait in :attr:`ready` until the iterator hands them out.
-    JetStream delivers messages under their own subject, so a message cannot be
-    told to belong to a request; status replies (408 expired, 409 ...) come on the
-    request's reply subject (``{inbox}.{n}``), so a stale request's end is ignored.
-    """
-
-    def __init__(
-        self, transport: NatsTransport, nc: Client, pattern: str, group: str, prefetch: int
-    ) -> None:
-        self.transport = transport
-        self.nc = nc
-        self.pattern = pattern
-        self.group = group
-        self.name = consumer_name(pattern, group)
-        self.stage = f"{pattern}@{group}"
-        self.prefetch = prefetch
-        self.max_deliveries = transport.max_deliveries
-        self.inbox = nc.new_inbox()
-        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{self.name}"
-        self.ready: deque[Msg] = deque()
-        self.unsettled: dict[int, _NatsDelivery] = {}
-        #: Reply subject of the open pull request, what it may still bring, its deadline.
-        self.request: str | None = None
-        self.remaining = 0
-        self.deadline = 0.0
-        self.sequence = 0
-        self.pause_until = 0.0
-        #: Why the consumer cannot be pulled from (it, or its stream, is gone), until
-        #: :meth:`restore` made it again.
-        self.failure: str | None = None
-        self.restore_backoff = Backoff(_PULL_PAUSE, _RESTORE_BACKOFF_MAX)
-        self.closed = False
-        self.wakeup = anyio.Event()
-
-    def wake(self) -> None:
-        self.wakeup.set()
-
-    def forget(self, delivery: _NatsDelivery) -> None:
-        """A delivery was settled: there is room for another."""
-        self.unsettled.pop(id(delivery), None)
-        self.wakeup.set()
-
-    async def on_message(self, msg: Msg) -> None:
-        """nats-py's callback for the inbox: file a message or a request's status."""
-        headers = msg.headers
-        if not msg.reply and headers and "Status" in headers:
-            status = headers["Status"]
-            if status == "100" or msg.subject != self.request:
-                return  # an idle heartbeat, or the end of a request already given up
-            self.request = None
-            # nats-py keys it by an Enum whose hash is not the string's: compare instead.
-            description = next((v for k, v in headers.items() if k == "Description"), "")
-            if status == "503" or (status == "409" and "Deleted" in description):
-                self.failure = (
-                    f"consumer {self.name} of stream {self.transport.stream} is gone "
-                    f"({status} {description})".rstrip()
-                )
-                # Not at once: a stream being deleted ends its consumers' requests
-                # first, and one made again before its files are gone loses them.
-                self.pause_until = time.monotonic() + _PULL_PAUSE
-            elif status not in ("404", "408"):
-                # 409 (too many waiting requests, leadership change...) and the like:
-                # ask again, but not in a tight loop.
-                self.pause_until = time.monotonic() + _PULL_PAUSE
-                logger.debug("pull request for %s ended: %s %s", self.name, status, description)
-            self.wake()
-            return
-        if not (msg.reply or "").startswith("$JS.ACK."):
-            # Not from JetStream (someone published to this private inbox): nothing to
-            # settle, nothing to hand over.
-            logger.warning("NATS: ignoring a message on %s not sent by JetStream", msg.subject)
-            return
-        if self.request is not None:
-            self.remaining -= 1
-            if self.remaining <= 0:
-                self.request = None
-        if self.closed:
-            await self._give_back([msg])  # our request outlived the subscription
-        else:
-            self.ready.append(msg)
-        self.wake()
-
-    async def request_more(self) -> None:
-        """Open a pull request for as many messages as there is room for, unless one is open."""
-        now = time.monotonic()
-        if (self.request is not None and self.deadline >= now) or now < self.pause_until:
-            return
-        if self.request is not None:
-            # The request never answered, not even 408 at its expiry: the server
-            # restarted, or the consumer is gone (a pull on it gets no reply at all).
-            self.request = None
-            try:
-                gone = not await self.transport._consumer_exists(self.name)
-            except TransportError:
-                gone = False  # not connected right now: nats-py reconnects, ask again then
-            if gone:
-                self.failure = f"consumer {self.name} of stream {self.transport.stream} is gone"
-                return
-        room = self.prefetch - len(self.unsettled) - len(self.ready)
-        if room <= 0:
-            self.request = None
-            return
-        self.sequence += 1
-        self.request = f"{self.inbox}.{self.sequence}"
-        self.remaining = room
-        # Past its expiry plus a grace, a request that never answered (the server
-        # restarted meanwhile) is given up and a new one opened.
-        expires = self.transport.pull_expires
-        self.deadline = now + expires + _PULL_GRACE
-        ask = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
-        with _broker_call(f"cannot pull from consumer {self.name}"):
-            await self.nc.publish(self.next_subject, ask, reply=self.request)
-
-    def _next_deadline(self) -> float:
-        now = time.monotonic()
-        if now < self.pause_until:
-            return self.pause_until - now
-        if self.request is None:
-            return float("inf")  # nothing asked for: wait for room (a settle)
-        return max(0.0, self.deadline - now)
-
-    def __aiter__(self) -> _PullConsumer:
-        return self
-
-    async def __anext__(self) -> Delivery:
-        """The next delivery; cancelling the wait for it loses nothing."""
-        while True:
-            if self.closed:
-                raise StopAsyncIteration
-            if self.ready and self.failure is None:
-                wakeup = self.wakeup  # a message is at hand: no waiting this time
-            else:
-                wakeup = self.wakeup = anyio.Event()
-            if self.nc.is_closed:
-                raise TransportError("the connection to NATS is closed")
-            if self.failure is not None:
-                await self.restore()
-                continue
-            await self.request_more()
-            if self.failure is not None:
-                continue
-            if not self.ready:
-                with anyio.move_on_after(self._next_deadline()):
-                    await wakeup.wait()
-                continue
-            msg = self.ready.popleft()
-            delivery = self.transport._delivery(self, msg)
-            if delivery is None:
-                # A replay meant for another group: not ours to handle.
-                with _broker_call("cannot skip a replay for another group"):
-                    await msg.ack()
-                continue
-            if delivery.error is None and delivery.envelope.attempt > self.max_deliveries:
-                delivery.error = await self.transport._over_max_deliveries(self, msg)
-            self.unsettled[id(delivery)] = delivery
-            return delivery
-
-    async def restore(self) -> None:
-        """Make the stream and this consumer again (a server that lost its state, a
-        consumer or stream deleted by someone); on failure, wait and let the caller
-        try again."""
-        now = time.monotonic()
-        if now < self.pause_until:
-            wakeup = self.wakeup
-            with anyio.move_on_after(self.pause_until - now):
-                await wakeup.wait()
-            return
-        logger.warning("NATS: %s; making it again", self.failure)
-        try:
-            await self.transport._restore(self)
-        except (TransportError, ConfigurationError) as error:
-            logger.warning("NATS: making consumer %s again failed: %s", self.name, error)
-            self.pause_until = time.monotonic() + self.restore_backoff.next()
-            return
-        self.failure = None
-        self.request = None
-        self.restore_backoff.reset()
-
-    async def keep_alive(self) -> None:
-        """Tell the server held deliveries are being worked on (``+WPI``).
-
-        Deliveries wait in the bus's stage queue and for retries; without this they
-        would be redelivered to the group every ``ack_timeout`` while still held. A
-        process that dies stops sending it, so its deliveries still come back.
-        """
-        interval = max(self.transport.ack_timeout / 3, 0.05)
-        while not self.closed:
-            await anyio.sleep(interval)
-            held = [d._msg for d in self.unsettled.values() if d.settleable]
-            for msg in [*held, *self.ready]:
-                try:
-                    await msg.in_progress()
-                except Exception:  # the connection is gone: redelivery takes over
-                    logger.debug("in-progress for %s failed", self.name, exc_info=True)
-                    break
-
-    async def release(self, subscription: Subscription) -> bool:
-        """Give back everything held but not settled, so another consumer gets it now.
-
-        :return: whether the inbox is closed; ``False`` when a pull request is still
-            open on the server, and :meth:`linger` must keep the inbox until it ends.
-        """
-        self.closed = True
-        held = [d._msg for d in self.unsettled.values() if d.settleable]
-        for delivery in self.unsettled.values():
-            delivery.take_back(_RELEASED)
-        self.unsettled.clear()
-        held += self.ready
-        self.ready.clear()
-        if self.request is None or self.nc.is_closed:
-            await self._unsubscribe(subscription)
-            await self._give_back(held)
-            return True
-        # Not unsubscribing yet: a 2.9 server that finds a redelivery's only waiting
-        # request without interest loses that redelivery until ack_wait and sends
-        # another message twice. What reaches the open request meanwhile is given
-        # back at once (on_message), until the request ends.
-        await self._give_back(held)
-        return False
-
-    async def linger(self, subscription: Subscription) -> None:
-        """Keep the inbox of a left subscription until its open pull request ended."""
-        try:
-            with anyio.move_on_after(max(0.0, self.deadline - time.monotonic())):
-                while self.request is not None:
-                    wakeup = self.wakeup = anyio.Event()
-                    await wakeup.wait()
-        finally:
-            with self.transport.cleanup_scope():
-                await self._unsubscribe(subscription)
-            self.transport._consumers.discard(self)
-
-    async def _unsubscribe(self, subscription: Subscription) -> None:
-        """Unsubscribe; messages the server sent before it saw that are given back too."""
-        drained = False
-        if not self.nc.is_closed:
-            try:
-                with anyio.move_on_after(self.transport.request_timeout):
-                    await subscription.drain()  # type: ignore[no-untyped-call]
-                    drained = True
-            except Exception:
-                logger.debug("draining the inbox of %s failed", self.name, exc_info=True)
-        if not drained:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
-
-    async def _give_back(self, msgs: list[Msg]) -> None:
-        """Nak them, oldest first (ack the replays that were for another group).
-
-        Each one given back is recorded first (:mod:`._nats_handbacks`): handed back
-        unhandled, it is no delivery toward ``max_deliveries``.
-        """
-        msgs.sort(key=lambda msg: msg.metadata.sequence.stream)
-        ours = [
-            msg for msg in msgs if (msg.headers or {}).get(HEADER_REPLAY_GROUP) in (None, self.name)
-        ]
-        if ours and not self.nc.is_closed:
-            await self.transport._handbacks.record(self.name, ours)
-        mine = {id(msg) for msg in ours}
-        for msg in msgs:
-            try:
-                if id(msg) in mine:
-                    await msg.nak()
-                else:
-                    await msg.ack()
-            except Exception:  # redelivered after ack_wait instead
-                logger.debug("could not give back a message of %s", self.name, exc_info=True)
-                return
 
 
 class NatsTransport(Transport):
@@ -650,7 +297,7 @@ class NatsTransport(Transport):
         self._dead_prefix = f"{prefix}_dlq"
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._consumers: set[_PullConsumer] = set()
+        self._consumers: set[PullConsumer] = set()
         #: The background tasks: publish expiry, keep-alives, and what outlives a
         #: subscription (an inbox kept until its open pull request ends).
         self._tasks = TaskOwner("NatsTransport")
@@ -806,7 +453,7 @@ class NatsTransport(Transport):
         from nats.js.errors import APIError, NotFoundError
 
         name = config.name
-        with _broker_call(f"cannot set up the JetStream stream {name} (is JetStream enabled?)"):
+        with broker_call(f"cannot set up the JetStream stream {name} (is JetStream enabled?)"):
             try:
                 info = await js.stream_info(name)
             except NotFoundError:
@@ -1027,7 +674,7 @@ class NatsTransport(Transport):
         from nats.js.errors import NotFoundError
 
         _, js = self._client()
-        with _broker_call(f"cannot list the consumers of stream {self.stream}"):
+        with broker_call(f"cannot list the consumers of stream {self.stream}"):
             try:
                 await self._groups.read(js, self.prefix)
             except NotFoundError:
@@ -1149,7 +796,7 @@ class NatsTransport(Transport):
             # nobody pulled from it for inbox_ttl (its process died).
             inactive_threshold=self.inbox_ttl if _is_inbox(group) else None,
         )
-        with _broker_call(f"cannot create consumer {name} on stream {self.stream}"):
+        with broker_call(f"cannot create consumer {name} on stream {self.stream}"):
             try:
                 existing = (await js.consumer_info(self.stream, name)).config
             except NotFoundError:
@@ -1170,8 +817,8 @@ class NatsTransport(Transport):
         checked_prefetch(prefetch)
         nc, _ = self._client()
         await self._ensure_consumer(pattern, group)
-        consumer = _PullConsumer(self, nc, pattern, group, prefetch)
-        with _broker_call(f"cannot subscribe to {consumer.inbox}"):
+        consumer = PullConsumer(self, nc, consumer_name(pattern, group), pattern, group, prefetch)
+        with broker_call(f"cannot subscribe to {consumer.inbox}"):
             subscription = await nc.subscribe(f"{consumer.inbox}.*", cb=consumer.on_message)
         self._consumers.add(consumer)
         try:
@@ -1191,7 +838,7 @@ class NatsTransport(Transport):
                 else:
                     self._tasks.start_soon(consumer.linger, subscription)
 
-    async def _drop_inbox(self, consumer: _PullConsumer, subscription: Subscription) -> None:
+    async def _drop_inbox(self, consumer: PullConsumer, subscription: Subscription) -> None:
         """Delete a leaving request inbox's consumer (what it holds is moot, its process
         leaves); a consumer left behind by a process that died goes after
         ``inbox_ttl`` without pulls (``inactive_threshold``)."""
@@ -1215,7 +862,7 @@ class NatsTransport(Transport):
                 error,
             )
 
-    async def _restore(self, consumer: _PullConsumer | None = None) -> None:
+    async def _restore(self, consumer: PullConsumer | None = None) -> None:
         """Make the streams again if they are gone, then the consumers of this
         transport's subscriptions (``consumer`` first), so publishes are stored and
         reach the groups of this process again.
@@ -1238,54 +885,11 @@ class NatsTransport(Transport):
                     each.wake()
             self._restores += 1
 
-    def _delivery(self, consumer: _PullConsumer, msg: Msg) -> _NatsDelivery | None:
-        headers = msg.headers or {}
-        target = headers.get(HEADER_REPLAY_GROUP)
-        if target is not None and target != consumer.name:
-            return None
-        attempt = _delivered(msg)
-        error: str | None
-        try:
-            meta = headers.get(HEADER_META)
-            if not isinstance(meta, str):
-                raise DecodeError(f"the message has no {HEADER_META} header")
-            envelope, error = envelope_from_wire(
-                meta.encode(), msg.data, self.codec, attempt=attempt
-            )
-        except (DecodeError, UnicodeEncodeError) as failure:
-            # Not an asyncbus message (or a mangled one): hand it over to be rejected.
-            msg_id = headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"
-            envelope = make_envelope(
-                msg_id,
-                msg.subject[len(self.prefix) + 1 :] or msg.subject,
-                msg.data,
-                EMPTY_HEADERS,
-                time.time(),
-                None,
-                attempt,
-                (),
-                msg_id,
-                None,
-                None,
-                None,
-            )
-            error = str(failure)
-        return _NatsDelivery(consumer, msg, envelope, error)
-
-    async def _over_max_deliveries(self, consumer: _PullConsumer, msg: Msg) -> str | None:
-        """Why ``msg`` is not handled again: delivered more than ``max_deliveries``
-        times, not counting the deliveries consumers handed back unhandled."""
-        metadata = msg.metadata
-        delivered = metadata.num_delivered or 1
-        if delivered > self.max_deliveries:
-            delivered -= await self._handbacks.count(consumer.name, metadata.sequence.stream)
-        return over_max_deliveries(delivered, self.max_deliveries)
-
     async def _consumer_exists(self, name: str) -> bool:
         from nats.js.errors import NotFoundError
 
         _, js = self._client()
-        with _broker_call(f"cannot read consumer {name}"):
+        with broker_call(f"cannot read consumer {name}"):
             try:
                 await js.consumer_info(self.stream, name)
             except NotFoundError:
@@ -1306,7 +910,7 @@ class NatsTransport(Transport):
 
         _, js = self._client()
         name = consumer_name(pattern, group)
-        with _broker_call(f"cannot read consumer {name}"):
+        with broker_call(f"cannot read consumer {name}"):
             try:
                 info = await js.consumer_info(self.stream, name)
             except NotFoundError:
@@ -1350,7 +954,7 @@ class NatsTransport(Transport):
         from nats.js.errors import NoStreamResponseError
 
         subject = f"{self._dead_prefix}.{_id_token(entry.envelope.id)}"
-        with _broker_call(f"cannot store the dead letter of {entry.envelope.id}"):
+        with broker_call(f"cannot store the dead letter of {entry.envelope.id}"):
             try:
                 await js.publish(subject, body, headers=headers)
             except NoStreamResponseError:
@@ -1382,7 +986,7 @@ class NatsTransport(Transport):
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
         nc, js = self._client()
-        with _broker_call(f"cannot read the dead-letter stream {self.dead_letter_stream}"):
+        with broker_call(f"cannot read the dead-letter stream {self.dead_letter_stream}"):
             info = await js.stream_info(self.dead_letter_stream)
         if not info.state.messages:
             return []
@@ -1396,7 +1000,7 @@ class NatsTransport(Transport):
             mem_storage=True,
         )
         entries: list[DeadLetter] = []
-        with _broker_call(f"cannot read the dead-letter stream {self.dead_letter_stream}"):
+        with broker_call(f"cannot read the dead-letter stream {self.dead_letter_stream}"):
             await js.add_consumer(self.dead_letter_stream, config)
             try:
                 pull = await js.pull_subscribe_bind(durable=reader, stream=self.dead_letter_stream)
@@ -1434,7 +1038,7 @@ class NatsTransport(Transport):
         _, js = self._client()
         for envelope_id in dict.fromkeys(ids):
             subject = f"{self._dead_prefix}.{_id_token(envelope_id)}"
-            with _broker_call(f"cannot remove the dead letters of {envelope_id}"):
+            with broker_call(f"cannot remove the dead letters of {envelope_id}"):
                 await js.purge_stream(self.dead_letter_stream, subject=subject)
 
 

@@ -1,0 +1,488 @@
+"""The consuming side of the NATS JetStream transport: pull requests and deliveries.
+
+A :class:`PullConsumer` is one ``subscribe()`` of a group's durable consumer: it keeps
+one pull request open for as much as it has room for, files what arrives on its
+private inbox, turns messages into :class:`NatsDelivery` objects and gives back what
+it held when the subscription ends. The broker calls that outlive it (making a
+vanished consumer again, writing acks behind, recording hand-backs) go through its
+transport (:mod:`asyncbus.transports.nats`), described by :class:`PullHost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+
+from .._dead_letters import DeadLetter
+from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
+from .._exceptions import ConfigurationError, DecodeError, TransportError
+from ._codec import Codec, envelope_from_wire
+from ._kit import AckWriter, Backoff
+from .base import BaseDelivery, Delivery
+from .base import over_max_deliveries as exceeded
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+    from ._nats_handbacks import HandBacks
+
+__all__ = [
+    "HEADER_META",
+    "HEADER_REPLAY_GROUP",
+    "NatsDelivery",
+    "PullConsumer",
+    "PullHost",
+    "broker_call",
+    "delivery_count",
+]
+
+logger = logging.getLogger("asyncbus.transport.nats")
+
+#: Header holding the envelope's fields (everything but the payload) as JSON.
+HEADER_META = "asyncbus-meta"
+#: Header naming the one consumer a replayed envelope is for; other groups skip it.
+HEADER_REPLAY_GROUP = "asyncbus-replay-group"
+
+#: Why a delivery its subscription gave back cannot be settled.
+RELEASED = "was released when its subscription ended"
+#: Past expiry plus this, a request that never answered (server restart) is forgotten.
+_PULL_GRACE = 1.0
+#: Seconds to wait before asking again after the server refused a pull request.
+_PULL_PAUSE = 0.25
+#: Longest wait between two attempts to make a vanished stream or consumer again.
+_RESTORE_BACKOFF_MAX = 2.0
+
+
+class PullHost(Protocol):
+    """What pull consumers use of their transport (:class:`~.nats.NatsTransport` is one):
+    settings, acks written behind, hand-backs, and making a vanished consumer again."""
+
+    prefix: str
+    stream: str
+    codec: Codec
+    ack_timeout: float
+    request_timeout: float
+    max_deliveries: int
+    _acks: AckWriter[str, str]
+    _handbacks: HandBacks
+    _consumers: set[PullConsumer]
+
+    @property
+    def pull_expires(self) -> float:
+        """Seconds each pull request lives on the server."""
+        ...
+
+    def cleanup_scope(self, timeout: float = ...) -> AbstractContextManager[anyio.CancelScope]:
+        """A shielded clean-up scope, bounded by the close deadline."""
+        ...
+
+    async def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Store ``entry`` in the dead-letter stream."""
+        ...
+
+    async def _consumer_exists(self, name: str) -> bool:
+        """Whether the durable consumer ``name`` is on the server."""
+        ...
+
+    async def _restore(self, consumer: PullConsumer | None = None) -> None:
+        """Make the streams and this transport's consumers again (``consumer`` first)."""
+        ...
+
+
+@contextmanager
+def broker_call(what: str) -> Iterator[None]:
+    """Turn nats-py's errors (and timeouts, socket errors) into :class:`TransportError`."""
+    from nats.errors import Error as NatsError
+
+    try:
+        yield
+    except (NatsError, TimeoutError, OSError) as error:
+        raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
+
+
+def delivery_count(msg: Msg) -> int:
+    """How many times JetStream delivered ``msg`` (``num_delivered``), from its reply
+    subject, without building nats-py's metadata objects.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``
+    (other forms, with a domain and an account hash, are left to nats-py).
+    """
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9 and tokens[4].isdigit():
+        return int(tokens[4]) or 1
+    return msg.metadata.num_delivered or 1
+
+
+class NatsDelivery(BaseDelivery):
+    """A delivery from :class:`~.nats.NatsTransport`; its acks are written behind.
+
+    Acks are written together by the transport's writer (within a moment, before
+    the subscription or the transport closes): a process that dies first gets the
+    message redelivered after ``ack_timeout``, as at-least-once delivery allows.
+    """
+
+    __slots__ = ("_consumer", "_msg")
+
+    acks_behind = True
+
+    def __init__(
+        self, consumer: PullConsumer, msg: Msg, envelope: Envelope, error: str | None
+    ) -> None:
+        super().__init__(envelope, error)
+        self._consumer = consumer
+        self._msg = msg
+
+    def _settled(self) -> None:
+        self._consumer.forget(self)
+
+    def _queue_ack(self) -> None:
+        """Done: ``+ACK`` it, written with the other acks queued meanwhile."""
+        consumer = self._consumer
+        consumer.transport._acks.queue(
+            consumer.name, consumer.stage, self._msg.reply, self.envelope.id
+        )
+
+    async def _nack(self, delay: float | None) -> None:
+        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
+        with broker_call(f"cannot nack {self.envelope.id}"):
+            await self._msg.nak(delay=delay if delay is not None and delay > 0 else None)
+
+    async def _reject(self, entry: DeadLetter) -> None:
+        """Store a dead letter in the dead-letter stream, then terminate the message.
+
+        When storing fails the message is left unsettled: the broker delivers it
+        again after ``ack_timeout`` rather than lose it.
+        """
+        await self._consumer.transport.add_dead_letter(entry)
+        with broker_call(f"cannot settle {self.envelope.id}"):
+            await self._msg.term()
+
+
+class PullConsumer:
+    """One ``subscribe()`` context: its pull request, messages and unsettled deliveries.
+
+    One pull request is open at a time, for as many messages as there is room for:
+    what was asked for plus what is held never exceeds ``prefetch``. Messages arrive
+    on a private inbox and wait in :attr:`ready` until the iterator hands them out.
+    JetStream delivers messages under their own subject, so a message cannot be
+    told to belong to a request; status replies (408 expired, 409 ...) come on the
+    request's reply subject (``{inbox}.{n}``), so a stale request's end is ignored.
+    """
+
+    def __init__(
+        self, transport: PullHost, nc: Client, name: str, pattern: str, group: str, prefetch: int
+    ) -> None:
+        self.transport = transport
+        self.nc = nc
+        self.pattern = pattern
+        self.group = group
+        self.name = name
+        self.stage = f"{pattern}@{group}"
+        self.prefetch = prefetch
+        self.max_deliveries = transport.max_deliveries
+        self.inbox = nc.new_inbox()
+        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{self.name}"
+        self.ready: deque[Msg] = deque()
+        self.unsettled: dict[int, NatsDelivery] = {}
+        #: Reply subject of the open pull request, what it may still bring, its deadline.
+        self.request: str | None = None
+        self.remaining = 0
+        self.deadline = 0.0
+        self.sequence = 0
+        self.pause_until = 0.0
+        #: Why the consumer cannot be pulled from (it, or its stream, is gone), until
+        #: :meth:`restore` made it again.
+        self.failure: str | None = None
+        self.restore_backoff = Backoff(_PULL_PAUSE, _RESTORE_BACKOFF_MAX)
+        self.closed = False
+        self.wakeup = anyio.Event()
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def forget(self, delivery: NatsDelivery) -> None:
+        """A delivery was settled: there is room for another."""
+        self.unsettled.pop(id(delivery), None)
+        self.wakeup.set()
+
+    async def on_message(self, msg: Msg) -> None:
+        """nats-py's callback for the inbox: file a message or a request's status."""
+        headers = msg.headers
+        if not msg.reply and headers and "Status" in headers:
+            status = headers["Status"]
+            if status == "100" or msg.subject != self.request:
+                return  # an idle heartbeat, or the end of a request already given up
+            self.request = None
+            # nats-py keys it by an Enum whose hash is not the string's: compare instead.
+            description = next((v for k, v in headers.items() if k == "Description"), "")
+            if status == "503" or (status == "409" and "Deleted" in description):
+                self.failure = (
+                    f"consumer {self.name} of stream {self.transport.stream} is gone "
+                    f"({status} {description})".rstrip()
+                )
+                # Not at once: a stream being deleted ends its consumers' requests
+                # first, and one made again before its files are gone loses them.
+                self.pause_until = time.monotonic() + _PULL_PAUSE
+            elif status not in ("404", "408"):
+                # 409 (too many waiting requests, leadership change...) and the like:
+                # ask again, but not in a tight loop.
+                self.pause_until = time.monotonic() + _PULL_PAUSE
+                logger.debug("pull request for %s ended: %s %s", self.name, status, description)
+            self.wake()
+            return
+        if not (msg.reply or "").startswith("$JS.ACK."):
+            # Not from JetStream (someone published to this private inbox): nothing to
+            # settle, nothing to hand over.
+            logger.warning("NATS: ignoring a message on %s not sent by JetStream", msg.subject)
+            return
+        if self.request is not None:
+            self.remaining -= 1
+            if self.remaining <= 0:
+                self.request = None
+        if self.closed:
+            await self._give_back([msg])  # our request outlived the subscription
+        else:
+            self.ready.append(msg)
+        self.wake()
+
+    async def request_more(self) -> None:
+        """Open a pull request for as many messages as there is room for, unless one is open."""
+        now = time.monotonic()
+        if (self.request is not None and self.deadline >= now) or now < self.pause_until:
+            return
+        if self.request is not None:
+            # The request never answered, not even 408 at its expiry: the server
+            # restarted, or the consumer is gone (a pull on it gets no reply at all).
+            self.request = None
+            try:
+                gone = not await self.transport._consumer_exists(self.name)
+            except TransportError:
+                gone = False  # not connected right now: nats-py reconnects, ask again then
+            if gone:
+                self.failure = f"consumer {self.name} of stream {self.transport.stream} is gone"
+                return
+        room = self.prefetch - len(self.unsettled) - len(self.ready)
+        if room <= 0:
+            self.request = None
+            return
+        self.sequence += 1
+        self.request = f"{self.inbox}.{self.sequence}"
+        self.remaining = room
+        # Past its expiry plus a grace, a request that never answered (the server
+        # restarted meanwhile) is given up and a new one opened.
+        expires = self.transport.pull_expires
+        self.deadline = now + expires + _PULL_GRACE
+        ask = json.dumps({"batch": room, "expires": int(expires * 1e9)}).encode()
+        with broker_call(f"cannot pull from consumer {self.name}"):
+            await self.nc.publish(self.next_subject, ask, reply=self.request)
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        if now < self.pause_until:
+            return self.pause_until - now
+        if self.request is None:
+            return float("inf")  # nothing asked for: wait for room (a settle)
+        return max(0.0, self.deadline - now)
+
+    def __aiter__(self) -> PullConsumer:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        """The next delivery; cancelling the wait for it loses nothing."""
+        while True:
+            if self.closed:
+                raise StopAsyncIteration
+            if self.ready and self.failure is None:
+                wakeup = self.wakeup  # a message is at hand: no waiting this time
+            else:
+                wakeup = self.wakeup = anyio.Event()
+            if self.nc.is_closed:
+                raise TransportError("the connection to NATS is closed")
+            if self.failure is not None:
+                await self.restore()
+                continue
+            await self.request_more()
+            if self.failure is not None:
+                continue
+            if not self.ready:
+                with anyio.move_on_after(self._next_deadline()):
+                    await wakeup.wait()
+                continue
+            msg = self.ready.popleft()
+            delivery = self.delivery(msg)
+            if delivery is None:
+                # A replay meant for another group: not ours to handle.
+                with broker_call("cannot skip a replay for another group"):
+                    await msg.ack()
+                continue
+            if delivery.error is None and delivery.envelope.attempt > self.max_deliveries:
+                delivery.error = await self.over_max_deliveries(msg)
+            self.unsettled[id(delivery)] = delivery
+            return delivery
+
+    def delivery(self, msg: Msg) -> NatsDelivery | None:
+        """``msg`` as a delivery (``None``: a replay meant for another group); a message
+        that is not an asyncbus one is handed over with ``error`` set, to be rejected."""
+        headers = msg.headers or {}
+        target = headers.get(HEADER_REPLAY_GROUP)
+        if target is not None and target != self.name:
+            return None
+        attempt = delivery_count(msg)
+        error: str | None
+        try:
+            meta = headers.get(HEADER_META)
+            if not isinstance(meta, str):
+                raise DecodeError(f"the message has no {HEADER_META} header")
+            envelope, error = envelope_from_wire(
+                meta.encode(), msg.data, self.transport.codec, attempt=attempt
+            )
+        except (DecodeError, UnicodeEncodeError) as failure:
+            # Not an asyncbus message (or a mangled one): hand it over to be rejected.
+            msg_id = headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"
+            envelope = make_envelope(
+                msg_id,
+                msg.subject[len(self.transport.prefix) + 1 :] or msg.subject,
+                msg.data,
+                EMPTY_HEADERS,
+                time.time(),
+                None,
+                attempt,
+                (),
+                msg_id,
+                None,
+                None,
+                None,
+            )
+            error = str(failure)
+        return NatsDelivery(self, msg, envelope, error)
+
+    async def over_max_deliveries(self, msg: Msg) -> str | None:
+        """Why ``msg`` is not handled again: delivered more than ``max_deliveries``
+        times, not counting the deliveries consumers handed back unhandled."""
+        metadata = msg.metadata
+        delivered = metadata.num_delivered or 1
+        if delivered > self.max_deliveries:
+            delivered -= await self.transport._handbacks.count(self.name, metadata.sequence.stream)
+        return exceeded(delivered, self.max_deliveries)
+
+    async def restore(self) -> None:
+        """Make the stream and this consumer again (a server that lost its state, a
+        consumer or stream deleted by someone); on failure, wait and let the caller
+        try again."""
+        now = time.monotonic()
+        if now < self.pause_until:
+            wakeup = self.wakeup
+            with anyio.move_on_after(self.pause_until - now):
+                await wakeup.wait()
+            return
+        logger.warning("NATS: %s; making it again", self.failure)
+        try:
+            await self.transport._restore(self)
+        except (TransportError, ConfigurationError) as error:
+            logger.warning("NATS: making consumer %s again failed: %s", self.name, error)
+            self.pause_until = time.monotonic() + self.restore_backoff.next()
+            return
+        self.failure = None
+        self.request = None
+        self.restore_backoff.reset()
+
+    async def keep_alive(self) -> None:
+        """Tell the server held deliveries are being worked on (``+WPI``).
+
+        Deliveries wait in the bus's stage queue and for retries; without this they
+        would be redelivered to the group every ``ack_timeout`` while still held. A
+        process that dies stops sending it, so its deliveries still come back.
+        """
+        interval = max(self.transport.ack_timeout / 3, 0.05)
+        while not self.closed:
+            await anyio.sleep(interval)
+            held = [d._msg for d in self.unsettled.values() if d.settleable]
+            for msg in [*held, *self.ready]:
+                try:
+                    await msg.in_progress()
+                except Exception:  # the connection is gone: redelivery takes over
+                    logger.debug("in-progress for %s failed", self.name, exc_info=True)
+                    break
+
+    async def release(self, subscription: Subscription) -> bool:
+        """Give back everything held but not settled, so another consumer gets it now.
+
+        :return: whether the inbox is closed; ``False`` when a pull request is still
+            open on the server, and :meth:`linger` must keep the inbox until it ends.
+        """
+        self.closed = True
+        held = [d._msg for d in self.unsettled.values() if d.settleable]
+        for delivery in self.unsettled.values():
+            delivery.take_back(RELEASED)
+        self.unsettled.clear()
+        held += self.ready
+        self.ready.clear()
+        if self.request is None or self.nc.is_closed:
+            await self._unsubscribe(subscription)
+            await self._give_back(held)
+            return True
+        # Not unsubscribing yet: a 2.9 server that finds a redelivery's only waiting
+        # request without interest loses that redelivery until ack_wait and sends
+        # another message twice. What reaches the open request meanwhile is given
+        # back at once (on_message), until the request ends.
+        await self._give_back(held)
+        return False
+
+    async def linger(self, subscription: Subscription) -> None:
+        """Keep the inbox of a left subscription until its open pull request ended."""
+        try:
+            with anyio.move_on_after(max(0.0, self.deadline - time.monotonic())):
+                while self.request is not None:
+                    wakeup = self.wakeup = anyio.Event()
+                    await wakeup.wait()
+        finally:
+            with self.transport.cleanup_scope():
+                await self._unsubscribe(subscription)
+            self.transport._consumers.discard(self)
+
+    async def _unsubscribe(self, subscription: Subscription) -> None:
+        """Unsubscribe; messages the server sent before it saw that are given back too."""
+        drained = False
+        if not self.nc.is_closed:
+            try:
+                with anyio.move_on_after(self.transport.request_timeout):
+                    await subscription.drain()  # type: ignore[no-untyped-call]
+                    drained = True
+            except Exception:
+                logger.debug("draining the inbox of %s failed", self.name, exc_info=True)
+        if not drained:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    async def _give_back(self, msgs: list[Msg]) -> None:
+        """Nak them, oldest first (ack the replays that were for another group).
+
+        Each one given back is recorded first (:mod:`._nats_handbacks`): handed back
+        unhandled, it is no delivery toward ``max_deliveries``.
+        """
+        msgs.sort(key=lambda msg: msg.metadata.sequence.stream)
+        ours = [
+            msg for msg in msgs if (msg.headers or {}).get(HEADER_REPLAY_GROUP) in (None, self.name)
+        ]
+        if ours and not self.nc.is_closed:
+            await self.transport._handbacks.record(self.name, ours)
+        mine = {id(msg) for msg in ours}
+        for msg in msgs:
+            try:
+                if id(msg) in mine:
+                    await msg.nak()
+                else:
+                    await msg.ack()
+            except Exception:  # redelivered after ack_wait instead
+                logger.debug("could not give back a message of %s", self.name, exc_info=True)
+                return
