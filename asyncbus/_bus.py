@@ -19,7 +19,7 @@ import anyio
 import anyio.abc
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
-from anyio.lowlevel import checkpoint
+from anyio.lowlevel import cancel_shielded_checkpoint, checkpoint
 
 from . import _instrument
 from ._adaptive import Adaptive
@@ -952,15 +952,23 @@ class Bus:
         while it waits for room in a ``BLOCK`` stage, keeps what earlier stages already
         admitted.) Over a broker the wait for the broker's confirmation is that yield: a
         publish whose cancel scope is already cancelled sends nothing; one cancelled
-        while it waits may have been stored (at-least-once).
+        while it waits may have been stored (at-least-once). A publish that raises (a
+        closed bus, bad options, a payload its codec refuses) yields before it does.
         """
         await self._services.publish_yield()
-        sent = self._publisher.publish(
-            topic, payload, headers, ttl, slip, key, id, timeout, priority
-        )
-        if isinstance(sent, Receipt):  # admitted inline: no coroutine of the publisher's
-            return sent
-        return await sent
+        try:
+            sent = self._publisher.publish(
+                topic, payload, headers, ttl, slip, key, id, timeout, priority
+            )
+            if isinstance(sent, Receipt):  # admitted inline: no coroutine of the publisher's
+                return sent
+            return await sent
+        except Exception:
+            # Refused (a closed bus, bad options, a payload the codec cannot take): over
+            # a broker nothing may have yielded yet, and a loop that logs and goes on
+            # must not starve the others.
+            await cancel_shielded_checkpoint()
+            raise
 
     async def publish_many(
         self,
@@ -996,12 +1004,16 @@ class Bus:
             :meth:`publish_threadsafe` there); nothing is published.
         """
         await self._services.publish_yield()
-        sent = self._publisher.publish_many(
-            topic, payloads, headers, ttl, slip, key, timeout, priority
-        )
-        if isinstance(sent, list):  # admitted inline
-            return sent
-        return await sent
+        try:
+            sent = self._publisher.publish_many(
+                topic, payloads, headers, ttl, slip, key, timeout, priority
+            )
+            if isinstance(sent, list):  # admitted inline
+                return sent
+            return await sent
+        except Exception:
+            await cancel_shielded_checkpoint()  # refused: yield all the same (see publish)
+            raise
 
     def publish_nowait(
         self,

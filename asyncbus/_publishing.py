@@ -349,7 +349,7 @@ class Publisher:
             self.name,
         )
         if not envelopes:
-            return []
+            return self._mode.send_none()
         if self._services.instrumentation is not None:
             return self.send_many("publish", envelopes, timeout)
         if not self._observers and self._mode.admits_inline:

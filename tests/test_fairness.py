@@ -7,7 +7,8 @@ import anyio.lowlevel
 import pytest
 from _turns import assert_each_yielded, publish_runs, run_lengths, ticker  # type: ignore[import-not-found]
 
-from asyncbus import Bus, BusClosedError
+from asyncbus import Bus, BusClosedError, ConfigurationError
+from asyncbus.transports.memory import MemoryTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
 
@@ -194,3 +195,108 @@ def test_a_closed_bus_refuses_a_publish_under_another_backend() -> None:
 
     anyio.run(run_once, backend="asyncio")
     anyio.run(publish_again, backend="trio")
+
+
+#: In memory, and through a transport as through a broker (``MemoryTransport(direct=False)``:
+#: the bus's broker mode, whose publish leaves its yield to the broker's wait), on
+#: every backend.
+MODES = ["memory", "through-a-transport"]
+
+
+def _bus(mode: str) -> Bus:
+    return Bus(MemoryTransport(direct=False)) if mode == "through-a-transport" else Bus()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_publish_many_of_nothing_yields(mode: str, anyio_backend_name: str) -> None:
+    """No payloads, no broker round trip: the call yields all the same."""
+    bus = _bus(mode)
+
+    @bus.subscribe("fair.nothing", group="g")
+    async def handle(n: int) -> None:
+        pass
+
+    async with bus:
+        results: list[object] = []
+
+        async def publish_nothing(n: int) -> None:
+            results.append(await bus.publish_many("fair.nothing", []))
+
+        runs = await publish_runs(publish_nothing, 10)
+    assert results == [[]] * 10
+    assert_each_yielded(runs, 10, anyio_backend_name)
+    assert bus.statistics().stages[0].published == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("call", ["publish", "publish_many"])
+async def test_a_refused_publish_yields(mode: str, call: str, anyio_backend_name: str) -> None:
+    """A publish the bus refuses (bad options here; a closed bus below) raises after a
+    yield: a loop that logs the refusal and goes on does not starve the other tasks."""
+    bus = _bus(mode)
+
+    @bus.subscribe("fair.refused", group="g")
+    async def handle(n: int) -> None:
+        pass
+
+    async def refused(n: int) -> None:
+        with pytest.raises(ConfigurationError):
+            if call == "publish":
+                await bus.publish("fair.refused", n, timeout=-1)
+            else:
+                await bus.publish_many("fair.refused", [n], timeout=-1)
+
+    async with bus:
+        runs = await publish_runs(refused, 10)
+    assert_each_yielded(runs, 10, anyio_backend_name)
+    assert bus.statistics().stages[0].published == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_publish_refused_while_the_bus_closes_yields(
+    mode: str, anyio_backend_name: str
+) -> None:
+    """While ``aclose`` drains, an outside publish meets BusClosedError after a yield, so
+    a loop that goes on after it lets the drain (and everything else) run."""
+    release = anyio.Event()
+    bus = _bus(mode)
+
+    @bus.subscribe("fair.closing-loop", group="g")
+    async def handle(n: int) -> None:
+        await release.wait()
+
+    async def refused(n: int) -> None:
+        with pytest.raises(BusClosedError):
+            await bus.publish("fair.closing-loop", n)
+
+    async with bus:
+        await bus.publish("fair.closing-loop", 0)
+        while bus.statistics().stages[0].in_flight == 0:
+            await anyio.lowlevel.checkpoint()
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(bus.aclose)  # drains: waits for the handler
+            while bus._state != "closing":
+                await anyio.lowlevel.checkpoint()
+            runs = await publish_runs(refused, 10)
+            release.set()
+    assert_each_yielded(runs, 10, anyio_backend_name)
+    [stage] = bus.statistics().stages
+    assert (stage.published, stage.acked) == (1, 1)
+
+
+async def test_a_publish_right_after_a_subscribe_on_a_running_bus_reaches_it() -> None:
+    """Through a transport, the pump of a subscription made on the running bus starts
+    in the background: the next publish yields first, so the pump has subscribed."""
+    bus = _bus("through-a-transport")
+    handled: list[int] = []
+
+    @bus.subscribe("fair.first", group="first")
+    async def first(n: int) -> None:
+        pass
+
+    async with bus:
+        bus.subscribe("fair.late", handled.append, group="late")
+        await bus.publish("fair.late", 1)
+        await bus.drain()
+    assert handled == [1]
+    assert bus.dead_letters.list() == []

@@ -65,9 +65,15 @@ class BrokerMode:
         self.local = local
         self.host = local.host
         self.system = transport.name
+        #: Pumps started that have not run yet (see :meth:`check_before_send`), and
+        #: whether a stop was asked for (a pump cancelled before it ran never counts down).
+        self.pumps_starting = 0
+        self.stopping = False
 
     async def open(self, stack: AsyncExitStack, dead_letters: DeadLetterQueue) -> None:
         """Enter the transport for this life of the bus and restore its dead letters."""
+        self.pumps_starting = 0
+        self.stopping = False
         broker = self.transport
         # The bus's settings, given once, before entering (a new life: no deadline yet).
         broker.bind(
@@ -88,6 +94,7 @@ class BrokerMode:
         the broker is: what it could not settle it delivers again later. (``close_by``
         only ever brings the transport's deadline forward.)
         """
+        self.stopping = True
         now = anyio.current_time()
         if deadline == -math.inf:  # cancel at once: a short grace to close
             self.transport.close_by(now + CLOSE_GRACE)
@@ -100,13 +107,29 @@ class BrokerMode:
     def publish_yield(
         self, yield_now: Callable[[], Awaitable[None]]
     ) -> Callable[[], Awaitable[None]]:
-        """A cancellation check only when the transport's publish always waits for the
+        """:meth:`check_before_send` when the transport's publish always waits for the
         broker (``publish_waits``): that wait is the publish's one yield (a second pass
         of the event loop per publish cost a RabbitMQ publisher about a fifth of its CPU
         per message). Otherwise the backend's yield, first, as in memory."""
         if self.transport.publish_waits:
-            return anyio.lowlevel.checkpoint_if_cancelled
+            return self.check_before_send
         return yield_now
+
+    async def check_before_send(self) -> None:
+        """Before a publish over a transport that waits: a cancellation check, or, while
+        a pump started by ``subscribe`` on the running bus has not run yet, the backend's
+        yield until it has (its subscription begins before the publish goes out, so the
+        broker knows the group; trio runs ready tasks in any order, hence the loop).
+
+        A publish that ends without reaching the broker yields too: see
+        :meth:`send_none` and ``Bus.publish``.
+        """
+        if not self.pumps_starting:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return
+        await self.host.yield_now()
+        while self.pumps_starting and not self.stopping:
+            await self.host.yield_now()
 
     def lost_acks(self) -> Iterable[tuple[str, str]]:
         """Acks written behind that the broker never got."""
@@ -125,9 +148,12 @@ class BrokerMode:
         if over_broker(stage) and not stage.pumping:
             stage.pumping = True
             stage.subscribed = anyio.Event()
-            self.host.start_soon(
-                pump, stage, self.transport, self.host, name=f"asyncbus pump {stage.name}"
-            )
+            self.pumps_starting += 1
+            self.host.start_soon(self._pump, stage, name=f"asyncbus pump {stage.name}")
+
+    async def _pump(self, stage: Stage) -> None:
+        self.pumps_starting -= 1  # runs on: its subscription begins before its first await
+        await pump(stage, self.transport, self.host)
 
     def check_nowait(self) -> None:
         """A broker's confirmation is always waited for."""
@@ -208,6 +234,12 @@ class BrokerMode:
                     envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
                 )
         return make_receipts(listed, reached)
+
+    async def send_none(self) -> list[Receipt]:
+        """A ``publish_many`` of nothing: no broker round trip to be its one yield."""
+        if self.transport.publish_waits:
+            await self.host.yield_now()
+        return []
 
     def send_now(self, envelope: Envelope) -> Receipt:
         """Never: see :meth:`check_nowait`."""

@@ -293,6 +293,10 @@ class LocalMode:
             raise BusClosedError(str(error), receipt=Receipt(envelope.id)) from None
         return not scope.cancelled_caught
 
+    async def send_none(self) -> list[Receipt]:
+        """A ``publish_many`` of nothing (it yielded already)."""
+        return []
+
     def store(self, entry: DeadLetter) -> None:
         """The bus's dead-letter queue is the only one."""
 

@@ -100,6 +100,10 @@ class Mode(Protocol):
         receipt of the one it cut off (``receipt``); later ones are not sent.
         """
 
+    async def send_none(self) -> list[Receipt]:
+        """A ``publish_many`` of no payloads: nothing is sent; ``[]``, after the call's
+        yield if :meth:`publish_yield` left it to the broker's wait."""
+
     def store(self, entry: DeadLetter) -> None:
         """Keep ``entry`` where other processes see it too (nothing in memory)."""
 

@@ -251,8 +251,10 @@ class Transport(AsyncResource, abc.ABC):
     direct: bool = False
     #: True when :meth:`publish` (and ``publish_routed``, when it has it) always
     #: awaits the broker before returning: that wait is then the publishing call's one
-    #: yield to the event loop, and the bus does not yield again before sending. Left
-    #: False, the bus yields first (a transport that may return without awaiting).
+    #: yield to the event loop, and the bus does not yield again before sending (a call
+    #: that raises instead, e.g. for a payload the codec refuses, gets its yield from
+    #: the bus). Left False, the bus yields first (a transport that may return without
+    #: awaiting).
     publish_waits: ClassVar[bool] = False
 
     #: When clean-up with the broker gives up (anyio clock), set by :meth:`close_by`.
