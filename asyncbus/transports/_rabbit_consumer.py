@@ -183,30 +183,39 @@ class ConsumerChannel:
     async def flush(self, acks: list[int]) -> bool:
         """Write ``acks``: one ``multiple`` for the contiguous run, single ones after.
 
+        Each tag is written at most once, however often it is asked for: a tag counts as
+        written as soon as its frame is handed to the connection, so a write cut short
+        (the clean-up deadline, or a drain's timeout, while the socket drains) and
+        tried again by the writer writes only the rest. RabbitMQ closes a channel that
+        acks a tag twice, taking every other delivery it holds back to the queue; a
+        tag whose frame never left (cut short while the connection's frame queue was
+        full) is delivered again when the channel closes, as at-least-once allows.
+
         :returns: whether they were written (``False``: the channel is gone, and its
             deliveries with it: the broker returns them).
         """
         async with self.lock:
-            fresh = set(acks)
             done = self.done
             # Taken in here, under the lock, not when queued: a tag acked meanwhile
-            # (queued for the next write) must stop the contiguous run below.
-            done |= fresh
+            # (queued for the next write) must stop the contiguous run below. Tags
+            # below ``next_tag`` or in ``done`` were written already.
+            fresh = {tag for tag in acks if tag >= self.next_tag and tag not in done}
             tag = self.next_tag
             last = 0
-            while tag in done:
-                done.remove(tag)
+            while tag in done or tag in fresh:
                 if tag in fresh:
                     last = tag
                 tag += 1
+            # A multiple ack must name a tag still unacked: the last fresh one.
+            done.difference_update(range(self.next_tag, tag))
             self.next_tag = tag
+            singles = sorted(single for single in fresh if single >= tag)
+            done.update(singles)
             try:
-                # A multiple ack must name a tag still unacked: the last fresh one.
                 if last:
                     await self.channel.basic_ack(last, multiple=True)
-                for single in acks:
-                    if single >= tag:
-                        await self.channel.basic_ack(single)
+                for single in singles:
+                    await self.channel.basic_ack(single)
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise
@@ -216,12 +225,18 @@ class ConsumerChannel:
             return True
 
     async def give_back(self, tags: Sequence[int]) -> None:
-        """``basic.nack`` with requeue: the broker gives them to a consumer again."""
+        """``basic.nack`` with requeue: the broker gives them to a consumer again.
+
+        A tag counts as settled (``done``) only once its nack is queued (``wait=False``:
+        a call that returns has queued its frame, one cut short has not): a later
+        ``multiple`` ack must never cover a delivery whose nack was not written.
+        """
         async with self.lock:
-            self.done.update(tags)
             try:
                 for tag in tags:
-                    await self.channel.basic_nack(tag, requeue=True)
+                    if tag >= self.next_tag and tag not in self.done:
+                        await self.channel.basic_nack(tag, requeue=True, wait=False)
+                        self.done.add(tag)
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise

@@ -1102,8 +1102,9 @@ class RabbitTransport(Transport):
     async def _wait_joins(self) -> None:
         """Wait for the subscriptions of this process that are declaring their queue.
 
-        A bus yields before each publish, so a pump it has just started (a
-        ``subscribe`` on a running bus) has begun to declare its queue by now.
+        A bus yields before a publish while a pump it started (a ``subscribe`` on a
+        running bus) has not run yet, so such a pump has begun to declare its queue by
+        now.
         """
         while self._joining:
             await self._joins_done.wait()
@@ -1294,21 +1295,23 @@ class RabbitTransport(Transport):
             else:
                 total += count
         mine = [s for s in self._subscriptions if s.queue == queue]
-        # The queue's count leaves out what is delivered and unacked, so acks still
-        # waiting to be written are written now (or counted while they wait), before the
-        # round trip below: its answer means the broker has them, and a drain that
-        # returns leaves nothing handled here for the broker to deliver again.
-        waiting = [
-            s.consumer for s in mine if s.consumer is not None and self._acks.queued(s.consumer)
-        ]
-        if waiting:
-            try:
-                await self._acks.flush(waiting)
-            except Exception as error:  # kept queued: the writer tries again
-                logger.debug("RabbitMQ: writing acks for a backlog count failed: %s", error)
-            total += sum(1 for consumer in waiting if self._acks.queued(consumer))
+        # The queue's count leaves out what is delivered and unacked. A round trip first:
+        # what the broker sent before it has arrived (held here, or handled with its ack
+        # queued). Then the queued acks are written (after any write already going on)
+        # and a second round trip means the broker has them: a drain that returns leaves
+        # nothing handled here for the broker to deliver again. What is held, or acked
+        # and not yet written, after that is counted, and the drain looks again.
         for subscription in mine:
             await subscription.sync()
+        consumers = [s.consumer for s in mine if s.consumer is not None]
+        if consumers:
+            try:
+                await self._acks.flush(consumers)
+            except Exception as error:  # kept queued: the writer tries again
+                logger.debug("RabbitMQ: writing acks for a backlog count failed: %s", error)
+            for subscription in mine:
+                await subscription.sync()
+        total += sum(1 for consumer in consumers if self._acks.queued(consumer))
         return total + sum(subscription.unsettled() for subscription in mine)
 
     # -- dead letters ---------------------------------------------------------
