@@ -239,9 +239,7 @@ def _collect_log() -> Iterator[list[logging.LogRecord]]:
         logger.propagate = propagate
 
 
-async def _run_pipeline(
-    orders: int, out: TextIO, listener: socket.socket | None
-) -> BusStatistics:
+async def _run_pipeline(orders: int, out: TextIO, listener: socket.socket | None) -> BusStatistics:
     bus, seen = build_demo_bus(orders)
     async with bus:
         async with anyio.create_task_group() as task_group:
