@@ -379,36 +379,46 @@ class NatsTransport(Transport):
         }
         self._errors = (NatsError, TimeoutError, OSError)
         nc = NatsClient()
-        try:
-            # nats-py gives each attempt connect_timeout; all of them get it together.
-            with anyio.fail_after(self.connect_timeout):
-                await nc.connect(self.url, **options)
-        except Exception as error:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
-                _close_failed_attempt(nc)  # an attempt cut short keeps its socket
-                with contextlib.suppress(Exception):
-                    await nc.close()
-            reason = f"{type(error).__name__}: {error}"
-            if isinstance(error, TimeoutError) and not str(error):
-                reason = f"no connection within connect_timeout={self.connect_timeout:g} s"
-            raise ConnectError(f"NatsTransport cannot connect to {where}: {reason}") from error
-        nc.options["max_reconnect_attempts"] = -1
-        self._server = _server_id(nc)
         js = nc.jetstream(timeout=self.request_timeout)
         publisher = JetStreamPublisher(nc, self.publish_timeout)
         self._groups.forget()
         try:
+            try:
+                # nats-py gives each attempt connect_timeout; all of them get it together.
+                with anyio.fail_after(self.connect_timeout):
+                    await nc.connect(self.url, **options)
+            except Exception as error:
+                reason = f"{type(error).__name__}: {error}"
+                if isinstance(error, TimeoutError) and not str(error):
+                    reason = f"no connection within connect_timeout={self.connect_timeout:g} s"
+                raise ConnectError(f"NatsTransport cannot connect to {where}: {reason}") from error
+            nc.options["max_reconnect_attempts"] = -1
+            self._server = _server_id(nc)
             await self._tasks.open()
             await self._ensure_streams(js)
             await publisher.start(self._tasks)
             await self._groups.watch(nc)
         except BaseException as error:  # deliberate: close the connection on any way out
-            with anyio.CancelScope(shield=True):
+            try:
+                # Outside any scope of its own: a task group's scope must be left where
+                # it was entered (inside a new one, anyio raises RuntimeError).
                 await self._tasks.aclose()
-                await nc.close()
-            if isinstance(error, TransportError) and not isinstance(error, ConnectError):
-                raise ConnectError(f"NatsTransport on {where}: {error}") from error
-            raise
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
+                    await publisher.stop()
+                    if not nc.is_connected:
+                        _close_failed_attempt(nc)  # an attempt cut short keeps its socket
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+            if isinstance(error, ConnectError) or not isinstance(error, Exception):
+                raise
+            if isinstance(error, ConfigurationError):
+                raise ConfigurationError(f"NatsTransport on {where}: {error}") from error
+            raise ConnectError(
+                f"NatsTransport on {where} cannot be set up: {type(error).__name__}: {error}"
+                if not isinstance(error, TransportError)
+                else f"NatsTransport on {where}: {error}"
+            ) from error
         self._nc, self._js, self._publishes = nc, js, publisher
         self._max_payload = nc.max_payload
         self._acks.open()

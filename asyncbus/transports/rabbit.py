@@ -517,6 +517,7 @@ class RabbitTransport(Transport):
             raise
         link.watch()
         if link.lost.is_set():
+            await link.close()  # the other connection may still be open
             raise TransportError("the connection closed while it was being set up")
         return link
 
@@ -585,7 +586,9 @@ class RabbitTransport(Transport):
         )
 
     def _failed(self, what: str, error: BaseException) -> TransportError:
-        return TransportError(f"RabbitMQ: {what} failed: {error or type(error).__name__}")
+        return TransportError(
+            f"RabbitMQ at {redact(self.url)}: {what} failed: {error or type(error).__name__}"
+        )
 
     async def _call(
         self,
