@@ -19,8 +19,11 @@ What it keeps on the server, for ``prefix="asyncbus"``:
   subscription alone (the consumer's own ``max_ack_pending`` is unlimited); the
   pulling side is :mod:`._nats_consumer`.
 * stream ``ASYNCBUS_DLQ`` (limits retention, ``max_age = dead_letter_ttl``,
-  ``max_msgs = dead_letter_maxlen``) keeps dead letters, one subject per envelope id
-  (``asyncbus_dlq.{id}``), so removing an id is a purge by subject.
+  ``max_msgs = dead_letter_maxlen``, both updated at every start) keeps dead letters,
+  one subject per envelope id (``asyncbus_dlq.{id}``), so removing an id is a purge
+  by subject. A shorter TTL shrinks its duplicate window with it (JetStream refuses a
+  window longer than the age); a TTL under JetStream's shortest age (0.1 s) is kept
+  0.1 s, and the listing drops what is past the TTL.
 
 Replaying to one group: a server before 2.10 gives a consumer a single filter
 subject, so a replay cannot go to a subject only its group sees. It is published
@@ -116,6 +119,7 @@ from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     INBOX_GROUP_PREFIX,
+    MAX_SECONDS,
     Capabilities,
     Delivery,
     Transport,
@@ -148,6 +152,8 @@ _SUBJECTS_KEPT = 512
 _CLOSE_TIMEOUT = 0.5
 #: Seconds the ack writer waits for more acks before writing them together.
 _ACK_LINGER = 0.002
+#: JetStream's shortest ``max_age`` (seconds): a stream with less is refused.
+_MIN_MAX_AGE = 0.1
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -210,9 +216,10 @@ class NatsTransport(Transport):
     :param publish_timeout: longest a ``publish`` waits for the stream's ack before
         raising :class:`TransportError` (default: ``request_timeout``); a publish that
         timed out may or may not be stored.
-    :param dedup_window: seconds the stream remembers envelope ids to drop duplicates.
+    :param dedup_window: seconds the stream remembers envelope ids to drop duplicates
+        (capped at ``max_age``: JetStream refuses a longer window).
     :param max_age: seconds after which the stream discards envelopes still unsettled
-        (``None``: keep them until every group settled them).
+        (``None``: keep them until every group settled them; at least 0.1 s).
     :param keep_alive: while a delivery is held (queued in its stage, handled,
         waiting for a retry), tell the server every ``ack_timeout / 3`` that it is in
         progress, so a long handler or retry delay is never run twice; off, a delivery
@@ -276,6 +283,11 @@ class NatsTransport(Transport):
         }
         if max_age is not None:
             max_age = checked_seconds(max_age, "NatsTransport: max_age")
+            if max_age < _MIN_MAX_AGE:
+                raise ConfigurationError(
+                    f"NatsTransport: max_age must be at least {_MIN_MAX_AGE:g} s "
+                    f"(JetStream's shortest), got {max_age!r}"
+                )
         if not isinstance(keep_alive, bool):
             raise ConfigurationError(
                 f"NatsTransport: keep_alive must be a bool, got {keep_alive!r}"
@@ -450,7 +462,8 @@ class NatsTransport(Transport):
                 retention=RetentionPolicy.LIMITS,
                 storage=StorageType.FILE,
                 discard=DiscardPolicy.OLD,
-                max_age=self.settings.dead_letter_ttl,
+                # Within what JetStream takes; the listing drops what is past the TTL.
+                max_age=min(max(self.settings.dead_letter_ttl, _MIN_MAX_AGE), MAX_SECONDS),
                 # 0 means unbounded, as for the bus's DeadLetterQueue.
                 max_msgs=max(self.settings.dead_letter_maxlen, 0) or -1,
             ),
@@ -460,15 +473,22 @@ class NatsTransport(Transport):
     async def _ensure_stream(
         self, js: JetStreamContext, config: Any, *, managed: tuple[str, ...]
     ) -> None:
-        from nats.js.errors import APIError, NotFoundError
+        from nats.errors import NoRespondersError
+        from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
         name = config.name
-        with broker_call(f"cannot set up the JetStream stream {name} (is JetStream enabled?)"):
+        with broker_call(f"cannot set up the JetStream stream {name}"):
             try:
                 info = await js.stream_info(name)
+            except (NoRespondersError, ServiceUnavailableError) as error:
+                raise TransportError(
+                    f"cannot set up the JetStream stream {name}: JetStream did not answer "
+                    f"({type(error).__name__}): is it enabled on the server (nats-server "
+                    "-js), and is the stream's server up?"
+                ) from error
             except NotFoundError:
                 try:
-                    await js.add_stream(config)
+                    await js.add_stream(_fitted(config))
                     return
                 except Exception as error:
                     try:  # created meanwhile by another process?
@@ -492,7 +512,7 @@ class NatsTransport(Transport):
                 if not _same(getattr(existing, field), getattr(config, field))
             }
             if changes:
-                await js.update_stream(dataclasses.replace(existing, **changes))
+                await js.update_stream(_fitted(dataclasses.replace(existing, **changes)))
 
     async def aclose(self) -> None:
         """Write the acks queued, flush what is buffered (acks, naks) and close the
@@ -1075,6 +1095,20 @@ def _server_id(nc: Client | None) -> str | None:
     info = getattr(nc, "_server_info", None)  # nats-py keeps it private
     server = info.get("server_id") if isinstance(info, dict) else None
     return server if isinstance(server, str) else None
+
+
+def _fitted(config: Any) -> Any:
+    """The stream ``config`` with a duplicate window no longer than its ``max_age``.
+
+    JetStream refuses a window longer than the age ("duplicates window can not be
+    larger then max age"), and a stream made with a long age keeps the window it got
+    then (2 minutes by default) when its age is shortened: without this, a shorter
+    dead-letter TTL could never be applied to an existing stream.
+    """
+    age = config.max_age or 0.0
+    if age > 0 and (config.duplicate_window or 0.0) > age:
+        return dataclasses.replace(config, duplicate_window=age)
+    return config
 
 
 def _same(current: Any, wanted: Any) -> bool:

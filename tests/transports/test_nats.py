@@ -202,6 +202,60 @@ async def test_dead_letter_stream_follows_changed_limits(nats_url: str, cleanup:
     assert (dead.max_age, dead.max_msgs) == (pytest.approx(3600.0), 10)
 
 
+async def _dead_letter_stream(url: str, transport: NatsTransport) -> Any:
+    nc = await nats.connect(url)
+    try:
+        return await nc.jetstream().stream_info(transport.dead_letter_stream)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_the_dead_letter_ttl_can_go_down_and_back_up_on_an_existing_stream(
+    nats_url: str, cleanup: str
+) -> None:
+    """A stream made with a long TTL got a 2-minute duplicate window: a shorter TTL
+    (the server refuses an age below the window) and one below JetStream's 100 ms
+    shortest age still start the bus, and its dead letters are kept for the new TTL."""
+    for ttl in (3600.0, 30.0, 1.0, 0.05, 3600.0):
+        transport = NatsTransport(nats_url, prefix=cleanup)
+        bus = Bus(transport=transport, dead_letter_ttl=ttl)
+        with anyio.fail_after(20):
+            async with bus:
+                receipt = await bus.publish("nobody.listens", ttl)
+                if ttl >= 30:  # (a shorter one may be gone before it is read)
+                    stored = [entry.envelope.id for entry in await transport.dead_letters()]
+                    assert receipt.id in stored, ttl
+                info = await _dead_letter_stream(nats_url, transport)
+        assert info.config.max_age == pytest.approx(max(ttl, 0.1)), ttl
+        assert info.config.duplicate_window <= info.config.max_age
+        if ttl < 30:
+            # The server itself drops them once the new TTL passed (every one, also
+            # those stored under the long TTL before).
+            with anyio.fail_after(10):
+                while (await _dead_letter_stream(nats_url, transport)).state.messages:
+                    await anyio.sleep(0.1)
+
+
+@pytest.mark.anyio
+async def test_a_max_age_below_the_dedup_window_caps_the_window(
+    nats_url: str, cleanup: str
+) -> None:
+    """JetStream refuses a duplicate window longer than the stream's age."""
+    async with NatsTransport(nats_url, prefix=cleanup, max_age=30.0) as transport:
+        nc = await nats.connect(nats_url)
+        try:
+            main = (await nc.jetstream().stream_info(transport.stream)).config
+        finally:
+            await nc.close()
+    assert (main.max_age, main.duplicate_window) == (pytest.approx(30.0), pytest.approx(30.0))
+
+
+def test_a_max_age_jetstream_cannot_keep_is_refused_at_construction() -> None:
+    with pytest.raises(ConfigurationError, match=r"max_age must be at least 0\.1 s"):
+        NatsTransport(max_age=0.05)
+
+
 @pytest.mark.anyio
 async def test_nack_delay_is_honoured_by_the_server(nats_url: str, cleanup: str) -> None:
     """nak(delay=) is JetStream's own: not before the delay, and soon after it."""
