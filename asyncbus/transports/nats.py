@@ -50,6 +50,13 @@ by the server once their process died and stopped pulling.
 
 Worth knowing:
 
+* A subject travels in the protocol line, which the server holds to 4 KiB (its
+  ``max_control_line``) and closes the connection of a longer one: :attr:`limits`
+  keeps topics and patterns (which nats-py sends in the subject of the request that
+  creates a consumer) within it, and out of whitespace and control characters, and
+  the bus refuses the rest at its door. Should the server close the connection for a
+  command it refused anyway, the client reconnects as after any lost connection
+  (nats-py alone would close for good: :func:`_client_class`).
 * ``attempt`` is JetStream's ``num_delivered``: every delivery counts, including
   one a consumer gave back unhandled when it left (the reference transport does not
   count those) and one that timed out at a crashed consumer. A message delivered
@@ -83,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -122,6 +130,7 @@ from .base import (
     MAX_SECONDS,
     Capabilities,
     Delivery,
+    TopicLimits,
     Transport,
     checked_max_deliveries,
     checked_prefetch,
@@ -155,9 +164,19 @@ _ACK_LINGER = 0.002
 #: JetStream's shortest ``max_age`` (seconds): a stream with less is refused.
 _MIN_MAX_AGE = 0.1
 
+#: The server's longest protocol line (its default ``max_control_line``): a command
+#: longer than that (a publish to a longer subject) makes it close the connection.
+_CONTROL_LINE = 4096
+#: Room kept on that line for what surrounds a subject (verb, reply subject, sizes).
+_LINE_ROOM = 256
+#: Longest durable consumer name (:func:`consumer_name`).
+_NAME_MAX = 48 + 1 + 32 + 1 + 12
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NOT_IN_SUBJECT = re.compile(r"[\s\x00-\x1f\x7f]")
+#: What a NATS subject cannot hold: the protocol splits on whitespace.
+_NOT_IN_SUBJECT_CLASS = r"[\s\x00-\x1f\x7f]"
+_NOT_IN_SUBJECT = re.compile(_NOT_IN_SUBJECT_CLASS)
 
 
 def consumer_name(pattern: str, group: str) -> str:
@@ -178,6 +197,27 @@ def _check_subject_text(kind: str, text: str) -> None:
         raise ConfigurationError(
             f"{kind} {text!r} cannot be a NATS subject: no whitespace or control characters"
         )
+
+
+def _subject_limits(prefix: str, stream: str) -> TopicLimits:
+    """What topics and patterns fit in NATS subjects under ``prefix``.
+
+    A topic is published to ``{prefix}.{topic}``; a pattern becomes a consumer's filter
+    subject, which nats-py sends in the subject of the request that creates it
+    (``$JS.API.CONSUMER.CREATE.{stream}.{name}.{prefix}.{pattern}``). Either must fit
+    in the server's protocol line with what surrounds it: a longer one makes the server
+    close the connection.
+    """
+    room = _CONTROL_LINE - _LINE_ROOM - len(prefix.encode()) - 1
+    return TopicLimits(
+        max_topic_bytes=room,
+        max_pattern_bytes=room - len(f"$JS.API.CONSUMER.CREATE.{stream}.".encode()) - _NAME_MAX - 1,
+        forbidden=_NOT_IN_SUBJECT_CLASS,
+        why=(
+            "a NATS subject holds no whitespace or control character and fits, with its "
+            f"prefix {prefix!r}, in the server's {_CONTROL_LINE}-byte protocol line"
+        ),
+    )
 
 
 def _address(url: str) -> str:
@@ -306,6 +346,12 @@ class NatsTransport(Transport):
         #: Name of the stream of envelopes, and of the stream of dead letters.
         self.stream = _UNSAFE.sub("_", prefix).upper()
         self.dead_letter_stream = f"{self.stream}_DLQ"
+        self.limits = _subject_limits(prefix, self.stream)
+        if (self.limits.max_pattern_bytes or 0) < 1:
+            raise ConfigurationError(
+                f"NatsTransport: prefix of {len(prefix.encode())} bytes leaves no room for "
+                "a topic in a NATS subject"
+            )
         self._dead_prefix = f"{prefix}_dlq"
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -367,8 +413,9 @@ class NatsTransport(Transport):
         if self._nc is not None:
             return
         try:
-            from nats.aio.client import Client as NatsClient
             from nats.errors import Error as NatsError
+
+            client_class = _client_class()
         except ImportError as error:
             raise ConnectError(
                 "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
@@ -390,7 +437,7 @@ class NatsTransport(Transport):
             "closed_cb": self._on_closed,
         }
         self._errors = (NatsError, TimeoutError, OSError)
-        nc = NatsClient()
+        nc = client_class()
         js = nc.jetstream(timeout=self.request_timeout)
         publisher = JetStreamPublisher(nc, self.publish_timeout)
         self._groups.forget()
@@ -630,7 +677,9 @@ class NatsTransport(Transport):
 
     # -- publishing ---------------------------------------------------------------
 
-    def _check_topic(self, topic: str) -> None:
+    def check_topic(self, topic: str) -> None:
+        """:class:`ConfigurationError` unless ``topic`` makes a subject the server takes
+        (:attr:`limits`; checked once per topic)."""
         self._subject(topic)
 
     def _subject(self, topic: str) -> str:
@@ -638,7 +687,7 @@ class NatsTransport(Transport):
         subject = self._subjects.get(topic)
         if subject is None:
             validate_topic(topic)
-            _check_subject_text("topic", topic)
+            self.limits.check_topic(topic)
             if len(self._subjects) >= _SUBJECTS_KEPT:
                 self._subjects.clear()
             subject = self._subjects[topic] = f"{self.prefix}.{topic}"
@@ -667,7 +716,7 @@ class NatsTransport(Transport):
 
         :returns: the stage names of the groups reached (``()``: none).
         """
-        self._check_topic(topic)
+        self.check_topic(topic)
         if self._restore_lock.locked():
             async with self._restore_lock:  # the consumers are being made again
                 pass
@@ -721,7 +770,7 @@ class NatsTransport(Transport):
         matches = compile_pattern(pattern)
         target = await self._ensure_consumer(pattern, group)
         for envelope in envelopes:
-            self._check_topic(envelope.topic)
+            self.check_topic(envelope.topic)
             if not matches(envelope.topic):
                 raise ConfigurationError(
                     f"envelope {envelope.id} on {envelope.topic!r} cannot reach group "
@@ -809,7 +858,7 @@ class NatsTransport(Transport):
         from nats.js.errors import NotFoundError
 
         compile_pattern(pattern)
-        _check_subject_text("pattern", pattern)
+        self.check_pattern(pattern)
         _, js = self._client()
         name = consumer_name(pattern, group)
         config = ConsumerConfig(
@@ -1074,6 +1123,44 @@ class NatsTransport(Transport):
 
 def _is_inbox(group: str) -> bool:
     return group.startswith(INBOX_GROUP_PREFIX)
+
+
+@functools.cache
+def _client_class() -> type[Client]:
+    """nats-py's client, reconnecting where nats-py would close for good.
+
+    On an ``-ERR`` from the server, nats-py (up to 2.16 at least) closes the client
+    unless the error is a permissions violation (reported, the connection goes on) or
+    a stale connection (reconnected): no reconnection ever follows, so one command the
+    server refused (a subject longer than its protocol line, say) ended every publish
+    and pull of the process for good. The server closes the connection after such an
+    error; this client takes it for a lost connection, as nats-py's own comment there
+    suggests, and reconnects as after any other. While the first connection is being
+    made, nats-py's handling stays (a refused login fails ``connect``).
+    """
+    from nats.aio.client import Client
+
+    if not all(hasattr(Client, name) for name in ("_process_err", "_process_op_err")):
+        return Client  # a nats-py whose internals changed: its own handling
+
+    from nats.errors import Error as NatsError
+
+    class ReconnectingClient(Client):
+        async def _process_err(self, err_msg: str) -> None:
+            message = err_msg.strip("'")
+            lowered = message.lower()
+            if (
+                self.is_connecting
+                or "permissions violation" in lowered
+                or "stale connection" in lowered
+            ):
+                await super()._process_err(err_msg)
+                return
+            error = NatsError(f"nats: {message}")
+            await self._error_cb(error)
+            await self._process_op_err(error)
+
+    return ReconnectingClient
 
 
 def _close_failed_attempt(nc: Client) -> None:

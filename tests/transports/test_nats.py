@@ -257,6 +257,53 @@ def test_a_max_age_jetstream_cannot_keep_is_refused_at_construction() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_command_the_server_refuses_costs_a_reconnect_not_the_connection(
+    nats_url: str, cleanup: str
+) -> None:
+    """The server answers a subject over its protocol line with ``-ERR`` and closes the
+    connection; nats-py alone would close the client for good (every later publish
+    failing with ConnectionClosedError, the pumps dead). The transport reconnects, and
+    the bus publishes and consumes as before."""
+    transport = NatsTransport(nats_url, prefix=cleanup, reconnect_wait=0.1)
+    bus = Bus(transport=transport)
+    handled: list[int] = []
+
+    @bus.subscribe("work", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    async with bus:
+        with anyio.fail_after(30):
+            await bus.publish("work", 0)
+            await bus.drain()
+            nc = transport._nc
+            assert nc is not None
+            # Past the door (which refuses such a topic): a raw command of the client.
+            await nc.publish("x" * 5000, b"")
+            while not (nc.stats["reconnects"] >= 1 and nc.is_connected):
+                assert not nc.is_closed, "the client closed for good"
+                await anyio.sleep(0.05)
+            for n in range(1, 11):
+                await bus.publish("work", n)
+            await bus.drain()
+    assert handled == list(range(11))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["a\tb", "a\x7fb", "a\x00b", "a\u2028b"])
+async def test_a_subject_with_whitespace_or_control_characters_is_refused(
+    nats_url: str, cleanup: str, name: str
+) -> None:
+    transport = NatsTransport(nats_url, prefix=cleanup)
+    bus = Bus(transport=transport)
+    with pytest.raises(ConfigurationError, match="cannot carry"):
+        bus.subscribe(name, group="g")
+    async with bus:
+        with anyio.fail_after(10), pytest.raises(ConfigurationError, match="cannot carry"):
+            await bus.publish(name, 1)
+
+
+@pytest.mark.anyio
 async def test_nack_delay_is_honoured_by_the_server(nats_url: str, cleanup: str) -> None:
     """nak(delay=) is JetStream's own: not before the delay, and soon after it."""
     # An ack_timeout well past the delay: with one equal to it, a machine busy for a
