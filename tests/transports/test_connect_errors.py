@@ -178,6 +178,33 @@ async def test_a_connect_cancelled_midway_closes_its_socket_and_leaves_no_task(m
         task_group.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda port: RedisTransport(f"redis://127.0.0.1:{port}/0"),
+        lambda port: NatsTransport(f"nats://127.0.0.1:{port}"),
+        lambda port: RabbitTransport(f"amqp://guest:guest@127.0.0.1:{port}/"),
+    ],
+    ids=["redis", "nats", "rabbit"],
+)
+async def test_a_black_holed_broker_fails_the_start_saying_why(make) -> None:  # type: ignore[no-untyped-def]
+    """A server that accepts and never answers: the error ends with its cause."""
+    accepted: list[anyio.abc.SocketStream] = []
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as task_group:
+        task_group.start_soon(listener.serve, functools.partial(_hold_and_record, accepted, set()))
+        with anyio.fail_after(30), pytest.raises(ConnectError) as caught:
+            async with Bus(transport=make(port)):
+                pytest.fail("the bus started without an answer from its broker")
+        task_group.cancel_scope.cancel()
+    message = str(caught.value)
+    where, _, reason = message.partition(f"127.0.0.1:{port}")
+    assert where, message
+    assert reason.rstrip(" :)/"), f"no cause given: {message!r}"
+    assert not message.rstrip().endswith(":"), f"no cause given: {message!r}"
+
+
 async def _redis_clients(url: str) -> int:
     import redis.asyncio as aioredis
 
