@@ -156,6 +156,11 @@ class BrokerMode:
         if pattern != DEADLETTER_TOPIC:
             self.transport.check_pattern(pattern)
 
+    def check_topic(self, topic: str) -> None:
+        """The transport's limits (``$deadletter`` stays in this process)."""
+        if topic != DEADLETTER_TOPIC:
+            self.transport.check_topic(topic)
+
     async def _pump(self, stage: Stage) -> None:
         self.pumps_starting -= 1  # runs on: its subscription begins before its first await
         await pump(stage, self.transport, self.host)

@@ -53,6 +53,9 @@ class LocalMode:
     def check_pattern(self, pattern: str) -> None:
         """Any pattern the bus's syntax allows works in memory."""
 
+    def check_topic(self, topic: str) -> None:
+        """Any topic the bus's syntax allows works in memory."""
+
     async def backlog(self, stages: Iterable[Stage]) -> int:
         """Nothing waits outside the stages."""
         return 0

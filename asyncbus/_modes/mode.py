@@ -83,6 +83,10 @@ class Mode(Protocol):
         """Raise :class:`ConfigurationError` for a pattern the broker cannot carry (at
         ``subscribe``, before anything changes)."""
 
+    def check_topic(self, topic: str) -> None:
+        """Raise :class:`ConfigurationError` for a topic the broker cannot carry (before
+        anything is sent)."""
+
     def check_nowait(self) -> None:
         """Raise :class:`anyio.WouldBlock` when a publish cannot complete without waiting."""
 

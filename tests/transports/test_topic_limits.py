@@ -61,6 +61,9 @@ async def test_the_longest_topic_is_carried_and_a_longer_one_refused_at_publish(
                     await bus.publish(longer, 2)
                 with pytest.raises(ConfigurationError, match=f"over the {most} bytes"):
                     await bus.publish_many(longer, [3, 4])
+                # A routing slip's hop too: refused now, not dead-lettered once forwarded.
+                with pytest.raises(ConfigurationError, match=f"over the {most} bytes"):
+                    await bus.publish("limits.first", 6, slip=[longer])
             # The connection is whole: the bus publishes and consumes as before.
             await bus.publish("limits.after", 5)
             await bus.drain()
