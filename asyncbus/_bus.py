@@ -813,7 +813,8 @@ class Bus:
             ``list[Model]``); it may raise :class:`BatchError` to fail some positions only.
 
         :raises BusClosedError: called from another thread while the bus stops.
-        :raises ConfigurationError: for a malformed pattern, ``capacity`` or
+        :raises ConfigurationError: for a malformed pattern or one the transport's
+            broker cannot carry (:attr:`Transport.limits`), ``capacity`` or
             ``concurrency`` below 1, a non-callable handler, or a stage (same pattern
             and group) already configured with another capacity or back-pressure.
         """
@@ -833,6 +834,7 @@ class Bus:
             # A malformed pattern or option fails here, as in the direct form, not when
             # the decorator is applied.
             policy, _, _ = check_options(topic, **options)
+            self._mode.check_pattern(topic)
             joined = self._stages.get((topic, group)) if group is not None else None
             if joined is not None:
                 _check_joins(
@@ -849,7 +851,9 @@ class Bus:
                 return function
 
             return decorator
-        return self._subscribe(make_subscription(topic, handler, **options))
+        subscription = make_subscription(topic, handler, **options)
+        self._mode.check_pattern(topic)
+        return self._subscribe(subscription)
 
     def _subscribe(self, subscription: Subscription) -> Subscription:
         if self._task_group is not None and threading.get_ident() != self._loop_thread:
@@ -945,6 +949,8 @@ class Bus:
         :raises BusClosedError: before start or after ``aclose`` began.
         :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``
             (``.receipt`` tells which stages accepted).
+        :raises ConfigurationError: for a malformed topic, or one the transport's
+            broker cannot carry (:attr:`Transport.limits`): nothing is sent.
 
         Every call yields to the event loop once, like anyio's ``send``: a publishing
         loop never starves other tasks. In memory it yields before it admits anything,

@@ -187,6 +187,8 @@ class Publisher:
             validate_topic(topic)  # a ConfigurationError, before it is used as a key
         where = f"publish({topic!r})"
         frozen_headers, route, ttl = _options(topic, headers, ttl, slip, key, priority, where)
+        for hop in route:  # a hop the broker cannot carry is refused now, not when forwarded
+            self._mode.check_topic(hop)
         if id is not None and (not isinstance(id, str) or not id):
             raise ConfigurationError(f"{where}: id must be a non-empty string, got {id!r}")
         envelope_id = id if id is not None else new_id()
@@ -333,6 +335,8 @@ class Publisher:
         if timeout is not None:
             timeout = check_wait(timeout, f"{where}: timeout")
         frozen_headers, route, ttl = _options(topic, headers, ttl, slip, key, priority, where)
+        for hop in route:  # a hop the broker cannot carry is refused now, not when forwarded
+            self._mode.check_topic(hop)
         if isinstance(payloads, _ONE_PAYLOAD) or not isinstance(payloads, Iterable):
             raise ConfigurationError(
                 f"{where}: payloads must be an iterable of payloads, got {type(payloads).__name__}"

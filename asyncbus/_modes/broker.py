@@ -151,6 +151,16 @@ class BrokerMode:
             self.pumps_starting += 1
             self.host.start_soon(self._pump, stage, name=f"asyncbus pump {stage.name}")
 
+    def check_pattern(self, pattern: str) -> None:
+        """The transport's limits (``$deadletter`` stays in this process)."""
+        if pattern != DEADLETTER_TOPIC:
+            self.transport.check_pattern(pattern)
+
+    def check_topic(self, topic: str) -> None:
+        """The transport's limits (``$deadletter`` stays in this process)."""
+        if topic != DEADLETTER_TOPIC:
+            self.transport.check_topic(topic)
+
     async def _pump(self, stage: Stage) -> None:
         self.pumps_starting -= 1  # runs on: its subscription begins before its first await
         await pump(stage, self.transport, self.host)
@@ -171,13 +181,16 @@ class BrokerMode:
         knows were reached; with none anywhere it stored a ``no_subscribers`` dead letter.
         """
         local = self.local
-        if local.observers:
-            local.observe(envelope)
         if envelope.topic == DEADLETTER_TOPIC:
+            if local.observers:
+                local.observe(envelope)
             # No broker round trip to be the publish's one yield (see ``publish_yield``).
             await self.host.yield_now()
             return await local.deliver(envelope, timeout, progress)
         broker = self.transport
+        broker.check_topic(envelope.topic)  # refused at the door: nothing observed
+        if local.observers:
+            local.observe(envelope)
         if envelope.topic.startswith(INBOX):
             # A reply whose requester is gone is dropped, as in memory.
             await broker.publish(envelope.topic, [envelope])
@@ -209,6 +222,7 @@ class BrokerMode:
         if topic == DEADLETTER_TOPIC:
             await self.host.yield_now()  # no broker round trip to be the call's yield
             return await local.send_many(envelopes, timeout)
+        self.transport.check_topic(topic)
         if local.observers:
             for envelope in envelopes:
                 local.observe(envelope)

@@ -50,6 +50,12 @@ class LocalMode:
         """No broker, no ack to lose."""
         return ()
 
+    def check_pattern(self, pattern: str) -> None:
+        """Any pattern the bus's syntax allows works in memory."""
+
+    def check_topic(self, topic: str) -> None:
+        """Any topic the bus's syntax allows works in memory."""
+
     async def backlog(self, stages: Iterable[Stage]) -> int:
         """Nothing waits outside the stages."""
         return 0

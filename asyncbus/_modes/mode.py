@@ -79,6 +79,14 @@ class Mode(Protocol):
     def start(self, stage: Stage) -> None:
         """``stage`` got consumers: feed it from the broker if it has one."""
 
+    def check_pattern(self, pattern: str) -> None:
+        """Raise :class:`ConfigurationError` for a pattern the broker cannot carry (at
+        ``subscribe``, before anything changes)."""
+
+    def check_topic(self, topic: str) -> None:
+        """Raise :class:`ConfigurationError` for a topic the broker cannot carry (before
+        anything is sent)."""
+
     def check_nowait(self) -> None:
         """Raise :class:`anyio.WouldBlock` when a publish cannot complete without waiting."""
 

@@ -61,7 +61,7 @@ import pytest
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._dedup import Claim, DedupStore
 from .._envelope import Envelope
-from .._exceptions import TransportError
+from .._exceptions import ConfigurationError, TransportError
 from ..transports.base import (
     AcksWrittenBehind,
     BacklogReader,
@@ -125,6 +125,13 @@ def _check_envelope(got: Envelope, sent: Envelope, *, attempt: int | None = 1) -
 
 def _envelopes(topic: str, count: int, **fields: Any) -> list[Envelope]:
     return [Envelope(topic=topic, payload={"n": n}, **fields) for n in range(count)]
+
+
+def _name_of(size: int) -> str:
+    """A topic (and pattern) of exactly ``size`` bytes, in dot-separated tokens."""
+    token = "abcdefghijklmnopqrstuvwxyz0123456789" * 7  # 252 bytes
+    name = ".".join([token] * (size // (len(token) + 1) + 1))
+    return name[:size].rstrip(".") + "x" * (size - len(name[:size].rstrip(".")))
 
 
 def _ids(items: Iterable[Envelope | Delivery]) -> list[str]:
@@ -280,6 +287,8 @@ class TransportSuite:
     delay_slack: ClassVar[float] = 2.0
     #: Characters in the large-payload test's string payload (1 MiB).
     large_payload_size: ClassVar[int] = 1 << 20
+    #: Bytes of the long topic and pattern tried where the transport states no limit.
+    unlimited_name_bytes: ClassVar[int] = 16 * 1024
 
     async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
         """Publish one envelope on ``topic`` whose body is ``body``, raw (override me).
@@ -1096,6 +1105,47 @@ class TransportSuite:
             await inbox.wait_for(len(sent), self.timeout)
             tg.cancel_scope.cancel()
         _check(_ids(inbox.of("c")), _ids(sent), "ids in delivery order")
+
+    # -- names the broker can carry ----------------------------------------------------
+
+    @pytest.mark.anyio
+    async def test_names_at_the_limits_are_carried_and_longer_ones_refused(
+        self, transport: Transport
+    ) -> None:
+        """The longest pattern and topic :attr:`Transport.limits` allow work end to end
+        (16 KiB where there is no limit); one byte more is a :class:`ConfigurationError`
+        before anything reaches the broker, and the transport goes on as before."""
+        limits = transport.limits
+        most = limits.max_pattern_bytes or self.unlimited_name_bytes
+        name = _name_of(most)
+        assert len(name.encode()) <= (limits.max_topic_bytes or most), "topic over its limit"
+        sent = Envelope(topic=name, payload="long")
+        async with transport.subscribe(name, group="g", prefetch=1) as deliveries:
+            await transport.publish(name, [sent])
+            delivery = await _next(deliveries, self.timeout, "the envelope on the longest name")
+            _check(delivery.envelope.topic, name, "topic")
+            await delivery.ack()
+            refused: list[tuple[str, Callable[[], Any]]] = []
+            if limits.max_topic_bytes is not None:
+                longer = _name_of(limits.max_topic_bytes + 1)
+                refused.append(("topic", functools.partial(transport.check_topic, longer)))
+                refused.append(
+                    ("publish", functools.partial(transport.publish, longer, [sent.evolve()]))
+                )
+            if limits.max_pattern_bytes is not None:
+                longer = _name_of(limits.max_pattern_bytes + 1)
+                refused.append(("pattern", functools.partial(transport.check_pattern, longer)))
+            for what, call in refused:
+                with pytest.raises(ConfigurationError):
+                    outcome = call()
+                    if hasattr(outcome, "__await__"):
+                        await outcome
+                    raise AssertionError(f"{what} one byte over the limit was taken")
+            after = Envelope(topic=name, payload="after")
+            await transport.publish(name, [after])
+            delivery = await _next(deliveries, self.timeout, "an envelope after the refusals")
+            _check_envelope(delivery.envelope, after)
+            await delivery.ack()
 
     # -- bodies and headers ---------------------------------------------------------
 

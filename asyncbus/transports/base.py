@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import abc
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import ClassVar, Protocol, Self, runtime_checkable
 
@@ -51,6 +52,7 @@ __all__ = [
     "GroupPublisher",
     "KeepAlive",
     "RoutedPublisher",
+    "TopicLimits",
     "Transport",
     "TransportSettings",
     "carried_deliveries",
@@ -178,6 +180,72 @@ class Capabilities:
 
 
 @dataclass(frozen=True, slots=True)
+class TopicLimits:
+    """What a transport's broker can carry as a topic or a subscription pattern, beyond
+    the bus's own syntax (:attr:`Transport.limits`).
+
+    The bus refuses what is beyond them with :class:`ConfigurationError` at its door
+    (``subscribe`` for a pattern, ``publish`` for a topic), before the broker sees it:
+    a broker given a name it cannot carry may fail far from the cause (NATS closes the
+    connection of a subject longer than its protocol line).
+
+    :ivar max_topic_bytes: longest topic, in UTF-8 bytes (``None``: no limit).
+    :ivar max_pattern_bytes: longest pattern, in UTF-8 bytes (``None``: no limit).
+    :ivar forbidden: the characters the broker cannot carry, as a regular-expression
+        character class (``r"[\\s]"``; empty: none).
+    :ivar why: what sets the limits, for the error (``"AMQP's 255-byte routing keys"``).
+    """
+
+    max_topic_bytes: int | None = None
+    max_pattern_bytes: int | None = None
+    forbidden: str = ""
+    why: str = ""
+    _forbidden: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "_forbidden", re.compile(self.forbidden) if self.forbidden else None
+        )
+
+    def check_topic(self, topic: str) -> None:
+        """Raise :class:`ConfigurationError` unless the broker can carry ``topic``."""
+        self._check("topic", topic, self.max_topic_bytes)
+
+    def check_pattern(self, pattern: str) -> None:
+        """Raise :class:`ConfigurationError` unless the broker can carry ``pattern``."""
+        self._check("pattern", pattern, self.max_pattern_bytes)
+
+    def _check(self, kind: str, name: str, most: int | None) -> None:
+        # (A UTF-8 character is at most 4 bytes: most names need no encoding.)
+        if most is not None and len(name) * 4 > most:
+            size = len(name.encode("utf-8", "surrogatepass"))
+            if size > most:
+                raise ConfigurationError(
+                    f"{kind} {_shown(name)} is {size} bytes, over the {most} bytes the "
+                    f"broker can carry{self._because()}"
+                )
+        if self._forbidden is not None:
+            found = self._forbidden.search(name)
+            if found is not None:
+                raise ConfigurationError(
+                    f"{kind} {_shown(name)} holds {found.group()!r} at {found.start()}, "
+                    f"which the broker cannot carry{self._because()}"
+                )
+
+    def _because(self) -> str:
+        return f" ({self.why})" if self.why else ""
+
+
+def _shown(name: str) -> str:
+    """``name`` for an error: a long one cut short, so the message stays readable."""
+    return repr(name) if len(name) <= 64 else f"{name[:48]!r}... ({len(name)} characters)"
+
+
+#: No limit: what the bus's syntax allows, any broker here carries.
+NO_LIMITS = TopicLimits()
+
+
+@dataclass(frozen=True, slots=True)
 class TransportSettings:
     """What a bus tells its transport, once, when it starts (:meth:`Transport.bind`).
 
@@ -257,6 +325,10 @@ class Transport(AsyncResource, abc.ABC):
     #: awaiting).
     publish_waits: ClassVar[bool] = False
 
+    #: What the broker can carry as a topic or a pattern (none by default); a
+    #: transport whose limits depend on its settings sets its own in ``__init__``.
+    limits: TopicLimits = NO_LIMITS
+
     #: When clean-up with the broker gives up (anyio clock), set by :meth:`close_by`.
     close_deadline: float = math.inf
 
@@ -307,6 +379,22 @@ class Transport(AsyncResource, abc.ABC):
         self.close_deadline = min(self.close_deadline, deadline)
         for scope in self.__dict__.get("_cleanups", ()):
             scope.deadline = min(scope.deadline, deadline)
+
+    def check_topic(self, topic: str) -> None:
+        """Raise :class:`ConfigurationError` when the broker cannot carry ``topic``.
+
+        The bus asks before every publish over the transport; the default applies
+        :attr:`limits`. Override it (calling it) for a rule they cannot state.
+        """
+        self.limits.check_topic(topic)
+
+    def check_pattern(self, pattern: str) -> None:
+        """Raise :class:`ConfigurationError` when the broker cannot carry ``pattern``.
+
+        The bus asks in ``subscribe``, before the subscription exists (a running bus
+        is left as it was); the default applies :attr:`limits`.
+        """
+        self.limits.check_pattern(pattern)
 
     async def __aenter__(self) -> Self:
         await self.connect()

@@ -19,8 +19,11 @@ What it keeps on the server, for ``prefix="asyncbus"``:
   subscription alone (the consumer's own ``max_ack_pending`` is unlimited); the
   pulling side is :mod:`._nats_consumer`.
 * stream ``ASYNCBUS_DLQ`` (limits retention, ``max_age = dead_letter_ttl``,
-  ``max_msgs = dead_letter_maxlen``) keeps dead letters, one subject per envelope id
-  (``asyncbus_dlq.{id}``), so removing an id is a purge by subject.
+  ``max_msgs = dead_letter_maxlen``, both updated at every start) keeps dead letters,
+  one subject per envelope id (``asyncbus_dlq.{id}``), so removing an id is a purge
+  by subject. A shorter TTL shrinks its duplicate window with it (JetStream refuses a
+  window longer than the age); a TTL under JetStream's shortest age (0.1 s) is kept
+  0.1 s, and the listing drops what is past the TTL.
 
 Replaying to one group: a server before 2.10 gives a consumer a single filter
 subject, so a replay cannot go to a subject only its group sees. It is published
@@ -47,6 +50,13 @@ by the server once their process died and stopped pulling.
 
 Worth knowing:
 
+* A subject travels in the protocol line, which the server holds to 4 KiB (its
+  ``max_control_line``) and closes the connection of a longer one: :attr:`limits`
+  keeps topics and patterns (which nats-py sends in the subject of the request that
+  creates a consumer) within it, and out of whitespace and control characters, and
+  the bus refuses the rest at its door. Should the server close the connection for a
+  command it refused anyway, the client reconnects as after any lost connection
+  (nats-py alone would close for good: :func:`_client_class`).
 * ``attempt`` is JetStream's ``num_delivered``: every delivery counts, including
   one a consumer gave back unhandled when it left (the reference transport does not
   count those) and one that timed out at a crashed consumer. A message delivered
@@ -80,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -116,8 +127,10 @@ from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
     INBOX_GROUP_PREFIX,
+    MAX_SECONDS,
     Capabilities,
     Delivery,
+    TopicLimits,
     Transport,
     checked_max_deliveries,
     checked_prefetch,
@@ -148,10 +161,22 @@ _SUBJECTS_KEPT = 512
 _CLOSE_TIMEOUT = 0.5
 #: Seconds the ack writer waits for more acks before writing them together.
 _ACK_LINGER = 0.002
+#: JetStream's shortest ``max_age`` (seconds): a stream with less is refused.
+_MIN_MAX_AGE = 0.1
+
+#: The server's longest protocol line (its default ``max_control_line``): a command
+#: longer than that (a publish to a longer subject) makes it close the connection.
+_CONTROL_LINE = 4096
+#: Room kept on that line for what surrounds a subject (verb, reply subject, sizes).
+_LINE_ROOM = 256
+#: Longest durable consumer name (:func:`consumer_name`).
+_NAME_MAX = 48 + 1 + 32 + 1 + 12
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NOT_IN_SUBJECT = re.compile(r"[\s\x00-\x1f\x7f]")
+#: What a NATS subject cannot hold: the protocol splits on whitespace.
+_NOT_IN_SUBJECT_CLASS = r"[\s\x00-\x1f\x7f]"
+_NOT_IN_SUBJECT = re.compile(_NOT_IN_SUBJECT_CLASS)
 
 
 def consumer_name(pattern: str, group: str) -> str:
@@ -172,6 +197,27 @@ def _check_subject_text(kind: str, text: str) -> None:
         raise ConfigurationError(
             f"{kind} {text!r} cannot be a NATS subject: no whitespace or control characters"
         )
+
+
+def _subject_limits(prefix: str, stream: str) -> TopicLimits:
+    """What topics and patterns fit in NATS subjects under ``prefix``.
+
+    A topic is published to ``{prefix}.{topic}``; a pattern becomes a consumer's filter
+    subject, which nats-py sends in the subject of the request that creates it
+    (``$JS.API.CONSUMER.CREATE.{stream}.{name}.{prefix}.{pattern}``). Either must fit
+    in the server's protocol line with what surrounds it: a longer one makes the server
+    close the connection.
+    """
+    room = _CONTROL_LINE - _LINE_ROOM - len(prefix.encode()) - 1
+    return TopicLimits(
+        max_topic_bytes=room,
+        max_pattern_bytes=room - len(f"$JS.API.CONSUMER.CREATE.{stream}.".encode()) - _NAME_MAX - 1,
+        forbidden=_NOT_IN_SUBJECT_CLASS,
+        why=(
+            "a NATS subject holds no whitespace or control character and fits, with its "
+            f"prefix {prefix!r}, in the server's {_CONTROL_LINE}-byte protocol line"
+        ),
+    )
 
 
 def _address(url: str) -> str:
@@ -210,9 +256,10 @@ class NatsTransport(Transport):
     :param publish_timeout: longest a ``publish`` waits for the stream's ack before
         raising :class:`TransportError` (default: ``request_timeout``); a publish that
         timed out may or may not be stored.
-    :param dedup_window: seconds the stream remembers envelope ids to drop duplicates.
+    :param dedup_window: seconds the stream remembers envelope ids to drop duplicates
+        (capped at ``max_age``: JetStream refuses a longer window).
     :param max_age: seconds after which the stream discards envelopes still unsettled
-        (``None``: keep them until every group settled them).
+        (``None``: keep them until every group settled them; at least 0.1 s).
     :param keep_alive: while a delivery is held (queued in its stage, handled,
         waiting for a retry), tell the server every ``ack_timeout / 3`` that it is in
         progress, so a long handler or retry delay is never run twice; off, a delivery
@@ -276,6 +323,11 @@ class NatsTransport(Transport):
         }
         if max_age is not None:
             max_age = checked_seconds(max_age, "NatsTransport: max_age")
+            if max_age < _MIN_MAX_AGE:
+                raise ConfigurationError(
+                    f"NatsTransport: max_age must be at least {_MIN_MAX_AGE:g} s "
+                    f"(JetStream's shortest), got {max_age!r}"
+                )
         if not isinstance(keep_alive, bool):
             raise ConfigurationError(
                 f"NatsTransport: keep_alive must be a bool, got {keep_alive!r}"
@@ -294,6 +346,12 @@ class NatsTransport(Transport):
         #: Name of the stream of envelopes, and of the stream of dead letters.
         self.stream = _UNSAFE.sub("_", prefix).upper()
         self.dead_letter_stream = f"{self.stream}_DLQ"
+        self.limits = _subject_limits(prefix, self.stream)
+        if (self.limits.max_pattern_bytes or 0) < 1:
+            raise ConfigurationError(
+                f"NatsTransport: prefix of {len(prefix.encode())} bytes leaves no room for "
+                "a topic in a NATS subject"
+            )
         self._dead_prefix = f"{prefix}_dlq"
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -355,8 +413,9 @@ class NatsTransport(Transport):
         if self._nc is not None:
             return
         try:
-            from nats.aio.client import Client as NatsClient
             from nats.errors import Error as NatsError
+
+            client_class = _client_class()
         except ImportError as error:
             raise ConnectError(
                 "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
@@ -378,37 +437,47 @@ class NatsTransport(Transport):
             "closed_cb": self._on_closed,
         }
         self._errors = (NatsError, TimeoutError, OSError)
-        nc = NatsClient()
-        try:
-            # nats-py gives each attempt connect_timeout; all of them get it together.
-            with anyio.fail_after(self.connect_timeout):
-                await nc.connect(self.url, **options)
-        except Exception as error:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
-                _close_failed_attempt(nc)  # an attempt cut short keeps its socket
-                with contextlib.suppress(Exception):
-                    await nc.close()
-            reason = f"{type(error).__name__}: {error}"
-            if isinstance(error, TimeoutError) and not str(error):
-                reason = f"no connection within connect_timeout={self.connect_timeout:g} s"
-            raise ConnectError(f"NatsTransport cannot connect to {where}: {reason}") from error
-        nc.options["max_reconnect_attempts"] = -1
-        self._server = _server_id(nc)
+        nc = client_class()
         js = nc.jetstream(timeout=self.request_timeout)
         publisher = JetStreamPublisher(nc, self.publish_timeout)
         self._groups.forget()
         try:
+            try:
+                # nats-py gives each attempt connect_timeout; all of them get it together.
+                with anyio.fail_after(self.connect_timeout):
+                    await nc.connect(self.url, **options)
+            except Exception as error:
+                reason = f"{type(error).__name__}: {error}"
+                if isinstance(error, TimeoutError) and not str(error):
+                    reason = f"no connection within connect_timeout={self.connect_timeout:g} s"
+                raise ConnectError(f"NatsTransport cannot connect to {where}: {reason}") from error
+            nc.options["max_reconnect_attempts"] = -1
+            self._server = _server_id(nc)
             await self._tasks.open()
             await self._ensure_streams(js)
             await publisher.start(self._tasks)
             await self._groups.watch(nc)
         except BaseException as error:  # deliberate: close the connection on any way out
-            with anyio.CancelScope(shield=True):
+            try:
+                # Outside any scope of its own: a task group's scope must be left where
+                # it was entered (inside a new one, anyio raises RuntimeError).
                 await self._tasks.aclose()
-                await nc.close()
-            if isinstance(error, TransportError) and not isinstance(error, ConnectError):
-                raise ConnectError(f"NatsTransport on {where}: {error}") from error
-            raise
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
+                    await publisher.stop()
+                    if not nc.is_connected:
+                        _close_failed_attempt(nc)  # an attempt cut short keeps its socket
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+            if isinstance(error, ConnectError) or not isinstance(error, Exception):
+                raise
+            if isinstance(error, ConfigurationError):
+                raise ConfigurationError(f"NatsTransport on {where}: {error}") from error
+            raise ConnectError(
+                f"NatsTransport on {where} cannot be set up: {type(error).__name__}: {error}"
+                if not isinstance(error, TransportError)
+                else f"NatsTransport on {where}: {error}"
+            ) from error
         self._nc, self._js, self._publishes = nc, js, publisher
         self._max_payload = nc.max_payload
         self._acks.open()
@@ -440,7 +509,8 @@ class NatsTransport(Transport):
                 retention=RetentionPolicy.LIMITS,
                 storage=StorageType.FILE,
                 discard=DiscardPolicy.OLD,
-                max_age=self.settings.dead_letter_ttl,
+                # Within what JetStream takes; the listing drops what is past the TTL.
+                max_age=min(max(self.settings.dead_letter_ttl, _MIN_MAX_AGE), MAX_SECONDS),
                 # 0 means unbounded, as for the bus's DeadLetterQueue.
                 max_msgs=max(self.settings.dead_letter_maxlen, 0) or -1,
             ),
@@ -450,15 +520,22 @@ class NatsTransport(Transport):
     async def _ensure_stream(
         self, js: JetStreamContext, config: Any, *, managed: tuple[str, ...]
     ) -> None:
-        from nats.js.errors import APIError, NotFoundError
+        from nats.errors import NoRespondersError
+        from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
         name = config.name
-        with broker_call(f"cannot set up the JetStream stream {name} (is JetStream enabled?)"):
+        with broker_call(f"cannot set up the JetStream stream {name}"):
             try:
                 info = await js.stream_info(name)
+            except (NoRespondersError, ServiceUnavailableError) as error:
+                raise TransportError(
+                    f"cannot set up the JetStream stream {name}: JetStream did not answer "
+                    f"({type(error).__name__}): is it enabled on the server (nats-server "
+                    "-js), and is the stream's server up?"
+                ) from error
             except NotFoundError:
                 try:
-                    await js.add_stream(config)
+                    await js.add_stream(_fitted(config))
                     return
                 except Exception as error:
                     try:  # created meanwhile by another process?
@@ -482,7 +559,7 @@ class NatsTransport(Transport):
                 if not _same(getattr(existing, field), getattr(config, field))
             }
             if changes:
-                await js.update_stream(dataclasses.replace(existing, **changes))
+                await js.update_stream(_fitted(dataclasses.replace(existing, **changes)))
 
     async def aclose(self) -> None:
         """Write the acks queued, flush what is buffered (acks, naks) and close the
@@ -600,7 +677,9 @@ class NatsTransport(Transport):
 
     # -- publishing ---------------------------------------------------------------
 
-    def _check_topic(self, topic: str) -> None:
+    def check_topic(self, topic: str) -> None:
+        """:class:`ConfigurationError` unless ``topic`` makes a subject the server takes
+        (:attr:`limits`; checked once per topic)."""
         self._subject(topic)
 
     def _subject(self, topic: str) -> str:
@@ -608,7 +687,7 @@ class NatsTransport(Transport):
         subject = self._subjects.get(topic)
         if subject is None:
             validate_topic(topic)
-            _check_subject_text("topic", topic)
+            self.limits.check_topic(topic)
             if len(self._subjects) >= _SUBJECTS_KEPT:
                 self._subjects.clear()
             subject = self._subjects[topic] = f"{self.prefix}.{topic}"
@@ -637,7 +716,7 @@ class NatsTransport(Transport):
 
         :returns: the stage names of the groups reached (``()``: none).
         """
-        self._check_topic(topic)
+        self.check_topic(topic)
         if self._restore_lock.locked():
             async with self._restore_lock:  # the consumers are being made again
                 pass
@@ -691,7 +770,7 @@ class NatsTransport(Transport):
         matches = compile_pattern(pattern)
         target = await self._ensure_consumer(pattern, group)
         for envelope in envelopes:
-            self._check_topic(envelope.topic)
+            self.check_topic(envelope.topic)
             if not matches(envelope.topic):
                 raise ConfigurationError(
                     f"envelope {envelope.id} on {envelope.topic!r} cannot reach group "
@@ -779,7 +858,7 @@ class NatsTransport(Transport):
         from nats.js.errors import NotFoundError
 
         compile_pattern(pattern)
-        _check_subject_text("pattern", pattern)
+        self.check_pattern(pattern)
         _, js = self._client()
         name = consumer_name(pattern, group)
         config = ConsumerConfig(
@@ -1046,6 +1125,44 @@ def _is_inbox(group: str) -> bool:
     return group.startswith(INBOX_GROUP_PREFIX)
 
 
+@functools.cache
+def _client_class() -> type[Client]:
+    """nats-py's client, reconnecting where nats-py would close for good.
+
+    On an ``-ERR`` from the server, nats-py (up to 2.16 at least) closes the client
+    unless the error is a permissions violation (reported, the connection goes on) or
+    a stale connection (reconnected): no reconnection ever follows, so one command the
+    server refused (a subject longer than its protocol line, say) ended every publish
+    and pull of the process for good. The server closes the connection after such an
+    error; this client takes it for a lost connection, as nats-py's own comment there
+    suggests, and reconnects as after any other. While the first connection is being
+    made, nats-py's handling stays (a refused login fails ``connect``).
+    """
+    from nats.aio.client import Client
+
+    if not all(hasattr(Client, name) for name in ("_process_err", "_process_op_err")):
+        return Client  # a nats-py whose internals changed: its own handling
+
+    from nats.errors import Error as NatsError
+
+    class ReconnectingClient(Client):
+        async def _process_err(self, err_msg: str) -> None:
+            message = err_msg.strip("'")
+            lowered = message.lower()
+            if (
+                self.is_connecting
+                or "permissions violation" in lowered
+                or "stale connection" in lowered
+            ):
+                await super()._process_err(err_msg)
+                return
+            error = NatsError(f"nats: {message}")
+            await self._error_cb(error)
+            await self._process_op_err(error)
+
+    return ReconnectingClient
+
+
 def _close_failed_attempt(nc: Client) -> None:
     """Close the socket of a reconnection attempt that failed after connecting.
 
@@ -1065,6 +1182,20 @@ def _server_id(nc: Client | None) -> str | None:
     info = getattr(nc, "_server_info", None)  # nats-py keeps it private
     server = info.get("server_id") if isinstance(info, dict) else None
     return server if isinstance(server, str) else None
+
+
+def _fitted(config: Any) -> Any:
+    """The stream ``config`` with a duplicate window no longer than its ``max_age``.
+
+    JetStream refuses a window longer than the age ("duplicates window can not be
+    larger then max age"), and a stream made with a long age keeps the window it got
+    then (2 minutes by default) when its age is shortened: without this, a shorter
+    dead-letter TTL could never be applied to an existing stream.
+    """
+    age = config.max_age or 0.0
+    if age > 0 and (config.duplicate_window or 0.0) > age:
+        return dataclasses.replace(config, duplicate_window=age)
+    return config
 
 
 def _same(current: Any, wanted: Any) -> bool:

@@ -160,6 +160,7 @@ from .base import (
     INBOX_GROUP_PREFIX,
     Capabilities,
     Delivery,
+    TopicLimits,
     Transport,
     checked_max_deliveries,
     checked_max_message_size,
@@ -318,6 +319,12 @@ class RabbitTransport(Transport):
     name: ClassVar[str] = "rabbit"
     #: Every publish awaits the broker's confirmation (the call's one yield).
     publish_waits: ClassVar[bool] = True
+    #: A topic is the routing key, a pattern the binding key: AMQP short strings.
+    limits: TopicLimits = TopicLimits(
+        max_topic_bytes=KEY_LIMIT,
+        max_pattern_bytes=KEY_LIMIT,
+        why=f"AMQP's routing and binding keys hold at most {KEY_LIMIT} bytes",
+    )
 
     def __init__(
         self,
@@ -517,6 +524,7 @@ class RabbitTransport(Transport):
             raise
         link.watch()
         if link.lost.is_set():
+            await link.close()  # the other connection may still be open
             raise TransportError("the connection closed while it was being set up")
         return link
 
@@ -585,7 +593,9 @@ class RabbitTransport(Transport):
         )
 
     def _failed(self, what: str, error: BaseException) -> TransportError:
-        return TransportError(f"RabbitMQ: {what} failed: {error or type(error).__name__}")
+        return TransportError(
+            f"RabbitMQ at {redact(self.url)}: {what} failed: {error or type(error).__name__}"
+        )
 
     async def _call(
         self,
@@ -803,6 +813,13 @@ class RabbitTransport(Transport):
         finally:
             with anyio.CancelScope(shield=True):
                 await connection.close()
+
+    def check_pattern(self, pattern: str) -> None:
+        """:attr:`limits`, then what AMQP binds: no ``#`` token (its multi-word
+        wildcard), and the binding key (a trailing ``>`` becomes ``*.#``) within 255
+        bytes."""
+        super().check_pattern(pattern)
+        binding_key(pattern)
 
     def _forget_queue(self, queue: str) -> None:
         link = self._link
@@ -1062,8 +1079,7 @@ class RabbitTransport(Transport):
         :raises TransportError: when the broker refused them or stayed unreachable.
         """
         validate_topic(topic)
-        if len(topic.encode()) > KEY_LIMIT:
-            raise ConfigurationError(f"topic {topic[:50]!r}... is longer than 255 bytes")
+        self.check_topic(topic)
         self._properties_type()
         messages = [self._outgoing(e) for e in envelopes]
         await self._wait_joins()
@@ -1084,8 +1100,7 @@ class RabbitTransport(Transport):
             when a queue took it but no recorded group matches the topic).
         """
         validate_topic(topic)
-        if len(topic.encode()) > KEY_LIMIT:
-            raise ConfigurationError(f"topic {topic[:50]!r}... is longer than 255 bytes")
+        self.check_topic(topic)
         self._properties_type()
         messages = [self._outgoing(e) for e in envelopes]
         await self._wait_joins()

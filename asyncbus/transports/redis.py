@@ -147,6 +147,8 @@ _REAP_EVERY = 20
 _RELEASE_TIMEOUT = 5.0
 #: Seconds closing the connections may take.
 _CLOSE_TIMEOUT = 0.5
+#: Seconds the first answer (a PING) may take before connecting fails.
+_CONNECT_WAIT = 10.0
 _BACKOFF_MAX = 2.0
 #: Longest blocking read (ms): an hour; a read that long holds a pooled connection.
 _BLOCK_MS_MAX = 3_600_000
@@ -490,12 +492,15 @@ class RedisTransport(Transport):
         # alone: redis-py's parsing made a dict per entry.
         client.set_response_callback("XREADGROUP", _as_it_came)
         try:
-            with anyio.fail_after(10):
+            with anyio.fail_after(_CONNECT_WAIT):
                 await client.ping()
-        except (errors.RedisError, OSError, TimeoutError) as error:
-            with anyio.CancelScope(shield=True):
+        except BaseException as error:  # deliberate: close the client on any way out
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
                 await client.aclose()
-            raise ConnectError(f"cannot connect to Redis at {redact(self.url)}: {error}") from (
+            if not isinstance(error, errors.RedisError | OSError | TimeoutError):
+                raise
+            reason = str(error) or f"{type(error).__name__}: no answer within {_CONNECT_WAIT:g} s"
+            raise ConnectError(f"cannot connect to Redis at {redact(self.url)}: {reason}") from (
                 error
             )
         self._client = client

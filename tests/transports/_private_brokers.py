@@ -21,6 +21,7 @@ under ``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -36,7 +37,14 @@ import anyio
 import anyio.abc
 import pytest
 
-__all__ = ["PrivateServer", "free_port", "private_nats", "private_rabbit", "private_redis"]
+__all__ = [
+    "PrivateServer",
+    "free_port",
+    "nats_connections",
+    "private_nats",
+    "private_rabbit",
+    "private_redis",
+]
 
 #: Seconds a server may take to accept connections after it was started.
 START_TIMEOUT = 15.0
@@ -79,8 +87,11 @@ class PrivateServer:
         env: Callable[[int, Path], dict[str, str]] | None = None,
         userinfo: str = "",
         start_timeout: float = START_TIMEOUT,
+        monitor_port: int | None = None,
     ) -> None:
         self._command = command
+        #: The server's HTTP monitoring port, when it has one (NATS: ``-m``).
+        self.monitor_port = monitor_port
         self._env = env
         self.port = free_port()
         self.directory = directory
@@ -192,6 +203,16 @@ def _nats_command(port: int, directory: Path) -> list[str]:
     ]
 
 
+def _nats_command_with(*, jetstream: bool, monitor: int) -> Callable[[int, Path], list[str]]:
+    def command(port: int, directory: Path) -> list[str]:
+        line = [*_nats_command(port, directory), "-m", str(monitor)]
+        if not jetstream:
+            line.remove("-js")
+        return line
+
+    return command
+
+
 @asynccontextmanager
 async def _private(
     command: Callable[[int, Path], list[str]],
@@ -217,9 +238,32 @@ def private_redis(
     return _private(command, "redis", directory / "redis")
 
 
-def private_nats(directory: Path) -> AbstractAsyncContextManager[PrivateServer]:
-    """A nats-server of the test's own with JetStream, its store in ``directory``."""
-    return _private(_nats_command, "nats", directory / "nats")
+def private_nats(
+    directory: Path, *, jetstream: bool = True
+) -> AbstractAsyncContextManager[PrivateServer]:
+    """A nats-server of the test's own with JetStream (unless ``jetstream=False``), its
+    store in ``directory`` and its HTTP monitoring on ``server.monitor_port``."""
+    monitor = free_port()
+    return _private(
+        _nats_command_with(jetstream=jetstream, monitor=monitor),
+        "nats",
+        directory / "nats",
+        monitor_port=monitor,
+    )
+
+
+async def nats_connections(server: PrivateServer) -> int:
+    """How many client connections the private nats-server has open (``/connz``)."""
+    assert server.monitor_port is not None
+    stream = await anyio.connect_tcp("127.0.0.1", server.monitor_port)
+    async with stream:
+        await stream.send(b"GET /connz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        reply = b""
+        with contextlib.suppress(anyio.EndOfStream):
+            while True:
+                reply += await stream.receive()
+    count: int = json.loads(reply.partition(b"\r\n\r\n")[2])["num_connections"]
+    return count
 
 
 def private_rabbit(directory: Path) -> AbstractAsyncContextManager[PrivateServer]:

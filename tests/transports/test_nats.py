@@ -202,6 +202,107 @@ async def test_dead_letter_stream_follows_changed_limits(nats_url: str, cleanup:
     assert (dead.max_age, dead.max_msgs) == (pytest.approx(3600.0), 10)
 
 
+async def _dead_letter_stream(url: str, transport: NatsTransport) -> Any:
+    nc = await nats.connect(url)
+    try:
+        return await nc.jetstream().stream_info(transport.dead_letter_stream)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_the_dead_letter_ttl_can_go_down_and_back_up_on_an_existing_stream(
+    nats_url: str, cleanup: str
+) -> None:
+    """A stream made with a long TTL got a 2-minute duplicate window: a shorter TTL
+    (the server refuses an age below the window) and one below JetStream's 100 ms
+    shortest age still start the bus, and its dead letters are kept for the new TTL."""
+    for ttl in (3600.0, 30.0, 1.0, 0.05, 3600.0):
+        transport = NatsTransport(nats_url, prefix=cleanup)
+        bus = Bus(transport=transport, dead_letter_ttl=ttl)
+        with anyio.fail_after(20):
+            async with bus:
+                receipt = await bus.publish("nobody.listens", ttl)
+                if ttl >= 30:  # (a shorter one may be gone before it is read)
+                    stored = [entry.envelope.id for entry in await transport.dead_letters()]
+                    assert receipt.id in stored, ttl
+                info = await _dead_letter_stream(nats_url, transport)
+        assert info.config.max_age == pytest.approx(max(ttl, 0.1)), ttl
+        assert info.config.duplicate_window <= info.config.max_age
+        if ttl < 30:
+            # The server itself drops them once the new TTL passed (every one, also
+            # those stored under the long TTL before).
+            with anyio.fail_after(10):
+                while (await _dead_letter_stream(nats_url, transport)).state.messages:
+                    await anyio.sleep(0.1)
+
+
+@pytest.mark.anyio
+async def test_a_max_age_below_the_dedup_window_caps_the_window(
+    nats_url: str, cleanup: str
+) -> None:
+    """JetStream refuses a duplicate window longer than the stream's age."""
+    async with NatsTransport(nats_url, prefix=cleanup, max_age=30.0) as transport:
+        nc = await nats.connect(nats_url)
+        try:
+            main = (await nc.jetstream().stream_info(transport.stream)).config
+        finally:
+            await nc.close()
+    assert (main.max_age, main.duplicate_window) == (pytest.approx(30.0), pytest.approx(30.0))
+
+
+def test_a_max_age_jetstream_cannot_keep_is_refused_at_construction() -> None:
+    with pytest.raises(ConfigurationError, match=r"max_age must be at least 0\.1 s"):
+        NatsTransport(max_age=0.05)
+
+
+@pytest.mark.anyio
+async def test_a_command_the_server_refuses_costs_a_reconnect_not_the_connection(
+    nats_url: str, cleanup: str
+) -> None:
+    """The server answers a subject over its protocol line with ``-ERR`` and closes the
+    connection; nats-py alone would close the client for good (every later publish
+    failing with ConnectionClosedError, the pumps dead). The transport reconnects, and
+    the bus publishes and consumes as before."""
+    transport = NatsTransport(nats_url, prefix=cleanup, reconnect_wait=0.1)
+    bus = Bus(transport=transport)
+    handled: list[int] = []
+
+    @bus.subscribe("work", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    async with bus:
+        with anyio.fail_after(30):
+            await bus.publish("work", 0)
+            await bus.drain()
+            nc = transport._nc
+            assert nc is not None
+            # Past the door (which refuses such a topic): a raw command of the client.
+            await nc.publish("x" * 5000, b"")
+            while not (nc.stats["reconnects"] >= 1 and nc.is_connected):
+                assert not nc.is_closed, "the client closed for good"
+                await anyio.sleep(0.05)
+            for n in range(1, 11):
+                await bus.publish("work", n)
+            await bus.drain()
+    assert handled == list(range(11))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["a\tb", "a\x7fb", "a\x00b", "a\u2028b"])
+async def test_a_subject_with_whitespace_or_control_characters_is_refused(
+    nats_url: str, cleanup: str, name: str
+) -> None:
+    transport = NatsTransport(nats_url, prefix=cleanup)
+    bus = Bus(transport=transport)
+    with pytest.raises(ConfigurationError, match="cannot carry"):
+        bus.subscribe(name, group="g")
+    async with bus:
+        with anyio.fail_after(10), pytest.raises(ConfigurationError, match="cannot carry"):
+            await bus.publish(name, 1)
+
+
 @pytest.mark.anyio
 async def test_nack_delay_is_honoured_by_the_server(nats_url: str, cleanup: str) -> None:
     """nak(delay=) is JetStream's own: not before the delay, and soon after it."""

@@ -22,6 +22,12 @@ class TaskOwner:
     Nothing a transport starts is fire-and-forget: every task is a child of this
     group, cancelled and awaited when the transport closes.
 
+    The group's cancel scope is entered by :meth:`open`, so :meth:`aclose` must run
+    where a ``with`` block around the group would end: in the task that opened it,
+    never inside a cancel scope entered after :meth:`open` (a shielded clean-up scope
+    included; anyio refuses with ``RuntimeError``). A ``connect`` that fails after
+    opening it closes it first, then closes its connection shielded.
+
     :param owner: the transport's name, for errors.
     """
 
