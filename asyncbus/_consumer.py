@@ -31,7 +31,7 @@ from ._exceptions import ConfigurationError
 from ._failures import describe_error, handler_failure, stray_cancellation
 from ._handling import Handling, HandlingHost
 from ._instrument import Instrumentation, Result
-from ._stage import Stage, StageHost
+from ._stage import Stage, StageHost, tries_before
 from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
@@ -382,7 +382,9 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     for envelope in stale:
         delivery = stage.deliveries.pop(id(envelope), None)
         stage.ledger.dead(reason)
-        host.dead_letter(envelope, reason, None, stage.name, 0, stored=delivery is not None)
+        host.dead_letter(
+            envelope, reason, None, stage.name, tries_before(envelope), stored=delivery is not None
+        )
         if delivery is not None:
             held.append((envelope, delivery))
     for _ in range(len(stale)):
@@ -393,7 +395,9 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     for envelope, delivery in held:
         try:
             with anyio.CancelScope(shield=True):
-                await reject_delivery(delivery, reason.value, None, stage.name, 0)
+                await reject_delivery(
+                    delivery, reason.value, None, stage.name, tries_before(envelope)
+                )
         except Exception:
             # The broker will deliver it again (at-least-once); locally it is shed.
             logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)

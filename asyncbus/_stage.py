@@ -31,7 +31,7 @@ from ._stats import LatencyHistogram, StageStatistics
 from ._subscription import Subscription
 from .transports.base import Delivery
 
-__all__ = ["Backpressure", "DoorOutcome", "Ledger", "Stage", "StageHost"]
+__all__ = ["Backpressure", "DoorOutcome", "Ledger", "Stage", "StageHost", "tries_before"]
 
 _clock = time.perf_counter
 
@@ -277,7 +277,9 @@ class Stage:
             _, oldest = self.pop()
             self.queued -= 1
             self.ledger.dead(DeadLetterReason.DROPPED)
-            self.host.dead_letter(oldest, DeadLetterReason.DROPPED, None, self.name, 0)
+            self.host.dead_letter(
+                oldest, DeadLetterReason.DROPPED, None, self.name, tries_before(oldest)
+            )
             self.host.settled(self)
         self.admit(envelope)
         return DoorOutcome.ACCEPTED
@@ -500,6 +502,12 @@ class Stage:
             shed=ledger.shed,
             saturation=self.in_flight / limit if limit else 0.0,
         )
+
+
+def tries_before(envelope: Envelope) -> int:
+    """Attempts made at ``envelope`` before it was queued: none for a new publish, one
+    less than its ``attempt`` for a retry (which re-enters with ``attempt + 1``)."""
+    return envelope.attempt - 1
 
 
 def _finite(value: float) -> float:
