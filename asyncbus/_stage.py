@@ -500,8 +500,19 @@ class Stage:
             limit=limit,
             shedding=control is not None and control.shedding,
             shed=ledger.shed,
-            saturation=self.in_flight / limit if limit else 0.0,
+            saturation=min(1.0, self.busy_consumers() / limit) if limit else 0.0,
         )
+
+    def busy_consumers(self) -> int:
+        """Consumers holding work now: a batch consumer counts once, however many
+        envelopes it holds, and an envelope waiting for a retry holds no consumer."""
+        held = batches = 0
+        for holds in self.batch_holds:
+            count = len(holds) - holds.count(None)
+            if count:
+                held += count
+                batches += 1
+        return self.in_flight - len(self.retrying) - held + batches
 
 
 def tries_before(envelope: Envelope) -> int:

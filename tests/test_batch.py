@@ -243,6 +243,33 @@ async def test_the_ledger_balances_while_a_batch_is_handled() -> None:
     assert sum(in_flight for _, in_flight in seen) == 10
 
 
+async def test_saturation_counts_a_batch_consumer_once_however_many_it_holds() -> None:
+    inside = anyio.Event()
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=50, max_wait=0), capacity=100, concurrency=2)
+    async def handle(items: list[int]) -> None:
+        inside.set()
+        await release.wait()
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish_many("t", range(50))
+            await inside.wait()
+            stage = stats(bus)
+            # One of the two consumers holds a batch of fifty: half the consumers are busy.
+            assert (stage.in_flight, stage.limit, stage.saturation) == (50, 2, 0.5)
+            await bus.publish_many("t", range(50, 100))
+            await anyio.wait_all_tasks_blocked()
+            stage = stats(bus)
+            assert (stage.in_flight, stage.saturation) == (100, 1.0)
+            release.set()
+            await bus.drain()
+            assert stats(bus).saturation == 0.0
+    assert ledger(stats(bus)) == (100, 100, 0, 0, 0, 0)
+
+
 async def test_a_blocked_publish_enters_as_a_batch_frees_room() -> None:
     batches: list[list[int]] = []
     bus = Bus()

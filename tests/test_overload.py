@@ -385,6 +385,38 @@ async def test_a_static_stage_reports_its_concurrency_as_its_limit() -> None:
     assert names[-6:] == ["abandoned", "capacity", "limit", "shedding", "shed", "saturation"]
 
 
+@pytest.mark.anyio
+async def test_saturation_counts_busy_consumers_not_envelopes_waiting_for_a_retry() -> None:
+    inside = anyio.Event()
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("fails", group="g", concurrency=2, retry=Retry(max_attempts=2, backoff=60))
+    async def fail(n: int) -> None:
+        raise RuntimeError("later")
+
+    @bus.subscribe("busy", group="g", concurrency=4)
+    async def busy(n: int) -> None:
+        inside.set()
+        await release.wait()
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(10):
+                await bus.publish("fails", n)
+            await bus.publish("busy", 1)
+            await inside.wait()
+            await anyio.wait_all_tasks_blocked()
+            waiting = bus.statistics().stage("fails@g")
+            # Ten envelopes wait on their retry timers (in flight); both consumers are idle.
+            assert (waiting.in_flight, waiting.retried, waiting.saturation) == (10, 10, 0.0)
+            one = bus.statistics().stage("busy@g")
+            assert (one.in_flight, one.limit, one.saturation) == (1, 4, 0.25)
+            release.set()
+            report = await bus.aclose(timeout=0.1)
+    assert len(report.abandoned) == 10  # still waiting for their retry
+
+
 def test_the_controllers_names_import_from_asyncbus() -> None:
     import asyncbus
 
