@@ -16,6 +16,7 @@ import trio.testing
 
 from asyncbus import Bus, DeadLetterReason, Envelope, Retry
 from asyncbus.middleware import deduplicate
+from asyncbus.middleware.deduplicate import MemoryDedupStore
 
 pytestmark = pytest.mark.anyio
 
@@ -124,3 +125,26 @@ async def test_handler_timeouts_and_shutdown_deadlines_run_on_the_loop_clock(
     assert letter is not None and letter.reason is DeadLetterReason.TIMEOUT
     assert report.abandoned == [hung.id]
     assert_settled(bus)
+
+
+async def test_an_explicit_memory_dedup_store_forgets_on_the_loop_clock() -> None:
+    handled: list[int] = []
+
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    bus = Bus()
+    bus.subscribe(
+        "t", handle, group="g", middleware=[deduplicate(window=60, store=MemoryDedupStore())]
+    )
+    with anyio.fail_after(600):
+        async with bus:
+            await bus.publish("t", 1, id="x")
+            await bus.drain()
+            await anyio.sleep(59)
+            await bus.publish("t", 2, id="x")  # within the window: a duplicate
+            await bus.drain()
+            await anyio.sleep(2)
+            await bus.publish("t", 3, id="x")  # the window has passed
+            await bus.drain()
+    assert handled == [1, 3]
