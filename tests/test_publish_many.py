@@ -281,6 +281,36 @@ async def test_the_timeout_is_one_deadline_and_the_error_carries_the_receipts_so
     assert_settled(bus)
 
 
+async def test_the_timeout_bounds_the_whole_call_when_no_room_ever_comes(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    release = anyio.Event()
+    entered = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("many.deadline", group="g", capacity=2)
+    async def handle(n: int) -> None:
+        entered.set()
+        await release.wait()
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("many.deadline", -1)  # taken by the consumer, which waits
+            await entered.wait()
+            await bus.publish_many("many.deadline", [0, 1])  # the stage is full now
+            started = anyio.current_time()
+            with pytest.raises(PublishTimeout) as caught:
+                await bus.publish_many("many.deadline", range(2, 12), timeout=0.5)
+            waited = anyio.current_time() - started
+            # One deadline for the call: not a wait for a run, then another for one envelope.
+            assert 0.5 <= waited < 0.9, waited
+            assert (caught.value.receipts, caught.value.receipt.accepted) == ([], ())
+            release.set()
+            await bus.drain()
+    assert _ledger(bus, "many.deadline@g") == (3, 3, 0, 0, 0, 0)
+    assert_settled(bus)
+
+
 async def test_a_reject_stage_lists_itself_in_the_receipts_of_what_it_refused(
     assert_settled: Callable[[Bus], None],
 ) -> None:

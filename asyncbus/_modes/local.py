@@ -191,6 +191,7 @@ class LocalMode:
         When every stage has room for all of them and nobody waits for room, all are
         admitted at once; otherwise each is offered at each door with the stage's
         policy, a full ``BLOCK`` stage holding the rest back until it has room.
+        ``timeout`` is one deadline for the whole call.
         """
         topic = envelopes[0].topic
         stages = self.router.route(topic)
@@ -224,14 +225,15 @@ class LocalMode:
                     for stage in stages
                     if stage.backpressure is Backpressure.BLOCK and not stage.has_room()
                 ]
-                left = None if deadline is None else max(0.0, deadline - anyio.current_time())
                 # A full BLOCK stage: wait for room for a run of the rest, before this
                 # envelope is offered anywhere (once per run, not once per envelope).
                 if (
                     room <= 0
                     and full
-                    and left != 0.0
-                    and await self.wait_for_batch_room(envelopes[index], full, count - index, left)
+                    and _left(deadline) != 0.0
+                    and await self.wait_for_batch_room(
+                        envelopes[index], full, count - index, _left(deadline)
+                    )
                 ):
                     # First in line at the stages waited for: their room is ours.
                     room = min(
@@ -260,7 +262,11 @@ class LocalMode:
                 receipt, blocked = self.offer(envelope, stages)
                 if blocked:
                     receipt = await self.wait_for_room(
-                        envelope, receipt, blocked, left, named=f"{timeout}s for the batch"
+                        envelope,
+                        receipt,
+                        blocked,
+                        _left(deadline),
+                        named=f"{timeout}s for the batch",
                     )
                 receipts.append(receipt)
                 index += 1
@@ -327,3 +333,8 @@ class LocalMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope (nothing is settled with a broker in memory)."""
         return anyio.CancelScope(shield=True)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (``None``: no deadline), never below 0."""
+    return None if deadline is None else max(0.0, deadline - anyio.current_time())
