@@ -156,7 +156,7 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
         admitted_at, envelope = pop()
         stage.queued -= 1
         if stage.room_waiters and stage.capacity - stage.queued >= stage.room_needed:
-            stage.wake_one()
+            stage.hand_room()
         stage.in_flight += 1
         if admitted_at:  # sampled at admission: one envelope in 8
             started = _clock()
@@ -257,7 +257,7 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
         admitted_at, envelope = lanes.take(newest_first)
         stage.queued -= 1
         if stage.room_waiters and stage.capacity - stage.queued >= stage.room_needed:
-            stage.wake_one()
+            stage.hand_room()
         stage.in_flight += 1
         crew.in_flight += 1
         in_flight = crew.in_flight
@@ -387,10 +387,8 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
         )
         if delivery is not None:
             held.append((envelope, delivery))
-    for _ in range(len(stale)):
-        if not stage.room_waiters:
-            break
-        stage.wake_one()
+    if stage.room_waiters:
+        stage.hand_room()
     host.settled(stage)
     for envelope, delivery in held:
         try:
