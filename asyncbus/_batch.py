@@ -25,7 +25,7 @@ from ._checks import check_count
 from ._dead_letters import DeadLetterReason
 from ._decoding import payload_decoder
 from ._envelope import Envelope
-from ._exceptions import BatchError, ConfigurationError
+from ._exceptions import BatchError, ConfigurationError, HandlerTimeout
 from ._verdicts import DeadLetterNow
 
 __all__ = [
@@ -263,15 +263,42 @@ class Gather:
     reached the innermost layer (:func:`join`) or finished without it (expired, a
     duplicate, a middleware's verdict); then it calls the handler once with the items
     that joined, in queue order, and hands each its outcome.
+
+    Only envelopes whose chain still waits for the call are in it: one whose wait
+    ended before the call (its ``timeout()`` or any deadline of its own middleware:
+    it is retried or dead-lettered) is left out. Once the call has them, their
+    outcome is the call's; the call runs until the earliest deadline among them
+    (then every one fails with :class:`HandlerTimeout`, as a per-message handler is
+    cancelled at its timeout), so no envelope the ledger counts as failed is handled.
+
+    :param inherited: the consumer's own deadline, which every envelope's task has too
+        (not a deadline of the envelope's chain).
     """
 
-    __slots__ = ("done", "items", "joined", "left", "open", "outcomes", "ready", "size")
+    __slots__ = (
+        "deadlines",
+        "done",
+        "inherited",
+        "items",
+        "joined",
+        "left",
+        "open",
+        "outcomes",
+        "ready",
+        "size",
+        "waits",
+    )
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, inherited: float) -> None:
         self.size = size
+        self.inherited = inherited
         #: Tasks that neither joined nor finished yet.
         self.left = size
         self.items: dict[int, Any] = {}
+        #: The deadline of each joined envelope's chain (``inf``: none of its own).
+        self.deadlines: dict[int, float] = {}
+        #: The scope each joined envelope waits in (shielded once the call has it).
+        self.waits: dict[int, anyio.CancelScope] = {}
         #: Positions that joined (a task that joined is no longer counted in ``left``).
         self.joined: set[int] = set()
         self.ready = anyio.Event()
@@ -281,11 +308,20 @@ class Gather:
         if not size:
             self.ready.set()
 
-    def arrive(self, position: int, item: Any) -> None:
-        """The envelope at ``position`` reached the innermost layer with ``item``."""
+    def arrive(self, position: int, item: Any, deadline: float, waiting: anyio.CancelScope) -> None:
+        """The envelope at ``position`` reached the innermost layer with ``item``; its
+        chain must end by ``deadline``; it waits for the call in ``waiting``."""
         self.items[position] = item
+        self.deadlines[position] = deadline if deadline < self.inherited else math.inf
+        self.waits[position] = waiting
         self.joined.add(position)
         self._count_down()
+
+    def withdraw(self, position: int) -> None:
+        """The chain at ``position`` stopped waiting before the call: leave it out."""
+        if self.open:
+            self.items.pop(position, None)
+            self.deadlines.pop(position, None)
 
     def finished(self, position: int) -> None:
         """The chain of the envelope at ``position`` ended (joined or not)."""
@@ -299,15 +335,33 @@ class Gather:
             self.ready.set()
 
     async def run(self, call: BatchCall) -> None:
-        """Call the handler once with the items that joined, then release their chains."""
+        """Call the handler once with the items still waiting, then release their chains."""
         self.open = False
-        positions = sorted(self.items)
-        if positions:
-            # (Should the call raise, the bus is stopping: the members stay parked
-            # until they are cancelled with it, never released without an outcome.)
-            each = await call([self.items[position] for position in positions])
+        try:
+            now = anyio.current_time()
+            # A chain whose deadline has passed is on its way out (timed out) even if
+            # its task has not run since: it is not handed over.
+            positions = sorted(p for p, deadline in self.deadlines.items() if deadline > now)
+            if not positions:
+                return
+            for position in positions:
+                self.waits[position].shield = True  # the call has it: its outcome is the call's
+            deadline = min(self.deadlines[position] for position in positions)
+            with anyio.CancelScope(deadline=deadline) as late:
+                each = await call([self.items[position] for position in positions])
+            if late.cancelled_caught:
+                timed_out = Failed(
+                    HandlerTimeout(
+                        "the batch handler was still running at the deadline of an envelope "
+                        "in its batch"
+                    )
+                )
+                each = [timed_out] * len(positions)
             self.outcomes = dict(zip(positions, each, strict=True))
-        self.done.set()
+        finally:
+            # (Should the call raise, the bus is stopping: the members, released without
+            # an outcome, stay parked until they are cancelled with it.)
+            self.done.set()
 
 
 class Member:
@@ -339,9 +393,19 @@ async def join(item: Any, call: BatchCall) -> Any:
         outcome = (await call([item]))[0]
     else:
         gather = member.gather
-        gather.arrive(member.position, item)
-        await gather.done.wait()
-        outcome = gather.outcomes.get(member.position)
+        position = member.position
+        with anyio.CancelScope() as waiting:
+            gather.arrive(position, item, anyio.current_effective_deadline(), waiting)
+            try:
+                await gather.done.wait()
+            except BaseException:  # deliberate: a chain that stops waiting is not in the call
+                gather.withdraw(position)
+                raise
+        if position not in gather.outcomes:
+            # Not in the call (its deadline had passed), or the call was cut off (the
+            # bus is stopping): never released without an outcome; cancelled soon.
+            await anyio.sleep_forever()
+        outcome = gather.outcomes[position]
     if isinstance(outcome, Failed):
         raise outcome.error
     return outcome

@@ -360,7 +360,7 @@ async def _gather(
     held: list[Envelope | None],
     host: ConsumerHost,
 ) -> None:
-    gather = Gather(len(positions))
+    gather = Gather(len(positions), anyio.current_effective_deadline())
     try:
         async with anyio.create_task_group() as group:
             for position in positions:

@@ -30,6 +30,7 @@ from asyncbus import (
 from asyncbus._instrument import Consumer, Instrumentation, Result
 from asyncbus._observe import attach
 from asyncbus.middleware import deduplicate
+from asyncbus.middleware import timeout as timeout_middleware
 
 pytestmark = pytest.mark.anyio
 
@@ -643,6 +644,102 @@ async def test_a_middleware_failure_fails_only_its_envelope() -> None:
             await bus.drain()
     assert batches == [[0, 2]]
     assert reasons(bus) == [(1, "handler_failed", 1)]
+
+
+@pytest.mark.parametrize(
+    "retry", [None, Retry(max_attempts=2, backoff=0)], ids=["one attempt", "retried"]
+)
+async def test_envelopes_whose_wait_timed_out_are_never_handed_to_the_handler(
+    retry: Retry | None,
+) -> None:
+    batches: list[list[int]] = []
+
+    @middleware
+    async def hang_on_three(envelope: Envelope, call_next: Any) -> Any:
+        if envelope.payload == 3:
+            await anyio.sleep_forever()
+        return await call_next(envelope)
+
+    bus = Bus()
+
+    @bus.subscribe(
+        "t",
+        batch=Batch(max_size=5, max_wait=0.05),
+        middleware=[timeout_middleware(0.2), hang_on_three],
+        retry=retry,
+    )
+    async def handle(items: list[int]) -> None:
+        batches.append(items)
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(5):
+                bus.publish_nowait("t", n)
+            await bus.drain()
+    # The batch waited for 3 until every envelope's timeout ended its wait: each one
+    # timed out, so none of them may reach the handler.
+    attempts = 1 if retry is None else 2
+    assert batches == []
+    assert reasons(bus) == [(n, "timeout", attempts) for n in range(5)]
+    assert ledger(stats(bus)) == (5, 0, 5, 0, 0, 0)
+
+
+async def test_an_envelope_whose_chain_gave_up_before_the_call_is_left_out_of_it() -> None:
+    batches: list[list[int]] = []
+
+    @middleware
+    async def impatient(envelope: Envelope, call_next: Any) -> Any:
+        if envelope.payload == 0:
+            with anyio.move_on_after(0.05):
+                return await call_next(envelope)
+            raise RuntimeError("gave up waiting for the batch")
+        if envelope.payload == 3:
+            await anyio.sleep(0.3)
+            raise RuntimeError("fails late")
+        return await call_next(envelope)
+
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=5, max_wait=0.05), middleware=[impatient])
+    async def handle(items: list[int]) -> None:
+        batches.append(items)
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(5):
+                bus.publish_nowait("t", n)
+            await bus.drain()
+    assert batches == [[1, 2, 4]]  # 0's chain had ended: it is dead-lettered, not handled
+    assert reasons(bus) == [(0, "handler_failed", 1), (3, "handler_failed", 1)]
+    assert ledger(stats(bus)) == (5, 3, 2, 0, 0, 0)
+
+
+async def test_a_batch_call_still_running_at_its_envelopes_timeout_is_cancelled() -> None:
+    ended: list[bool] = []
+    done = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0), middleware=[timeout_middleware(0.2)])
+    async def handle(items: list[int]) -> None:
+        completed = False
+        try:
+            await anyio.sleep(0.6)
+            completed = True
+        finally:
+            ended.append(completed)
+            done.set()
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(3):
+                bus.publish_nowait("t", n)
+            await done.wait()
+            await bus.drain()
+    # Every envelope timed out, as a per-message handler is cancelled at its timeout:
+    # the call must not go on to do their work.
+    assert ended == [False]
+    assert reasons(bus) == [(n, "timeout", 1) for n in range(3)]
+    assert ledger(stats(bus)) == (3, 0, 3, 0, 0, 0)
 
 
 @pytest.mark.parametrize("with_middleware", [False, True], ids=["fast", "per_envelope"])
