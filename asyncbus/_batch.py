@@ -34,10 +34,12 @@ __all__ = [
     "Failed",
     "Gather",
     "Member",
+    "PartlyFailed",
     "batch_argument",
     "enter_member",
     "join",
     "outcomes",
+    "unnamed",
 ]
 
 
@@ -160,12 +162,39 @@ class Failed:
         self.error = error
 
 
+class PartlyFailed(list[Any]):
+    """The outcomes of a call that raised :class:`BatchError`: a :class:`Failed` for
+    each position it names, ``None`` for the others (acked with no result: see
+    :func:`unnamed`)."""
+
+    __slots__ = ()
+
+
+_NO_RESULT_FOR_THE_ROUTE = (
+    "BatchError named no failure for this envelope, so it has no result, yet a routing "
+    "slip or a requester waits for one: return a list with one result per item instead "
+    "(a verdict, such as DeadLetterNow, for the ones that failed)"
+)
+
+
+def unnamed(envelope: Envelope) -> Any:
+    """The outcome of an envelope whose position a :class:`BatchError` did not name:
+    acked, with no result (``None``); but an envelope whose result goes on (a routing
+    slip, a requester) needs one, so it is dead-lettered ``handler_failed`` at once,
+    never forwarded as ``None`` (the handler did its work: a retry would do it again)."""
+    if not envelope.slip and envelope.reply_to is None:
+        return None
+    return DeadLetterNow.for_failure(TypeError(_NO_RESULT_FOR_THE_ROUTE))
+
+
 def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
     """What one batch call of ``count`` items means for each item.
 
     Each outcome is a :class:`Failed`, a :class:`DeadLetterNow` (the call returned what
     a batch handler cannot return) or the item's result (its return value, forwarded
-    along its slip or to its requester as a per-message handler's would be).
+    along its slip or to its requester as a per-message handler's would be; for a call
+    that raised :class:`BatchError`, a :class:`PartlyFailed` list whose ``None`` items
+    have no result: see :func:`unnamed`).
     """
     if error is not None:
         if isinstance(error, BatchError):
@@ -206,7 +235,7 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
                     + ", ".join(f"position {p!r} has {_what(f)}" for p, f in odd[:5])
                 )
             else:
-                each: list[Any] = [None] * count
+                each = PartlyFailed([None] * count)
                 for position, failure in failures.items():
                     each[position] = Failed(failure)
                 return each
@@ -284,6 +313,7 @@ class Gather:
         "left",
         "open",
         "outcomes",
+        "partly",
         "ready",
         "size",
         "waits",
@@ -304,6 +334,8 @@ class Gather:
         self.ready = anyio.Event()
         self.done = anyio.Event()
         self.outcomes: dict[int, Any] = {}
+        #: Whether the call raised BatchError: an outcome ``None`` has no result then.
+        self.partly = False
         self.open = True
         if not size:
             self.ready.set()
@@ -358,6 +390,7 @@ class Gather:
                 )
                 each = [timed_out] * len(positions)
             self.outcomes = dict(zip(positions, each, strict=True))
+            self.partly = isinstance(each, PartlyFailed)
         finally:
             # (Should the call raise, the bus is stopping: the members, released without
             # an outcome, stay parked until they are cancelled with it.)
@@ -382,15 +415,17 @@ def enter_member(gather: Gather, position: int) -> None:
     _member.set(Member(gather, position))
 
 
-async def join(item: Any, call: BatchCall) -> Any:
-    """The innermost layer's call: wait for the batch, return or raise this item's outcome.
+async def join(envelope: Envelope, item: Any, call: BatchCall) -> Any:
+    """The innermost layer's call: wait for the batch, return or raise the outcome of
+    ``envelope``'s ``item``.
 
     Called outside a batch, or again after its batch ran (a middleware that calls
     ``call_next`` twice), the handler is called with this item alone.
     """
     member = _member.get()
     if member is None or not member.gather.open or member.position in member.gather.joined:
-        outcome = (await call([item]))[0]
+        each = await call([item])
+        outcome, partly = each[0], isinstance(each, PartlyFailed)
     else:
         gather = member.gather
         position = member.position
@@ -405,7 +440,9 @@ async def join(item: Any, call: BatchCall) -> Any:
             # Not in the call (its deadline had passed), or the call was cut off (the
             # bus is stopping): never released without an outcome; cancelled soon.
             await anyio.sleep_forever()
-        outcome = gather.outcomes[position]
+        outcome, partly = gather.outcomes[position], gather.partly
     if isinstance(outcome, Failed):
         raise outcome.error
+    if outcome is None and partly:
+        return unnamed(envelope)
     return outcome

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from . import _instrument
-from ._batch import AllAcked, Failed, Gather, enter_member
+from ._batch import AllAcked, Failed, Gather, PartlyFailed, enter_member, unnamed
 from ._chain import BatchPlan
 from ._consumer import (
     ConsumerHost,
@@ -221,9 +221,12 @@ async def _run_fast(
             host.settled(stage)
         return
     retry = plan.retry
+    partly = isinstance(each, PartlyFailed)
     for position, outcome in zip(members, each, strict=True):
         envelope = envelopes[position]
         verdict: Any
+        if outcome is None and partly:
+            outcome = unnamed(envelope)  # acked with no result: None, or a dead letter
         if isinstance(outcome, Failed):
             verdict = _retry_or_dead(outcome.error, envelope, retry)
         elif isinstance(outcome, Verdict):

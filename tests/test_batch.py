@@ -522,6 +522,54 @@ async def test_batch_error_naming_a_position_out_of_range_fails_the_whole_batch(
     }
 
 
+@pytest.mark.parametrize("with_middleware", [False, True], ids=["fast", "per envelope"])
+async def test_batch_error_gives_no_result_so_an_unnamed_hop_or_request_fails_loudly(
+    with_middleware: bool,
+) -> None:
+    forwarded: list[Any] = []
+
+    @middleware
+    async def passing(envelope: Envelope, call_next: Any) -> Any:
+        return await call_next(envelope)
+
+    bus = Bus()
+
+    @bus.subscribe(
+        "t",
+        batch=Batch(max_size=10, max_wait=0.05),
+        middleware=[passing] if with_middleware else [],
+    )
+    async def handle(items: list[int]) -> None:
+        raise BatchError({p: ValueError("bad") for p, item in enumerate(items) if item == 0})
+
+    @bus.subscribe("next", group="next")
+    async def next_hop(payload: Any) -> None:
+        forwarded.append(payload)
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("t", 0)  # named: it failed
+            await bus.publish("t", 1, slip=["next"])  # not named, and a hop follows
+            await bus.publish("t", 2)  # not named, nothing follows: acked
+            with pytest.raises(HandlerError) as raised:
+                await bus.request("t", 3)  # not named, and a requester waits
+            await bus.drain()
+    # Nothing is sent on as if the handler had returned None for 1 and 3.
+    assert forwarded == []
+    assert isinstance(raised.value.__cause__, TypeError)
+    assert reasons(bus) == [
+        (0, "handler_failed", 1),
+        (1, "handler_failed", 1),
+        (3, "handler_failed", 1),
+    ]
+    loud = {entry.envelope.payload: entry.error for entry in bus.dead_letters.list()}
+    assert loud[1] is not None and loud[1].startswith("TypeError: BatchError named no failure")
+    assert "return a list with one result per item" in loud[1]
+    assert loud[3] == loud[1]
+    stage = stats(bus)
+    assert (stage.published, stage.acked, stage.dead_lettered) == (4, 1, 3)
+
+
 async def test_a_failed_request_in_a_batch_fails_its_requester() -> None:
     bus = Bus()
 
