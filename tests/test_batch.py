@@ -522,7 +522,7 @@ async def test_batch_error_naming_a_position_out_of_range_fails_the_whole_batch(
     }
 
 
-@pytest.mark.parametrize("with_middleware", [False, True], ids=["fast", "per envelope"])
+@pytest.mark.parametrize("with_middleware", [False, True], ids=["fast", "per_envelope"])
 async def test_batch_error_gives_no_result_so_an_unnamed_hop_or_request_fails_loudly(
     with_middleware: bool,
 ) -> None:
