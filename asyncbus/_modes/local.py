@@ -306,15 +306,13 @@ class LocalMode:
             stage.entering += 1  # as in put(): drain() must not call the stage idle meanwhile
         taken = False
         try:
-            with anyio.move_on_after(timeout):
-                for stage, waiter in lines:
-                    await stage.wait_in_line(waiter)
-                for stage, _ in lines:
-                    if stage.closed:  # (stopped after it handed us room)
-                        raise BusClosedError(f"stage {stage.name!r} stopped before it had room")
-                for stage, waiter in lines:
-                    stage.take_room(waiter)
+            if timeout is None:  # (no cancel scope to make: the common case)
+                await _take_room_in_every_line(lines)
                 taken = True
+            else:
+                with anyio.move_on_after(timeout):
+                    await _take_room_in_every_line(lines)
+                    taken = True
         except BusClosedError as error:
             raise BusClosedError(str(error), receipt=Receipt(envelope.id)) from None
         finally:
@@ -364,6 +362,20 @@ class LocalMode:
 def _left(deadline: float | None) -> float | None:
     """Seconds left before ``deadline`` (``None``: no deadline), never below 0."""
     return None if deadline is None else max(0.0, deadline - anyio.current_time())
+
+
+async def _take_room_in_every_line(lines: list[tuple[Stage, RoomWaiter]]) -> None:
+    """Wait until every line handed its waiter room, then take it all at once.
+
+    :raises BusClosedError: when a stage stops first.
+    """
+    for stage, waiter in lines:
+        await stage.wait_in_line(waiter)
+    for stage, _ in lines:
+        if stage.closed:  # (stopped after it handed us room)
+            raise BusClosedError(f"stage {stage.name!r} stopped before it had room")
+    for stage, waiter in lines:
+        stage.take_room(waiter)
 
 
 def _admitted(
