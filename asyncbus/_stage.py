@@ -411,7 +411,12 @@ class Stage:
 
     def take_room(self, waiter: RoomWaiter) -> None:
         """``waiter`` (handed its room, without ``enter``) leaves the line to fill it
-        now; the caller admits, then calls :meth:`hand_room` if it leaves room over."""
+        now; the caller admits, then calls :meth:`hand_room` if it leaves room over.
+
+        :raises BusClosedError: when the stage stopped after it handed the room.
+        """
+        if self.closed:
+            raise BusClosedError(f"stage {self.name!r} stopped before it had room")
         self.room_waiters.remove(waiter)
         self.holding -= 1
         self.reserved -= waiter.need

@@ -537,6 +537,56 @@ async def test_a_batch_cut_off_by_the_stop_while_blocked_admits_nothing_more(
     assert_settled(bus)
 
 
+async def test_a_batch_holding_room_at_one_stage_while_another_stays_full_is_cut_off_cleanly(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    fast_gate = anyio.Event()
+    never = anyio.Event()
+    entered = {"fast": anyio.Event(), "slow": anyio.Event()}
+    handled: list[int] = []
+    errors: list[BusClosedError] = []
+    bus = Bus()
+
+    @bus.subscribe("many.fan", group="fast", capacity=2)
+    async def fast(n: int) -> None:
+        entered["fast"].set()
+        await fast_gate.wait()
+        handled.append(n)
+
+    @bus.subscribe("many.fan", group="slow", capacity=2)
+    async def slow(_: int) -> None:
+        entered["slow"].set()
+        await never.wait()
+
+    async def publish_blocked() -> None:
+        with pytest.raises(BusClosedError) as caught:
+            await bus.publish_many("many.fan", range(10))
+        errors.append(caught.value)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            await bus.publish("many.fan", -1)
+            await entered["fast"].wait()
+            await entered["slow"].wait()
+            tg.start_soon(publish_blocked)  # 0 and 1 fill both stages; it waits at both
+            await anyio.wait_all_tasks_blocked()
+            fast_gate.set()  # "fast" frees its room and hands it to the batch, which
+            await anyio.wait_all_tasks_blocked()  # holds it while "slow" stays full
+            assert handled == [-1, 0, 1]
+            held = bus.statistics().stage("many.fan@fast")
+            assert (held.published, held.depth, held.in_flight) == (3, 0, 0)
+            await bus.aclose(timeout=0.05)
+
+    [error] = errors
+    assert [receipt.accepted for receipt in error.receipts] == [
+        ("many.fan@fast", "many.fan@slow")
+    ] * 2
+    assert error.receipt is not None and error.receipt.accepted == ()
+    assert _ledger(bus, "many.fan@fast") == (3, 3, 0, 0, 0, 0)
+    assert _ledger(bus, "many.fan@slow") == (3, 0, 0, 0, 0, 3)
+    assert_settled(bus)
+
+
 async def test_a_controlled_stage_takes_a_batch_in_priority_lanes() -> None:
     handled: list[int] = []
     bus = Bus()

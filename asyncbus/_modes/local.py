@@ -372,7 +372,7 @@ async def _take_room_in_every_line(lines: list[tuple[Stage, RoomWaiter]]) -> Non
     for stage, waiter in lines:
         await stage.wait_in_line(waiter)
     for stage, _ in lines:
-        if stage.closed:  # (stopped after it handed us room)
+        if stage.closed:  # (stopped after it handed us room: take none of it)
             raise BusClosedError(f"stage {stage.name!r} stopped before it had room")
     for stage, waiter in lines:
         stage.take_room(waiter)
