@@ -25,7 +25,7 @@ from ._checks import check_count
 from ._dead_letters import DeadLetterReason
 from ._decoding import payload_decoder
 from ._envelope import Envelope
-from ._exceptions import BatchError, ConfigurationError
+from ._exceptions import BatchError, ConfigurationError, HandlerTimeout
 from ._verdicts import DeadLetterNow
 
 __all__ = [
@@ -34,10 +34,12 @@ __all__ = [
     "Failed",
     "Gather",
     "Member",
+    "PartlyFailed",
     "batch_argument",
     "enter_member",
     "join",
     "outcomes",
+    "unnamed",
 ]
 
 
@@ -160,12 +162,39 @@ class Failed:
         self.error = error
 
 
+class PartlyFailed(list[Any]):
+    """The outcomes of a call that raised :class:`BatchError`: a :class:`Failed` for
+    each position it names, ``None`` for the others (acked with no result: see
+    :func:`unnamed`)."""
+
+    __slots__ = ()
+
+
+_NO_RESULT_FOR_THE_ROUTE = (
+    "BatchError named no failure for this envelope, so it has no result, yet a routing "
+    "slip or a requester waits for one: return a list with one result per item instead "
+    "(a verdict, such as DeadLetterNow, for the ones that failed)"
+)
+
+
+def unnamed(envelope: Envelope) -> Any:
+    """The outcome of an envelope whose position a :class:`BatchError` did not name:
+    acked, with no result (``None``); but an envelope whose result goes on (a routing
+    slip, a requester) needs one, so it is dead-lettered ``handler_failed`` at once,
+    never forwarded as ``None`` (the handler did its work: a retry would do it again)."""
+    if not envelope.slip and envelope.reply_to is None:
+        return None
+    return DeadLetterNow.for_failure(TypeError(_NO_RESULT_FOR_THE_ROUTE))
+
+
 def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
     """What one batch call of ``count`` items means for each item.
 
     Each outcome is a :class:`Failed`, a :class:`DeadLetterNow` (the call returned what
     a batch handler cannot return) or the item's result (its return value, forwarded
-    along its slip or to its requester as a per-message handler's would be).
+    along its slip or to its requester as a per-message handler's would be; for a call
+    that raised :class:`BatchError`, a :class:`PartlyFailed` list whose ``None`` items
+    have no result: see :func:`unnamed`).
     """
     if error is not None:
         if isinstance(error, BatchError):
@@ -206,7 +235,7 @@ def outcomes(count: int, result: Any, error: BaseException | None) -> list[Any]:
                     + ", ".join(f"position {p!r} has {_what(f)}" for p, f in odd[:5])
                 )
             else:
-                each: list[Any] = [None] * count
+                each = PartlyFailed([None] * count)
                 for position, failure in failures.items():
                     each[position] = Failed(failure)
                 return each
@@ -263,29 +292,68 @@ class Gather:
     reached the innermost layer (:func:`join`) or finished without it (expired, a
     duplicate, a middleware's verdict); then it calls the handler once with the items
     that joined, in queue order, and hands each its outcome.
+
+    Only envelopes whose chain still waits for the call are in it: one whose wait
+    ended before the call (its ``timeout()`` or any deadline of its own middleware:
+    it is retried or dead-lettered) is left out. Once the call has them, their
+    outcome is the call's; the call runs until the earliest deadline among them
+    (then every one fails with :class:`HandlerTimeout`, as a per-message handler is
+    cancelled at its timeout), so no envelope the ledger counts as failed is handled.
+
+    :param inherited: the consumer's own deadline, which every envelope's task has too
+        (not a deadline of the envelope's chain).
     """
 
-    __slots__ = ("done", "items", "joined", "left", "open", "outcomes", "ready", "size")
+    __slots__ = (
+        "deadlines",
+        "done",
+        "inherited",
+        "items",
+        "joined",
+        "left",
+        "open",
+        "outcomes",
+        "partly",
+        "ready",
+        "size",
+        "waits",
+    )
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, inherited: float) -> None:
         self.size = size
+        self.inherited = inherited
         #: Tasks that neither joined nor finished yet.
         self.left = size
         self.items: dict[int, Any] = {}
+        #: The deadline of each joined envelope's chain (``inf``: none of its own).
+        self.deadlines: dict[int, float] = {}
+        #: The scope each joined envelope waits in (shielded once the call has it).
+        self.waits: dict[int, anyio.CancelScope] = {}
         #: Positions that joined (a task that joined is no longer counted in ``left``).
         self.joined: set[int] = set()
         self.ready = anyio.Event()
         self.done = anyio.Event()
         self.outcomes: dict[int, Any] = {}
+        #: Whether the call raised BatchError: an outcome ``None`` has no result then.
+        self.partly = False
         self.open = True
         if not size:
             self.ready.set()
 
-    def arrive(self, position: int, item: Any) -> None:
-        """The envelope at ``position`` reached the innermost layer with ``item``."""
+    def arrive(self, position: int, item: Any, deadline: float, waiting: anyio.CancelScope) -> None:
+        """The envelope at ``position`` reached the innermost layer with ``item``; its
+        chain must end by ``deadline``; it waits for the call in ``waiting``."""
         self.items[position] = item
+        self.deadlines[position] = deadline if deadline < self.inherited else math.inf
+        self.waits[position] = waiting
         self.joined.add(position)
         self._count_down()
+
+    def withdraw(self, position: int) -> None:
+        """The chain at ``position`` stopped waiting before the call: leave it out."""
+        if self.open:
+            self.items.pop(position, None)
+            self.deadlines.pop(position, None)
 
     def finished(self, position: int) -> None:
         """The chain of the envelope at ``position`` ended (joined or not)."""
@@ -299,15 +367,34 @@ class Gather:
             self.ready.set()
 
     async def run(self, call: BatchCall) -> None:
-        """Call the handler once with the items that joined, then release their chains."""
+        """Call the handler once with the items still waiting, then release their chains."""
         self.open = False
-        positions = sorted(self.items)
-        if positions:
-            # (Should the call raise, the bus is stopping: the members stay parked
-            # until they are cancelled with it, never released without an outcome.)
-            each = await call([self.items[position] for position in positions])
+        try:
+            now = anyio.current_time()
+            # A chain whose deadline has passed is on its way out (timed out) even if
+            # its task has not run since: it is not handed over.
+            positions = sorted(p for p, deadline in self.deadlines.items() if deadline > now)
+            if not positions:
+                return
+            for position in positions:
+                self.waits[position].shield = True  # the call has it: its outcome is the call's
+            deadline = min(self.deadlines[position] for position in positions)
+            with anyio.CancelScope(deadline=deadline) as late:
+                each = await call([self.items[position] for position in positions])
+            if late.cancelled_caught:
+                timed_out = Failed(
+                    HandlerTimeout(
+                        "the batch handler was still running at the deadline of an envelope "
+                        "in its batch"
+                    )
+                )
+                each = [timed_out] * len(positions)
             self.outcomes = dict(zip(positions, each, strict=True))
-        self.done.set()
+            self.partly = isinstance(each, PartlyFailed)
+        finally:
+            # (Should the call raise, the bus is stopping: the members, released without
+            # an outcome, stay parked until they are cancelled with it.)
+            self.done.set()
 
 
 class Member:
@@ -328,20 +415,34 @@ def enter_member(gather: Gather, position: int) -> None:
     _member.set(Member(gather, position))
 
 
-async def join(item: Any, call: BatchCall) -> Any:
-    """The innermost layer's call: wait for the batch, return or raise this item's outcome.
+async def join(envelope: Envelope, item: Any, call: BatchCall) -> Any:
+    """The innermost layer's call: wait for the batch, return or raise the outcome of
+    ``envelope``'s ``item``.
 
     Called outside a batch, or again after its batch ran (a middleware that calls
     ``call_next`` twice), the handler is called with this item alone.
     """
     member = _member.get()
     if member is None or not member.gather.open or member.position in member.gather.joined:
-        outcome = (await call([item]))[0]
+        each = await call([item])
+        outcome, partly = each[0], isinstance(each, PartlyFailed)
     else:
         gather = member.gather
-        gather.arrive(member.position, item)
-        await gather.done.wait()
-        outcome = gather.outcomes.get(member.position)
+        position = member.position
+        with anyio.CancelScope() as waiting:
+            gather.arrive(position, item, anyio.current_effective_deadline(), waiting)
+            try:
+                await gather.done.wait()
+            except BaseException:  # deliberate: a chain that stops waiting is not in the call
+                gather.withdraw(position)
+                raise
+        if position not in gather.outcomes:
+            # Not in the call (its deadline had passed), or the call was cut off (the
+            # bus is stopping): never released without an outcome; cancelled soon.
+            await anyio.sleep_forever()
+        outcome, partly = gather.outcomes[position], gather.partly
     if isinstance(outcome, Failed):
         raise outcome.error
+    if outcome is None and partly:
+        return unnamed(envelope)
     return outcome

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from . import _instrument
-from ._batch import AllAcked, Failed, Gather, enter_member
+from ._batch import AllAcked, Failed, Gather, PartlyFailed, enter_member, unnamed
 from ._chain import BatchPlan
 from ._consumer import (
     ConsumerHost,
@@ -221,9 +221,12 @@ async def _run_fast(
             host.settled(stage)
         return
     retry = plan.retry
+    partly = isinstance(each, PartlyFailed)
     for position, outcome in zip(members, each, strict=True):
         envelope = envelopes[position]
         verdict: Any
+        if outcome is None and partly:
+            outcome = unnamed(envelope)  # acked with no result: None, or a dead letter
         if isinstance(outcome, Failed):
             verdict = _retry_or_dead(outcome.error, envelope, retry)
         elif isinstance(outcome, Verdict):
@@ -360,7 +363,7 @@ async def _gather(
     held: list[Envelope | None],
     host: ConsumerHost,
 ) -> None:
-    gather = Gather(len(positions))
+    gather = Gather(len(positions), anyio.current_effective_deadline())
     try:
         async with anyio.create_task_group() as group:
             for position in positions:

@@ -1069,6 +1069,8 @@ class Bus:
         Errors (``BusClosedError``, ``PublishTimeout``, ``ConfigurationError``, ...) are
         set on the future, which always ends with a receipt or one of them, never
         cancelled: a publish the shutdown cuts off fails with ``BusClosedError``.
+        Calls made one after another from one thread are admitted in that order, a
+        full ``BLOCK`` stage included (without waiting for their futures).
         """
         return self._publisher.publish_threadsafe(
             topic, payload, headers, ttl, slip, key, id, timeout, priority

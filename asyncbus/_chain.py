@@ -251,7 +251,7 @@ class _BatchInnermost:
 
     def __call__(self, envelope: Envelope) -> Awaitable[Any]:
         extract = self.extract
-        return join(envelope.payload if extract is None else extract(envelope), self.call)
+        return join(envelope, envelope.payload if extract is None else extract(envelope), self.call)
 
 
 class BatchPlan:

@@ -31,7 +31,7 @@ from ._exceptions import ConfigurationError
 from ._failures import describe_error, handler_failure, stray_cancellation
 from ._handling import Handling, HandlingHost
 from ._instrument import Instrumentation, Result
-from ._stage import Stage, StageHost
+from ._stage import Stage, StageHost, tries_before
 from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
@@ -156,7 +156,7 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
         admitted_at, envelope = pop()
         stage.queued -= 1
         if stage.room_waiters and stage.capacity - stage.queued >= stage.room_needed:
-            stage.wake_one()
+            stage.hand_room()
         stage.in_flight += 1
         if admitted_at:  # sampled at admission: one envelope in 8
             started = _clock()
@@ -257,7 +257,7 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
         admitted_at, envelope = lanes.take(newest_first)
         stage.queued -= 1
         if stage.room_waiters and stage.capacity - stage.queued >= stage.room_needed:
-            stage.wake_one()
+            stage.hand_room()
         stage.in_flight += 1
         crew.in_flight += 1
         in_flight = crew.in_flight
@@ -382,18 +382,20 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     for envelope in stale:
         delivery = stage.deliveries.pop(id(envelope), None)
         stage.ledger.dead(reason)
-        host.dead_letter(envelope, reason, None, stage.name, 0, stored=delivery is not None)
+        host.dead_letter(
+            envelope, reason, None, stage.name, tries_before(envelope), stored=delivery is not None
+        )
         if delivery is not None:
             held.append((envelope, delivery))
-    for _ in range(len(stale)):
-        if not stage.room_waiters:
-            break
-        stage.wake_one()
+    if stage.room_waiters:
+        stage.hand_room()
     host.settled(stage)
     for envelope, delivery in held:
         try:
             with anyio.CancelScope(shield=True):
-                await reject_delivery(delivery, reason.value, None, stage.name, 0)
+                await reject_delivery(
+                    delivery, reason.value, None, stage.name, tries_before(envelope)
+                )
         except Exception:
             # The broker will deliver it again (at-least-once); locally it is shed.
             logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)

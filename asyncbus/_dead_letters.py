@@ -36,7 +36,9 @@ class DeadLetter:
 
     :ivar error: ``"ExceptionType: message"`` when an exception caused it, else ``None``.
     :ivar stage: name of the stage that dead-lettered it, ``None`` when it reached none.
-    :ivar attempts: how many times a handler was tried.
+    :ivar attempts: how many times a handler was tried: for an envelope dropped or
+        shed from the queue, the attempts it had before (0 unless it was waiting to be
+        retried).
     :ivar dead_at: epoch seconds when it died; it expires ``dead_letter_ttl`` later.
     :ivar traceback: for ``handler_failed``, the last three frames of the last
         attempt's traceback outside asyncbus, else ``None``.

@@ -20,10 +20,13 @@ process. Any object with these four coroutines is a store (a table in Postgres, 
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
+
+import anyio
+
+from ._clock import Clock
 
 __all__ = ["Claim", "DedupStore", "MemoryDedupStore"]
 
@@ -69,12 +72,17 @@ class DedupStore(Protocol):
 class MemoryDedupStore:
     """A :class:`DedupStore` in this process's memory (one process's handlings only).
 
+    Leases and ``ttl`` are measured with the running event loop's clock, as every
+    duration the bus decides on (a test's mock clock drives them).
+
     :param maxlen: keys remembered at most; the oldest are forgotten first.
+    :param clock: seconds, monotonic; by default the loop's clock of the calling task.
     """
 
-    def __init__(self, *, maxlen: int = 100_000) -> None:
+    def __init__(self, *, maxlen: int = 100_000, clock: Clock | None = None) -> None:
         self.maxlen = maxlen
-        #: key -> (owner, or "" once done; monotonic expiry)
+        self._clock: Clock = anyio.current_time if clock is None else clock
+        #: key -> (owner, or "" once done; expiry on the clock)
         self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def _live(self, key: str, now: float) -> tuple[str, float] | None:
@@ -92,7 +100,7 @@ class MemoryDedupStore:
 
     async def claim(self, key: str, owner: str, lease: float) -> Claim:
         """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""
-        now = time.monotonic()
+        now = self._clock()
         found = self._live(key, now)
         if found is None or found[0] == owner:
             self._set(key, owner, now + lease)
@@ -101,7 +109,7 @@ class MemoryDedupStore:
 
     async def extend(self, key: str, owner: str, lease: float) -> bool:
         """Keep ``owner``'s claim ``lease`` more seconds; ``False`` if it is not held."""
-        now = time.monotonic()
+        now = self._clock()
         found = self._live(key, now)
         if found is None or found[0] != owner:
             return False
@@ -110,10 +118,10 @@ class MemoryDedupStore:
 
     async def done(self, key: str, owner: str, ttl: float) -> None:
         """Remember ``key`` as handled for ``ttl`` seconds."""
-        self._set(key, "", time.monotonic() + ttl)
+        self._set(key, "", self._clock() + ttl)
 
     async def release(self, key: str, owner: str) -> None:
         """Forget ``owner``'s claim of ``key``."""
-        found = self._live(key, time.monotonic())
+        found = self._live(key, self._clock())
         if found is not None and found[0] == owner:
             del self._keys[key]

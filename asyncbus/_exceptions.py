@@ -124,8 +124,11 @@ class Reject(AsyncbusError):
 class BatchError(AsyncbusError):
     """Raised by a batch handler: only the envelopes at these positions failed.
 
-    The others of the batch are acked. Each failed envelope is retried and
-    dead-lettered with its own exception (a :class:`Reject` dead-letters it at once).
+    The others of the batch are acked, with no result: one of them that goes on along
+    a routing slip or to a requester needs a result, so it is dead-lettered
+    ``handler_failed`` at once (a ``TypeError`` saying so), never sent on as ``None``;
+    on such routes return a list of results instead. Each failed envelope is retried
+    and dead-lettered with its own exception (a :class:`Reject` dead-letters it at once).
 
     :ivar failures: position in the list the handler was given -> the exception for
         the envelope at that position.

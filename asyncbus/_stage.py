@@ -9,6 +9,7 @@ consumers (``_consumer``) take envelopes out and settle them; the bus (through
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -31,7 +32,15 @@ from ._stats import LatencyHistogram, StageStatistics
 from ._subscription import Subscription
 from .transports.base import Delivery
 
-__all__ = ["Backpressure", "DoorOutcome", "Ledger", "Stage", "StageHost"]
+__all__ = [
+    "Backpressure",
+    "DoorOutcome",
+    "Ledger",
+    "RoomWaiter",
+    "Stage",
+    "StageHost",
+    "tries_before",
+]
 
 _clock = time.perf_counter
 
@@ -71,6 +80,35 @@ class DoorOutcome(Enum):
     REJECTED = "rejected"
     DROPPED = "dropped"
     BLOCKED = "blocked"
+
+
+class RoomWaiter:
+    """One place in a stage's line for room: a publish, a retry, a batch or the pump.
+
+    The line is first come, first served: room that appears is handed to the first
+    in line, and nobody behind it (nor a new publish) may take it. A waiter with
+    ``enter`` is admitted by the hand-over itself, in its turn, before its task runs
+    again, so publishes keep their order in the queue; one without ``enter`` holds
+    the room (``need`` places) until it takes it (:meth:`Stage.take_room`).
+
+    :ivar need: places it waits for (several for a batch).
+    :ivar bound: the most the queue may hold for it, ``None`` for the capacity.
+    :ivar handed: whether it was handed its room (and, with ``enter``, admitted).
+    """
+
+    __slots__ = ("bound", "enter", "event", "handed", "need")
+
+    def __init__(
+        self,
+        need: int = 1,
+        enter: Callable[[], None] | None = None,
+        bound: Callable[[], int] | None = None,
+    ) -> None:
+        self.need = need
+        self.enter = enter
+        self.bound = bound
+        self.handed = False
+        self.event = anyio.Event()
 
 
 class Ledger:
@@ -170,13 +208,17 @@ class Stage:
         self.retrying: dict[int, Envelope] = {}
         #: Over a broker: id(envelope) -> the broker delivery to settle when it is done.
         self.deliveries: dict[int, Delivery] = {}
-        self.room_waiters: deque[anyio.Event] = deque()
-        #: Room waiters that want room for several envelopes (a batch), and how many.
-        self.wanted: dict[anyio.Event, int] = {}
-        #: Room the first room waiter needs, or less (never more): a consumer calls
-        #: :meth:`wake_one` only once there is this much, not for every envelope it
-        #: takes while a batch waits for room for many. Back to 1 whenever the first
-        #: waiter leaves; :meth:`wake_one` learns a batch waiter's need.
+        #: The line for room, first first (see :class:`RoomWaiter`); its first
+        #: :attr:`holding` were handed room they have not taken yet.
+        self.room_waiters: deque[RoomWaiter] = deque()
+        self.holding = 0
+        #: Places handed to the waiters that hold room.
+        self.reserved = 0
+        #: Free places (``capacity - queued``) needed before :meth:`hand_room` can
+        #: hand anything: the room held plus what the first waiter not handed any
+        #: needs (past ``capacity`` when there is none). A consumer calls
+        #: :meth:`hand_room` only then, not for every envelope it takes while a batch
+        #: waits for room for many.
         self.room_needed = 1
         self.consumer_waiters: deque[anyio.Event] = deque()
         self._buffer: deque[tuple[float, Envelope]] = deque()
@@ -244,8 +286,9 @@ class Stage:
         self.unsettled = []
         self.queued = self.in_flight = 0
         for waiter in self.room_waiters:
-            waiter.set()
+            waiter.event.set()  # not handed: each raises BusClosedError
         self.room_waiters.clear()
+        self.holding = self.reserved = 0
         self.room_needed = 1
         self.consumer_waiters.clear()
         return left
@@ -277,57 +320,136 @@ class Stage:
             _, oldest = self.pop()
             self.queued -= 1
             self.ledger.dead(DeadLetterReason.DROPPED)
-            self.host.dead_letter(oldest, DeadLetterReason.DROPPED, None, self.name, 0)
+            self.host.dead_letter(
+                oldest, DeadLetterReason.DROPPED, None, self.name, tries_before(oldest)
+            )
             self.host.settled(self)
         self.admit(envelope)
         return DoorOutcome.ACCEPTED
 
     async def put(self, envelope: Envelope) -> None:
-        """Admit ``envelope``, waiting for room whatever the policy.
+        """Admit ``envelope``, waiting in line for room whatever the policy.
 
         :raises BusClosedError: when the stage stops first; nothing is admitted then.
+            Cancelled while it waits, it is admitted only if room had been handed to
+            it already.
         """
-        # Counted while it waits: drain() does not call the bus idle between the room
-        # appearing and this envelope taking it.
+        if self.closed:
+            raise BusClosedError(f"stage {self.name!r} stopped before it had room")
+        if self.queued < self.capacity and not self.room_waiters:
+            self.admit(envelope)
+            return
+        # Counted while it waits: drain() does not call the bus idle meanwhile.
         self.entering += 1
         try:
-            await self.wait_for_room()
-            self.admit(envelope)
+            await self.wait_in_line(self.line_up(enter=functools.partial(self.admit, envelope)))
         finally:
             self.entering -= 1
             self.host.settled(self)
 
     async def wait_for_room(self, bound: Callable[[], int] | None = None) -> None:
-        """Wait until the queue holds fewer than ``capacity`` (or ``bound()``) envelopes.
+        """Wait in line until the queue holds fewer than ``capacity`` (or ``bound()``)
+        envelopes; the caller admits one at once, with no await in between.
 
         :raises BusClosedError: when the stage stops first.
         """
         while True:
             if self.closed:
-                # Woken by the stop (or by room, too late): admitting now would put the
-                # envelope where no consumer will ever take it.
                 raise BusClosedError(f"stage {self.name!r} stopped before it had room")
+            if not self.room_waiters and self.queued < (
+                self.capacity if bound is None else bound()
+            ):
+                return
+            waiter = self.line_up(bound=bound)
+            await self.wait_in_line(waiter)
+            self.take_room(waiter)
             if self.queued < (self.capacity if bound is None else bound()):
-                break
-            waiter = anyio.Event()
-            self.room_waiters.append(waiter)
-            try:
-                await waiter.wait()
-            except BaseException:  # deliberate: however the wait ends, no waiter is lost
-                try:
-                    self.room_waiters.remove(waiter)
-                    self.room_needed = 1  # (it may have been the first)
-                except ValueError:
-                    self.wake_one()  # we were handed the room: pass it on
-                raise
-        if self.room_waiters and self.queued < (self.capacity if bound is None else bound()):
-            self.wake_one()  # room for more than us: keep the queue of waiters moving
+                return
+            self.hand_room()  # (its bound fell meanwhile) pass the room on, line up again
+
+    def line_up(
+        self,
+        need: int = 1,
+        enter: Callable[[], None] | None = None,
+        bound: Callable[[], int] | None = None,
+    ) -> RoomWaiter:
+        """Join the line for room (see :class:`RoomWaiter`): handed it at once if the
+        room is there and nobody is ahead; await :meth:`wait_in_line` next."""
+        waiter = RoomWaiter(need, enter, bound)
+        self.room_waiters.append(waiter)
+        if len(self.room_waiters) == self.holding + 1:
+            self.hand_room()  # first in line for room: there may be some now
+        return waiter
+
+    async def wait_in_line(self, waiter: RoomWaiter) -> None:
+        """Wait until ``waiter`` was handed its room; however else the wait ends, it
+        leaves the line (room it held is passed on).
+
+        :raises BusClosedError: when the stage stops first.
+        """
+        try:
+            await waiter.event.wait()
+        except BaseException:  # deliberate: however the wait ends, no room is lost
+            self.leave(waiter)
+            raise
+        if not waiter.handed:
+            raise BusClosedError(f"stage {self.name!r} stopped before it had room")
+
+    def leave(self, waiter: RoomWaiter) -> None:
+        """``waiter`` gives up its place (nothing when it was admitted already); room
+        handed to it goes to the next in line."""
+        if waiter.handed and waiter.enter is not None:
+            return
+        try:
+            self.room_waiters.remove(waiter)
+        except ValueError:
+            return  # gone already (it took its room, or the stage stopped)
+        if waiter.handed:
+            self.holding -= 1
+            self.reserved -= waiter.need
+        self.hand_room()
+
+    def take_room(self, waiter: RoomWaiter) -> None:
+        """``waiter`` (handed its room, without ``enter``) leaves the line to fill it
+        now; the caller admits, then calls :meth:`hand_room` if it leaves room over.
+
+        :raises BusClosedError: when the stage stopped after it handed the room.
+        """
+        if self.closed:
+            raise BusClosedError(f"stage {self.name!r} stopped before it had room")
+        self.room_waiters.remove(waiter)
+        self.holding -= 1
+        self.reserved -= waiter.need
+
+    def hand_room(self) -> None:
+        """Hand the free room to the line, first first, as far as it goes.
+
+        A waiter with ``enter`` is admitted now, in its turn; one without holds its
+        room. A waiter that needs more than there is (a batch, or a bound) stops the
+        hand-over: nobody behind it gets ahead of it.
+        """
+        waiters = self.room_waiters
+        while len(waiters) > self.holding:
+            waiter = waiters[self.holding]
+            limit = self.capacity if waiter.bound is None else waiter.bound()
+            if limit - self.queued - self.reserved < waiter.need:
+                self.room_needed = self.reserved + waiter.need
+                return
+            waiter.handed = True
+            if waiter.enter is None:
+                self.holding += 1
+                self.reserved += waiter.need
+            else:
+                del waiters[self.holding]
+                waiter.enter()
+            waiter.event.set()
+        self.room_needed = self.capacity + 1  # nobody left who waits for room
 
     def take_many(self, limit: int, into: list[Envelope | None]) -> int:
         """Take up to ``limit`` of the oldest envelopes for a batch consumer.
 
-        They move from queued to in flight, appended to ``into``; as many publishes
-        waiting for room are woken.
+        They move from queued to in flight, appended to ``into``; the room they
+        leave goes to the publishes waiting for it.
 
         :return: how many of them were sampled for timings (their latency is recorded
             once the batch is settled).
@@ -347,52 +469,9 @@ class Stage:
                 record(now - admitted_at)
         self.queued -= count
         self.in_flight += count
-        for _ in range(count):
-            if not self.room_waiters:
-                break
-            self.wake_one()
-        return sampled
-
-    async def wait_for_room_for(self, count: int) -> None:
-        """Wait until the queue has room for ``count`` envelopes (a batch, in line
-        with every other waiter): woken once, not once per place that frees up.
-
-        :raises BusClosedError: when the stage stops first.
-        """
-        self.entering += 1  # as in put(): drain() must not call the stage idle meanwhile
-        try:
-            while not self.closed and self.capacity - self.queued < count:
-                waiter = anyio.Event()
-                self.room_waiters.append(waiter)
-                self.wanted[waiter] = count
-                try:
-                    await waiter.wait()
-                except BaseException:  # deliberate: however the wait ends, no waiter is lost
-                    try:
-                        self.room_waiters.remove(waiter)
-                        self.room_needed = 1  # (it may have been the first)
-                    except ValueError:
-                        self.wake_one()  # we were handed the room: pass it on
-                    raise
-                finally:
-                    del self.wanted[waiter]
-            if self.closed:
-                raise BusClosedError(f"stage {self.name!r} stopped before it had room")
-        finally:
-            self.entering -= 1
-            self.host.settled(self)
-
-    def wake_one(self) -> None:
-        """Hand the room that appeared to the first publish waiting for it (a batch
-        waiting for room for several only once there is room for all of them)."""
         if self.room_waiters:
-            if self.wanted:
-                wanted = self.wanted.get(self.room_waiters[0])
-                if wanted is not None and self.capacity - self.queued < wanted:
-                    self.room_needed = wanted
-                    return
-            self.room_needed = 1
-            self.room_waiters.popleft().set()
+            self.hand_room()
+        return sampled
 
     def wake_consumer(self) -> None:
         """Wake one parked consumer for an envelope that arrived."""
@@ -450,15 +529,26 @@ class Stage:
     async def retry_later(self, envelope: Envelope, delay: float) -> None:
         """Re-enter ``envelope`` (in flight, in :attr:`retrying`) after ``delay`` seconds.
 
-        It waits for room whatever the policy (it was admitted already); a stage that
-        stops first keeps it in :attr:`retrying`, so the close lists it as abandoned.
+        It waits in line for room whatever the policy (it was admitted already); a
+        stage that stops first keeps it in :attr:`retrying`, so the close lists it as
+        abandoned.
         """
         await anyio.sleep(delay)
         again = envelope.evolve(attempt=envelope.attempt + 1)
+        if self.closed:
+            return
+        if self.queued < self.capacity and not self.room_waiters:
+            self._reenter(envelope, again)
+            return
         try:
-            await self.wait_for_room()
+            await self.wait_in_line(
+                self.line_up(enter=functools.partial(self._reenter, envelope, again))
+            )
         except BusClosedError:
             return
+
+    def _reenter(self, envelope: Envelope, again: Envelope) -> None:
+        """Queue ``again``, the next attempt of the retrying ``envelope``."""
         del self.retrying[id(envelope)]
         delivery = self.deliveries.pop(id(envelope), None)
         if delivery is not None:
@@ -498,8 +588,25 @@ class Stage:
             limit=limit,
             shedding=control is not None and control.shedding,
             shed=ledger.shed,
-            saturation=self.in_flight / limit if limit else 0.0,
+            saturation=min(1.0, self.busy_consumers() / limit) if limit else 0.0,
         )
+
+    def busy_consumers(self) -> int:
+        """Consumers holding work now: a batch consumer counts once, however many
+        envelopes it holds, and an envelope waiting for a retry holds no consumer."""
+        held = batches = 0
+        for holds in self.batch_holds:
+            count = len(holds) - holds.count(None)
+            if count:
+                held += count
+                batches += 1
+        return self.in_flight - len(self.retrying) - held + batches
+
+
+def tries_before(envelope: Envelope) -> int:
+    """Attempts made at ``envelope`` before it was queued: none for a new publish, one
+    less than its ``attempt`` for a retry (which re-enters with ``attempt + 1``)."""
+    return envelope.attempt - 1
 
 
 def _finite(value: float) -> float:

@@ -119,8 +119,9 @@ class StageStatistics:
     shedding: bool = False
     #: Envelopes shed under overload (dead-lettered ``overload``; part of ``dead_lettered``).
     shed: int = 0
-    #: ``in_flight / limit``: how busy the consumers are (see "Saturation" in the README);
-    #: above 1 while envelopes waiting for a retry (counted in flight) outnumber free slots.
+    #: How busy the consumers are, 0 to 1 (see "Saturation" in the README): consumers
+    #: holding work / ``limit``, at most 1. A batch consumer counts once however many
+    #: envelopes it holds; envelopes waiting for a retry (in ``in_flight``) hold none.
     saturation: float = 0.0
 
 

@@ -14,6 +14,7 @@ from asyncbus import (
     Envelope,
     PublishTimeout,
     Receipt,
+    Retry,
     StageStatistics,
 )
 
@@ -248,6 +249,52 @@ async def test_drop_oldest_never_exceeds_capacity_and_dead_letters_the_evicted_e
             stats = stage_stats(bus, "jobs@g")
             assert (stats.published, stats.acked, stats.dead_lettered) == (11, 4, 7)
             assert (stats.dropped, stats.rejected, stats.depth, stats.in_flight) == (7, 0, 0, 0)
+
+
+async def test_drop_oldest_evicting_a_retried_envelope_records_the_attempts_it_had(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    failed = anyio.Event()
+    queued = anyio.Event()
+    holding = anyio.Event()
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe(
+        "jobs",
+        group="g",
+        capacity=1,
+        backpressure=Backpressure.DROP_OLDEST,
+        retry=Retry(max_attempts=3, backoff=0),
+    )
+    async def handle(env: Envelope) -> None:
+        if env.payload == "flaky":
+            failed.set()
+            await queued.wait()  # fails once "gate" is queued: its retry comes after it
+            raise RuntimeError("not yet")
+        holding.set()
+        await release.wait()
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("jobs", "flaky")
+            await failed.wait()
+            await bus.publish("jobs", "gate")
+            queued.set()
+            await holding.wait()  # the consumer holds "gate"
+            await anyio.wait_all_tasks_blocked()  # "flaky" is queued again, attempt 2
+            assert stage_stats(bus, "jobs@g").depth == 1
+            await bus.publish("jobs", "newest")  # evicts "flaky"
+            release.set()
+            await bus.drain()
+    [entry] = bus.dead_letters.list()
+    assert (entry.envelope.payload, entry.reason, entry.envelope.attempt, entry.attempts) == (
+        "flaky",
+        DeadLetterReason.DROPPED,
+        2,
+        1,  # it was tried once before it was evicted
+    )
+    assert_settled(bus)
 
 
 async def test_publish_nowait_on_a_full_block_stage_raises_would_block() -> None:

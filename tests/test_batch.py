@@ -30,6 +30,7 @@ from asyncbus import (
 from asyncbus._instrument import Consumer, Instrumentation, Result
 from asyncbus._observe import attach
 from asyncbus.middleware import deduplicate
+from asyncbus.middleware import timeout as timeout_middleware
 
 pytestmark = pytest.mark.anyio
 
@@ -241,6 +242,33 @@ async def test_the_ledger_balances_while_a_batch_is_handled() -> None:
             await bus.drain()
             assert ledger(stats(bus)) == (10, 10, 0, 0, 0, 0)
     assert sum(in_flight for _, in_flight in seen) == 10
+
+
+async def test_saturation_counts_a_batch_consumer_once_however_many_it_holds() -> None:
+    inside = anyio.Event()
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=50, max_wait=0), capacity=100, concurrency=2)
+    async def handle(items: list[int]) -> None:
+        inside.set()
+        await release.wait()
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish_many("t", range(50))
+            await inside.wait()
+            stage = stats(bus)
+            # One of the two consumers holds a batch of fifty: half the consumers are busy.
+            assert (stage.in_flight, stage.limit, stage.saturation) == (50, 2, 0.5)
+            await bus.publish_many("t", range(50, 100))
+            await anyio.wait_all_tasks_blocked()
+            stage = stats(bus)
+            assert (stage.in_flight, stage.saturation) == (100, 1.0)
+            release.set()
+            await bus.drain()
+            assert stats(bus).saturation == 0.0
+    assert ledger(stats(bus)) == (100, 100, 0, 0, 0, 0)
 
 
 async def test_a_blocked_publish_enters_as_a_batch_frees_room() -> None:
@@ -494,6 +522,54 @@ async def test_batch_error_naming_a_position_out_of_range_fails_the_whole_batch(
     }
 
 
+@pytest.mark.parametrize("with_middleware", [False, True], ids=["fast", "per_envelope"])
+async def test_batch_error_gives_no_result_so_an_unnamed_hop_or_request_fails_loudly(
+    with_middleware: bool,
+) -> None:
+    forwarded: list[Any] = []
+
+    @middleware
+    async def passing(envelope: Envelope, call_next: Any) -> Any:
+        return await call_next(envelope)
+
+    bus = Bus()
+
+    @bus.subscribe(
+        "t",
+        batch=Batch(max_size=10, max_wait=0.05),
+        middleware=[passing] if with_middleware else [],
+    )
+    async def handle(items: list[int]) -> None:
+        raise BatchError({p: ValueError("bad") for p, item in enumerate(items) if item == 0})
+
+    @bus.subscribe("next", group="next")
+    async def next_hop(payload: Any) -> None:
+        forwarded.append(payload)
+
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("t", 0)  # named: it failed
+            await bus.publish("t", 1, slip=["next"])  # not named, and a hop follows
+            await bus.publish("t", 2)  # not named, nothing follows: acked
+            with pytest.raises(HandlerError) as raised:
+                await bus.request("t", 3)  # not named, and a requester waits
+            await bus.drain()
+    # Nothing is sent on as if the handler had returned None for 1 and 3.
+    assert forwarded == []
+    assert isinstance(raised.value.__cause__, TypeError)
+    assert reasons(bus) == [
+        (0, "handler_failed", 1),
+        (1, "handler_failed", 1),
+        (3, "handler_failed", 1),
+    ]
+    loud = {entry.envelope.payload: entry.error for entry in bus.dead_letters.list()}
+    assert loud[1] is not None and loud[1].startswith("TypeError: BatchError named no failure")
+    assert "return a list with one result per item" in loud[1]
+    assert loud[3] == loud[1]
+    stage = stats(bus)
+    assert (stage.published, stage.acked, stage.dead_lettered) == (4, 1, 3)
+
+
 async def test_a_failed_request_in_a_batch_fails_its_requester() -> None:
     bus = Bus()
 
@@ -616,6 +692,102 @@ async def test_a_middleware_failure_fails_only_its_envelope() -> None:
             await bus.drain()
     assert batches == [[0, 2]]
     assert reasons(bus) == [(1, "handler_failed", 1)]
+
+
+@pytest.mark.parametrize(
+    "retry", [None, Retry(max_attempts=2, backoff=0)], ids=["one attempt", "retried"]
+)
+async def test_envelopes_whose_wait_timed_out_are_never_handed_to_the_handler(
+    retry: Retry | None,
+) -> None:
+    batches: list[list[int]] = []
+
+    @middleware
+    async def hang_on_three(envelope: Envelope, call_next: Any) -> Any:
+        if envelope.payload == 3:
+            await anyio.sleep_forever()
+        return await call_next(envelope)
+
+    bus = Bus()
+
+    @bus.subscribe(
+        "t",
+        batch=Batch(max_size=5, max_wait=0.05),
+        middleware=[timeout_middleware(0.2), hang_on_three],
+        retry=retry,
+    )
+    async def handle(items: list[int]) -> None:
+        batches.append(items)
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(5):
+                bus.publish_nowait("t", n)
+            await bus.drain()
+    # The batch waited for 3 until every envelope's timeout ended its wait: each one
+    # timed out, so none of them may reach the handler.
+    attempts = 1 if retry is None else 2
+    assert batches == []
+    assert reasons(bus) == [(n, "timeout", attempts) for n in range(5)]
+    assert ledger(stats(bus)) == (5, 0, 5, 0, 0, 0)
+
+
+async def test_an_envelope_whose_chain_gave_up_before_the_call_is_left_out_of_it() -> None:
+    batches: list[list[int]] = []
+
+    @middleware
+    async def impatient(envelope: Envelope, call_next: Any) -> Any:
+        if envelope.payload == 0:
+            with anyio.move_on_after(0.05):
+                return await call_next(envelope)
+            raise RuntimeError("gave up waiting for the batch")
+        if envelope.payload == 3:
+            await anyio.sleep(0.3)
+            raise RuntimeError("fails late")
+        return await call_next(envelope)
+
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=5, max_wait=0.05), middleware=[impatient])
+    async def handle(items: list[int]) -> None:
+        batches.append(items)
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(5):
+                bus.publish_nowait("t", n)
+            await bus.drain()
+    assert batches == [[1, 2, 4]]  # 0's chain had ended: it is dead-lettered, not handled
+    assert reasons(bus) == [(0, "handler_failed", 1), (3, "handler_failed", 1)]
+    assert ledger(stats(bus)) == (5, 3, 2, 0, 0, 0)
+
+
+async def test_a_batch_call_still_running_at_its_envelopes_timeout_is_cancelled() -> None:
+    ended: list[bool] = []
+    done = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0), middleware=[timeout_middleware(0.2)])
+    async def handle(items: list[int]) -> None:
+        completed = False
+        try:
+            await anyio.sleep(0.6)
+            completed = True
+        finally:
+            ended.append(completed)
+            done.set()
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(3):
+                bus.publish_nowait("t", n)
+            await done.wait()
+            await bus.drain()
+    # Every envelope timed out, as a per-message handler is cancelled at its timeout:
+    # the call must not go on to do their work.
+    assert ended == [False]
+    assert reasons(bus) == [(n, "timeout", 1) for n in range(3)]
+    assert ledger(stats(bus)) == (3, 0, 3, 0, 0, 0)
 
 
 @pytest.mark.parametrize("with_middleware", [False, True], ids=["fast", "per_envelope"])

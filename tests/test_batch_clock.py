@@ -13,6 +13,7 @@ import pytest
 import trio.testing
 
 from asyncbus import Batch, Bus, Retry
+from asyncbus.middleware import timeout
 
 pytestmark = pytest.mark.anyio
 
@@ -127,3 +128,34 @@ async def test_retried_envelopes_wait_their_own_backoff_and_are_batched_again() 
     ]
     stage = bus.statistics().stages[0]
     assert (stage.published, stage.acked, stage.failed, stage.retried) == (3, 3, 3, 3)
+
+
+async def test_a_batch_call_ends_at_the_earliest_deadline_of_its_envelopes() -> None:
+    ended: list[tuple[float, bool]] = []
+    finished = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("t", batch=Batch(max_size=3, max_wait=0), middleware=[timeout(30)])
+    async def handle(items: list[int]) -> None:
+        completed = False
+        try:
+            await anyio.sleep(100)
+            completed = True
+        finally:
+            ended.append((anyio.current_time(), completed))
+            finished.set()
+
+    with anyio.fail_after(3600):
+        async with bus:
+            start = anyio.current_time()
+            for n in range(3):
+                bus.publish_nowait("t", n)
+            await finished.wait()  # however the call ends
+            await bus.drain()
+    assert [(round(at - start, 6), completed) for at, completed in ended] == [(30.0, False)]
+    letters = bus.dead_letters.list()
+    assert sorted((entry.envelope.payload, entry.reason.value) for entry in letters) == [
+        (0, "timeout"),
+        (1, "timeout"),
+        (2, "timeout"),
+    ]

@@ -14,8 +14,9 @@ import anyio
 import pytest
 import trio.testing
 
-from asyncbus import Bus, DeadLetterReason, Envelope, Retry
+from asyncbus import Bus, DeadLetterReason, Envelope, PublishTimeout, Retry
 from asyncbus.middleware import deduplicate
+from asyncbus.middleware.deduplicate import MemoryDedupStore
 
 pytestmark = pytest.mark.anyio
 
@@ -40,14 +41,16 @@ async def test_dead_letters_expire_after_their_ttl_on_the_loop_clock() -> None:
         assert len(bus.dead_letters) == 0
 
 
-async def test_the_deduplicate_window_is_measured_on_the_loop_clock() -> None:
+@pytest.mark.parametrize("explicit_store", [False, True], ids=["stage_memory", "memory_store"])
+async def test_the_deduplicate_window_is_measured_on_the_loop_clock(explicit_store: bool) -> None:
     handled: list[int] = []
 
     async def handle(n: int) -> None:
         handled.append(n)
 
+    store = MemoryDedupStore() if explicit_store else None
     bus = Bus()
-    bus.subscribe("t", handle, group="g", middleware=[deduplicate(window=60)])
+    bus.subscribe("t", handle, group="g", middleware=[deduplicate(window=60, store=store)])
     with anyio.fail_after(600):
         async with bus:
             await bus.publish("t", 1, id="x")
@@ -124,3 +127,41 @@ async def test_handler_timeouts_and_shutdown_deadlines_run_on_the_loop_clock(
     assert letter is not None and letter.reason is DeadLetterReason.TIMEOUT
     assert report.abandoned == [hung.id]
     assert_settled(bus)
+
+
+async def test_a_publish_many_timeout_is_one_deadline_for_the_whole_call() -> None:
+    gates = {n: anyio.Event() for n in range(-1, 30)}
+    entered = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("full", group="g", capacity=2)
+    async def handle(n: int) -> None:
+        entered.set()
+        await gates[n].wait()
+
+    with anyio.fail_after(3600):
+        async with bus:
+            await bus.publish("full", -1)  # taken by the consumer, which waits
+            await entered.wait()
+            await bus.publish_many("full", [0, 1])  # the stage is full now
+            started = anyio.current_time()
+            with pytest.raises(PublishTimeout):
+                await bus.publish_many("full", range(2, 12), timeout=50)
+            assert anyio.current_time() - started == 50
+            # A place frees up at 20: the batch takes it, then times out at its deadline.
+            started = anyio.current_time()
+            async with anyio.create_task_group() as group:
+                group.start_soon(_set_after, 20, gates[-1])
+                with pytest.raises(PublishTimeout) as caught:
+                    await bus.publish_many("full", range(20, 30), timeout=50)
+            assert anyio.current_time() - started == 50
+            assert len(caught.value.receipts) == 1  # 20 took the place; 21 timed out
+            for gate in gates.values():
+                gate.set()
+            await bus.drain()
+    assert bus.statistics().stage("full@g").acked == 4
+
+
+async def _set_after(seconds: float, event: anyio.Event) -> None:
+    await anyio.sleep(seconds)
+    event.set()

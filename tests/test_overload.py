@@ -21,6 +21,7 @@ from asyncbus import (
     Envelope,
     MemoryTransport,
     Priority,
+    Retry,
     StageStatistics,
     _control,
 )
@@ -124,6 +125,54 @@ async def test_stale_envelopes_are_shed_as_overload_and_the_newest_is_served(
     assert (stage.published, stage.acked, stage.dead_lettered, stage.shed) == (7, 3, 4, 4)
     assert (report.published, report.completed, report.dead_lettered) == (7, 3, 4)
     assert report.abandoned == []
+
+
+@pytest.mark.anyio
+async def test_a_retried_envelope_that_is_shed_records_the_attempts_it_had(
+    clock: FakeClock,
+) -> None:
+    failed = anyio.Event()
+    queued = anyio.Event()
+    holding = anyio.Event()
+    release = anyio.Event()
+    bus = Bus()
+
+    async def handle(env: Envelope) -> None:
+        if env.payload == "flaky":
+            failed.set()
+            await queued.wait()  # fails once "gate" is queued: its retry comes after it
+            raise RuntimeError("not yet")
+        holding.set()
+        await release.wait()
+
+    bus.subscribe(
+        "work",
+        handle,
+        group="w",
+        admission=Admission(target_wait=1.0, interval=1.0),
+        retry=Retry(max_attempts=3, backoff=0),
+    )
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("work", "flaky")
+            await failed.wait()
+            await bus.publish("work", "gate")
+            queued.set()
+            await holding.wait()  # the consumer holds "gate"
+            await anyio.wait_all_tasks_blocked()  # "flaky" is queued again, attempt 2
+            assert bus.statistics().stage("work@w").depth == 1
+            clock.now = 5.0  # it has waited far past the target: shed at the next pick-up
+            release.set()
+            await bus.drain()
+    [entry] = bus.dead_letters.list()
+    assert (entry.envelope.payload, entry.reason, entry.envelope.attempt, entry.attempts) == (
+        "flaky",
+        DeadLetterReason.OVERLOAD,
+        2,
+        1,  # it was tried once before it was shed
+    )
+    stage = bus.statistics().stage("work@w")
+    assert (stage.published, stage.acked, stage.shed, stage.retried) == (2, 1, 1, 1)
 
 
 @pytest.mark.anyio
@@ -334,6 +383,38 @@ async def test_a_static_stage_reports_its_concurrency_as_its_limit() -> None:
     )
     names = [field.name for field in dataclasses.fields(StageStatistics)]
     assert names[-6:] == ["abandoned", "capacity", "limit", "shedding", "shed", "saturation"]
+
+
+@pytest.mark.anyio
+async def test_saturation_counts_busy_consumers_not_envelopes_waiting_for_a_retry() -> None:
+    inside = anyio.Event()
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("fails", group="g", concurrency=2, retry=Retry(max_attempts=2, backoff=60))
+    async def fail(n: int) -> None:
+        raise RuntimeError("later")
+
+    @bus.subscribe("busy", group="g", concurrency=4)
+    async def busy(n: int) -> None:
+        inside.set()
+        await release.wait()
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(10):
+                await bus.publish("fails", n)
+            await bus.publish("busy", 1)
+            await inside.wait()
+            await anyio.wait_all_tasks_blocked()
+            waiting = bus.statistics().stage("fails@g")
+            # Ten envelopes wait on their retry timers (in flight); both consumers are idle.
+            assert (waiting.in_flight, waiting.retried, waiting.saturation) == (10, 10, 0.0)
+            one = bus.statistics().stage("busy@g")
+            assert (one.in_flight, one.limit, one.saturation) == (1, 4, 0.25)
+            release.set()
+            report = await bus.aclose(timeout=0.1)
+    assert len(report.abandoned) == 10  # still waiting for their retry
 
 
 def test_the_controllers_names_import_from_asyncbus() -> None:

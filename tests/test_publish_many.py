@@ -281,6 +281,36 @@ async def test_the_timeout_is_one_deadline_and_the_error_carries_the_receipts_so
     assert_settled(bus)
 
 
+async def test_the_timeout_bounds_the_whole_call_when_no_room_ever_comes(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    release = anyio.Event()
+    entered = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("many.deadline", group="g", capacity=2)
+    async def handle(n: int) -> None:
+        entered.set()
+        await release.wait()
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("many.deadline", -1)  # taken by the consumer, which waits
+            await entered.wait()
+            await bus.publish_many("many.deadline", [0, 1])  # the stage is full now
+            started = anyio.current_time()
+            with pytest.raises(PublishTimeout) as caught:
+                await bus.publish_many("many.deadline", range(2, 12), timeout=0.5)
+            waited = anyio.current_time() - started
+            # One deadline for the call: not a wait for a run, then another for one envelope.
+            assert 0.5 <= waited < 0.9, waited
+            assert (caught.value.receipts, caught.value.receipt.accepted) == ([], ())
+            release.set()
+            await bus.drain()
+    assert _ledger(bus, "many.deadline@g") == (3, 3, 0, 0, 0, 0)
+    assert_settled(bus)
+
+
 async def test_a_reject_stage_lists_itself_in_the_receipts_of_what_it_refused(
     assert_settled: Callable[[Bus], None],
 ) -> None:
@@ -504,6 +534,56 @@ async def test_a_batch_cut_off_by_the_stop_while_blocked_admits_nothing_more(
     assert error.receipt is not None and error.receipt.accepted == ()
     assert sorted(report.abandoned) == sorted([first.id, *(r.id for r in error.receipts)])
     assert _ledger(bus, "many.cut@g") == (3, 0, 0, 0, 0, 3)
+    assert_settled(bus)
+
+
+async def test_a_batch_holding_room_at_one_stage_while_another_stays_full_is_cut_off_cleanly(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    fast_gate = anyio.Event()
+    never = anyio.Event()
+    entered = {"fast": anyio.Event(), "slow": anyio.Event()}
+    handled: list[int] = []
+    errors: list[BusClosedError] = []
+    bus = Bus()
+
+    @bus.subscribe("many.fan", group="fast", capacity=2)
+    async def fast(n: int) -> None:
+        entered["fast"].set()
+        await fast_gate.wait()
+        handled.append(n)
+
+    @bus.subscribe("many.fan", group="slow", capacity=2)
+    async def slow(_: int) -> None:
+        entered["slow"].set()
+        await never.wait()
+
+    async def publish_blocked() -> None:
+        with pytest.raises(BusClosedError) as caught:
+            await bus.publish_many("many.fan", range(10))
+        errors.append(caught.value)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg, bus:
+            await bus.publish("many.fan", -1)
+            await entered["fast"].wait()
+            await entered["slow"].wait()
+            tg.start_soon(publish_blocked)  # 0 and 1 fill both stages; it waits at both
+            await anyio.wait_all_tasks_blocked()
+            fast_gate.set()  # "fast" frees its room and hands it to the batch, which
+            await anyio.wait_all_tasks_blocked()  # holds it while "slow" stays full
+            assert handled == [-1, 0, 1]
+            held = bus.statistics().stage("many.fan@fast")
+            assert (held.published, held.depth, held.in_flight) == (3, 0, 0)
+            await bus.aclose(timeout=0.05)
+
+    [error] = errors
+    assert [receipt.accepted for receipt in error.receipts] == [
+        ("many.fan@fast", "many.fan@slow")
+    ] * 2
+    assert error.receipt is not None and error.receipt.accepted == ()
+    assert _ledger(bus, "many.fan@fast") == (3, 3, 0, 0, 0, 0)
+    assert _ledger(bus, "many.fan@slow") == (3, 0, 0, 0, 0, 3)
     assert_settled(bus)
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import math
 import threading
 from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
-from asyncbus import Bus, BusClosedError, ConfigurationError, Receipt
+from asyncbus import Backpressure, Bus, BusClosedError, ConfigurationError, Receipt
 
 pytestmark = pytest.mark.anyio
 
@@ -218,4 +220,137 @@ async def test_publish_nowait_from_another_thread_is_refused_and_admits_nothing(
     assert isinstance(refused[0], RuntimeError)
     assert "publish_threadsafe" in str(refused[0])
     assert bus.statistics().stage("jobs@g").acked == 1
+    assert_settled(bus)
+
+
+# -- order -------------------------------------------------------------------------
+
+
+def _busy(iterations: int = 3000) -> int:
+    """CPU work in a handler, while the publishing thread keeps calling."""
+    total = 0
+    for n in range(iterations):
+        total += n
+    return total
+
+
+def _publish_in_a_row(bus: Bus, count: int) -> list[Receipt]:
+    """``publish_threadsafe("seq", n)`` for n in ``range(count)``, one call after another
+    without waiting (from the calling thread), then their receipts."""
+    futures = [bus.publish_threadsafe("seq", n) for n in range(count)]
+    return [future.result(timeout=60) for future in futures]
+
+
+def _inversions(seen: list[int]) -> int:
+    return sum(1 for earlier, later in itertools.pairwise(seen) if later < earlier)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("capacity", [1, 8])
+async def test_publishes_from_one_thread_are_handled_in_call_order_through_a_full_stage(
+    capacity: int, assert_settled: Callable[[Bus], None]
+) -> None:
+    count = 2000
+    seen: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("seq", group="g", capacity=capacity)
+    async def handle(n: int) -> None:
+        await anyio.lowlevel.checkpoint()  # whatever is ready runs in between
+        seen.append(n)
+        _busy()
+
+    with anyio.fail_after(100):
+        async with bus:
+            receipts = await anyio.to_thread.run_sync(_publish_in_a_row, bus, count)
+            await bus.drain()
+    assert all(receipt.accepted == ("seq@g",) for receipt in receipts)
+    assert (len(seen), _inversions(seen)) == (count, 0)
+    assert seen == list(range(count))
+    assert_settled(bus)
+
+
+@pytest.mark.timeout(120)
+async def test_publishes_from_one_thread_keep_their_order_in_every_stage_of_a_fan_out(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    count = 1000
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    bus = Bus()
+
+    @bus.subscribe("seq", group="a", capacity=1)
+    async def first(n: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen["a"].append(n)
+        _busy(1000)
+
+    @bus.subscribe("seq", group="b", capacity=2)
+    async def second(n: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen["b"].append(n)
+        _busy(2000)
+
+    with anyio.fail_after(100):
+        async with bus:
+            receipts = await anyio.to_thread.run_sync(_publish_in_a_row, bus, count)
+            await bus.drain()
+    assert all(sorted(receipt.accepted) == ["seq@a", "seq@b"] for receipt in receipts)
+    assert (_inversions(seen["a"]), _inversions(seen["b"])) == (0, 0)
+    assert seen == {"a": list(range(count)), "b": list(range(count))}
+    assert_settled(bus)
+
+
+@pytest.mark.timeout(120)
+async def test_publishes_from_one_task_are_handled_in_order_through_a_full_stage(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    count = 2000
+    seen: list[int] = []
+    bus = Bus()
+
+    @bus.subscribe("seq", group="g", capacity=1)
+    async def handle(n: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen.append(n)
+        _busy()
+
+    with anyio.fail_after(100):
+        async with bus:
+            for n in range(count):
+                await bus.publish("seq", n)
+            await bus.drain()
+    assert seen == list(range(count))
+    assert_settled(bus)
+
+
+async def test_room_handed_to_a_waiting_publish_is_not_taken_by_a_newer_one(
+    assert_settled: Callable[[Bus], None],
+) -> None:
+    handled: list[str] = []
+    refused: list[str] = []
+    release = anyio.Event()
+    bus = Bus()
+
+    @bus.subscribe("jobs", group="g", capacity=1, backpressure=Backpressure.BLOCK)
+    async def handle(name: str) -> None:
+        handled.append(name)
+        if name == "first":
+            await release.wait()
+        elif name == "second":
+            # The consumer just took "second" and handed its place to "third", whose
+            # task has not run yet: that place is "third"'s, not this newer publish's.
+            try:
+                bus.publish_nowait("jobs", "newer")
+            except anyio.WouldBlock:
+                refused.append("newer")
+
+    with anyio.fail_after(10):
+        async with bus, anyio.create_task_group() as group:
+            await bus.publish("jobs", "first")
+            await anyio.wait_all_tasks_blocked()
+            await bus.publish("jobs", "second")  # the queue is full now
+            group.start_soon(bus.publish, "jobs", "third")
+            await anyio.wait_all_tasks_blocked()  # "third" waits for room
+            release.set()
+    assert (handled, refused) == (["first", "second", "third"], ["newer"])
     assert_settled(bus)

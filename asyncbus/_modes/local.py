@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 
 import anyio
 
@@ -13,7 +14,7 @@ from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
 from .._routing import Router
-from .._stage import Backpressure, DoorOutcome, Stage
+from .._stage import Backpressure, DoorOutcome, RoomWaiter, Stage
 from .mode import ModeHost, Progress
 
 __all__ = ["LocalMode"]
@@ -155,39 +156,48 @@ class LocalMode:
         """Admit ``envelope`` into the full ``BLOCK`` stages ``blocked`` as room appears
         (up to ``timeout``); ``receipt`` is what the other stages did at the door.
 
+        It takes its place in the line of every one of them at once, so a publish made
+        after it (from the same thread or task) gets in after it everywhere; each stage
+        admits it when its turn comes, whether or not its task runs then.
+
         :param named: the timeout the caller was given, as its error tells it (when
             ``timeout`` is what is left of it).
         """
-        accepted = list(receipt.accepted)
         if progress is not None:
             progress.receipt = receipt
-        waiting_on = blocked[0]
-        with anyio.move_on_after(timeout) as scope:
-            for waiting_on in blocked:
-                try:
-                    await waiting_on.put(envelope)
-                except BusClosedError as error:
-                    # The stage stopped before it had room: nothing was admitted there.
-                    raise BusClosedError(
-                        str(error),
-                        receipt=Receipt(
-                            envelope.id, tuple(accepted), receipt.rejected, receipt.dropped
-                        ),
-                    ) from None
-                accepted.append(waiting_on.name)
-                if progress is not None:
-                    progress.receipt = Receipt(
-                        envelope.id, tuple(accepted), receipt.rejected, receipt.dropped
-                    )
-        receipt = Receipt(envelope.id, tuple(accepted), receipt.rejected, receipt.dropped)
-        if scope.cancelled_caught:
+        lines = [(stage, stage.line_up(enter=partial(stage.admit, envelope))) for stage in blocked]
+        for stage in blocked:
+            stage.entering += 1  # drain() does not call the stage idle meanwhile
+        closed: BusClosedError | None = None
+        try:
+            with anyio.move_on_after(timeout):
+                for stage, waiter in lines:
+                    try:
+                        await stage.wait_in_line(waiter)
+                    except BusClosedError as error:
+                        closed = error  # the stage stopped first: nothing admitted there
+                        break
+                    if progress is not None:
+                        progress.receipt = _admitted(envelope, receipt, lines)
+        finally:
+            for stage, waiter in lines:
+                stage.leave(waiter)  # (nothing when it was admitted)
+                stage.entering -= 1
+                stage.host.settled(stage)
+            if progress is not None:  # (cancelled: what was admitted, whatever the task saw)
+                progress.receipt = _admitted(envelope, receipt, lines)
+        admitted = _admitted(envelope, receipt, lines)
+        if closed is not None:
+            raise BusClosedError(str(closed), receipt=admitted)
+        waiting_on = next((stage for stage, waiter in lines if not waiter.handed), None)
+        if waiting_on is not None:
             raise PublishTimeout(
                 f"stage {waiting_on.name!r} stayed full for {timeout}s"
                 if named is None
                 else f"stage {waiting_on.name!r} stayed full past the timeout of {named}",
-                receipt=receipt,
+                receipt=admitted,
             )
-        return receipt
+        return admitted
 
     async def send_many(
         self, envelopes: Sequence[Envelope], timeout: float | None
@@ -197,6 +207,7 @@ class LocalMode:
         When every stage has room for all of them and nobody waits for room, all are
         admitted at once; otherwise each is offered at each door with the stage's
         policy, a full ``BLOCK`` stage holding the rest back until it has room.
+        ``timeout`` is one deadline for the whole call.
         """
         topic = envelopes[0].topic
         stages = self.router.route(topic)
@@ -230,18 +241,20 @@ class LocalMode:
                     for stage in stages
                     if stage.backpressure is Backpressure.BLOCK and not stage.has_room()
                 ]
-                left = None if deadline is None else max(0.0, deadline - anyio.current_time())
                 # A full BLOCK stage: wait for room for a run of the rest, before this
                 # envelope is offered anywhere (once per run, not once per envelope).
                 if (
                     room <= 0
                     and full
-                    and left != 0.0
-                    and await self.wait_for_batch_room(envelopes[index], full, count - index, left)
+                    and _left(deadline) != 0.0
+                    and await self.wait_for_batch_room(
+                        envelopes[index], full, count - index, _left(deadline)
+                    )
                 ):
-                    # First in line at the stages waited for: their room is ours.
+                    # Our room at the stages waited for (taken just now); elsewhere, room
+                    # nobody waits for.
                     room = min(
-                        stage.capacity - stage.queued
+                        stage.capacity - stage.queued - stage.reserved
                         if stage in full or not stage.room_waiters
                         else 0
                         for stage in stages
@@ -253,8 +266,8 @@ class LocalMode:
                             self.observe(envelope)
                     for stage in stages:
                         stage.admit_many(run)
-                        if stage.room_waiters and stage.queued < stage.capacity:
-                            stage.wake_one()  # room beyond ours: keep the line moving
+                        if stage.room_waiters:
+                            stage.hand_room()  # room beyond ours: keep the line moving
                     receipts += make_receipts(run, self.router.names(topic))
                     index += len(run)
                     continue
@@ -266,7 +279,11 @@ class LocalMode:
                 receipt, blocked = self.offer(envelope, stages)
                 if blocked:
                     receipt = await self.wait_for_room(
-                        envelope, receipt, blocked, left, named=f"{timeout}s for the batch"
+                        envelope,
+                        receipt,
+                        blocked,
+                        _left(deadline),
+                        named=f"{timeout}s for the batch",
                     )
                 receipts.append(receipt)
                 index += 1
@@ -282,22 +299,35 @@ class LocalMode:
         """Wait (at most ``timeout``) until the full ``BLOCK`` stages have room for a run
         of the ``rest`` of a batch (up to half a stage's capacity), ``envelope`` first.
 
+        It waits in the line of every one at once, holding the room each hands it
+        until all have; then it takes that room (the caller admits the run at once).
+
         :returns: whether they have; ``False`` when time ran out (whatever room there is
             then is taken one envelope at a time, until one must wait).
         :raises BusClosedError: when a stage stops first (nothing of ``envelope`` was
             admitted anywhere).
         """
+        lines = [(stage, stage.line_up(min(rest, max(1, stage.capacity // 2)))) for stage in full]
+        for stage in full:
+            stage.entering += 1  # as in put(): drain() must not call the stage idle meanwhile
+        taken = False
         try:
-            if timeout is None:
-                for stage in full:
-                    await stage.wait_for_room_for(min(rest, max(1, stage.capacity // 2)))
-                return True
-            with anyio.move_on_after(timeout) as scope:
-                for stage in full:
-                    await stage.wait_for_room_for(min(rest, max(1, stage.capacity // 2)))
+            if timeout is None:  # (no cancel scope to make: the common case)
+                await _take_room_in_every_line(lines)
+                taken = True
+            else:
+                with anyio.move_on_after(timeout):
+                    await _take_room_in_every_line(lines)
+                    taken = True
         except BusClosedError as error:
             raise BusClosedError(str(error), receipt=Receipt(envelope.id)) from None
-        return not scope.cancelled_caught
+        finally:
+            for stage, waiter in lines:
+                if not taken:
+                    stage.leave(waiter)  # the room it held goes to the next in line
+                stage.entering -= 1
+                stage.host.settled(stage)
+        return taken
 
     async def send_none(self) -> list[Receipt]:
         """A ``publish_many`` of nothing (it yielded already)."""
@@ -333,3 +363,30 @@ class LocalMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope (nothing is settled with a broker in memory)."""
         return anyio.CancelScope(shield=True)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (``None``: no deadline), never below 0."""
+    return None if deadline is None else max(0.0, deadline - anyio.current_time())
+
+
+async def _take_room_in_every_line(lines: list[tuple[Stage, RoomWaiter]]) -> None:
+    """Wait until every line handed its waiter room, then take it all at once.
+
+    :raises BusClosedError: when a stage stops first.
+    """
+    for stage, waiter in lines:
+        await stage.wait_in_line(waiter)
+    for stage, _ in lines:
+        if stage.closed:  # (stopped after it handed us room: take none of it)
+            raise BusClosedError(f"stage {stage.name!r} stopped before it had room")
+    for stage, waiter in lines:
+        stage.take_room(waiter)
+
+
+def _admitted(
+    envelope: Envelope, receipt: Receipt, lines: list[tuple[Stage, RoomWaiter]]
+) -> Receipt:
+    """``receipt`` with the waiting stages that admitted ``envelope`` added."""
+    accepted = receipt.accepted + tuple(stage.name for stage, waiter in lines if waiter.handed)
+    return Receipt(envelope.id, accepted, receipt.rejected, receipt.dropped)

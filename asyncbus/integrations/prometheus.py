@@ -33,7 +33,7 @@ Every metric is labelled ``bus`` (the bus's name), and the per-stage ones ``stag
   (cancelled unsettled at shutdown);
 * gauges: ``asyncbus_stage_depth`` (queued), ``_in_flight`` (with a consumer or a retry
   timer), ``_concurrency`` (consumer tasks), ``_capacity`` (queue bound), ``_limit``
-  (consumers it should run now), ``_saturation`` (in flight / limit), ``_shedding``
+  (consumers it should run now), ``_saturation`` (busy consumers / limit, 0 to 1), ``_shedding``
   (1 while an ``admission=`` stage sheds);
 * histograms: ``asyncbus_stage_latency_seconds`` (pick-up to settlement) and
   ``asyncbus_stage_wait_seconds`` (admission to pick-up);
@@ -108,7 +108,7 @@ _GAUGES = {
     "concurrency": "Consumer tasks of the stage (alive, retiring ones included).",
     "capacity": "Most envelopes the stage queues.",
     "limit": "Consumers the stage should run now (an Adaptive stage's current limit).",
-    "saturation": "In flight / limit: how busy the consumers are.",
+    "saturation": "Consumers holding work / limit (0 to 1): how busy the consumers are.",
     "shedding": "1 while an admission= stage sheds stale envelopes, else 0.",
 }
 

@@ -1,9 +1,14 @@
 """deduplicate(): an id handled within the window is acked without running the handler again."""
 
+import asyncio
+import importlib.util
 from typing import Any
 
 import anyio
 import pytest
+import sniffio
+import trio
+import trio.testing
 
 from asyncbus import Bus, ConfigurationError, Envelope, Retry, StageStatistics
 from asyncbus.middleware import deduplicate
@@ -273,12 +278,9 @@ def test_a_store_that_is_not_one_and_a_bad_lease_are_configuration_errors() -> N
             deduplicate(lease=lease)
 
 
-async def test_the_memory_store_claims_once_expires_claims_and_remembers_done(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_the_memory_store_claims_once_expires_claims_and_remembers_done() -> None:
     now = [1000.0]
-    monkeypatch.setattr("asyncbus._dedup.time.monotonic", lambda: now[0])
-    store = MemoryDedupStore(maxlen=2)
+    store = MemoryDedupStore(maxlen=2, clock=lambda: now[0])
     assert await store.claim("k", "a", 5) is Claim.CLAIMED
     assert await store.claim("k", "b", 5) is Claim.BUSY
     assert await store.claim("k", "a", 5) is Claim.CLAIMED  # its own claim again
@@ -300,3 +302,73 @@ async def test_the_memory_store_claims_once_expires_claims_and_remembers_done(
     await store.done("one", "x", 60)
     await store.done("two", "x", 60)  # maxlen 2: "k" goes
     assert await store.claim("k", "e", 5) is Claim.CLAIMED
+
+
+class _SkewedLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop whose clock the test moves forward (as trio's MockClock jumps)."""
+
+    skew = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.skew
+
+
+def _skewed_uvloop() -> asyncio.AbstractEventLoop:
+    import uvloop
+
+    class SkewedUvloop(uvloop.Loop):  # type: ignore[misc]
+        skew = 0.0
+
+        def time(self) -> float:
+            return float(super().time()) + self.skew
+
+    return SkewedUvloop()
+
+
+def _jump(seconds: float) -> None:
+    """Move the running loop's clock ``seconds`` forward (no other clock moves)."""
+    if sniffio.current_async_library() == "trio":
+        clock = trio.lowlevel.current_clock()
+        assert isinstance(clock, trio.testing.MockClock)
+        clock.jump(seconds)
+    else:
+        loop = asyncio.get_running_loop()
+        loop.skew += seconds  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {"loop_factory": _SkewedLoop}), id="asyncio"),
+        pytest.param(
+            ("asyncio", {"loop_factory": _skewed_uvloop}),
+            id="uvloop",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed"
+            ),
+        ),
+        pytest.param(("trio", {"clock": trio.testing.MockClock(rate=1.0)}), id="trio"),
+    ],
+)
+async def test_an_explicit_memory_store_measures_its_window_on_the_loop_clock() -> None:
+    handled: list[int] = []
+
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    bus = Bus()
+    bus.subscribe(
+        "t", handle, group="g", middleware=[deduplicate(window=60, store=MemoryDedupStore())]
+    )
+    with anyio.fail_after(3600):  # (on the loop's clock, which jumps)
+        async with bus:
+            await bus.publish("t", 1, id="x")
+            await bus.drain()
+            _jump(59)
+            await bus.publish("t", 2, id="x")  # within the window: a duplicate
+            await bus.drain()
+            _jump(2)
+            await bus.publish("t", 3, id="x")  # the window has passed on the loop's clock
+            await bus.drain()
+    assert handled == [1, 3]
+    assert stage_stats(bus, "t@g").acked == 3
