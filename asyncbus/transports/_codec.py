@@ -16,6 +16,7 @@ __all__ = [
     "Codec",
     "JsonCodec",
     "MsgspecCodec",
+    "RawBody",
     "dead_letter_from_wire",
     "dead_letter_to_wire",
     "default_codec",
@@ -24,6 +25,18 @@ __all__ = [
     "envelope_meta",
     "envelope_to_wire",
 ]
+
+
+class RawBody(bytes):
+    """A body as it came off the wire, which the codec could not decode.
+
+    An envelope carries it as its payload when a delivery did not decode (the bus
+    dead-letters it ``rejected``); a dead letter keeps it, and a replay sends it again
+    byte for byte (:func:`encode_payload` never gives it to a codec). It is ``bytes``
+    in every other way.
+    """
+
+    __slots__ = ()
 
 
 class Codec(Protocol):
@@ -192,7 +205,12 @@ def dump_meta(meta: Mapping[str, Any]) -> bytes:
 
 def encode_payload(codec: Codec, payload: Any) -> bytes:
     """``codec.encode(payload)``; a payload nested too deep is an :class:`EncodeError`
-    whatever the codec (Python's recursion limit is no excuse to end a publisher)."""
+    whatever the codec (Python's recursion limit is no excuse to end a publisher).
+
+    A :class:`RawBody` is the body it was: its bytes, not the codec's rendering of them.
+    """
+    if type(payload) is RawBody:
+        return bytes(payload)
     try:
         return codec.encode(payload)
     except RecursionError as error:
@@ -205,8 +223,8 @@ def envelope_from_wire(
     """Rebuild an envelope; ``(envelope, error)``.
 
     When the body does not decode, the envelope carries the raw body as its payload
-    and ``error`` says why (the bus dead-letters it ``rejected``). Whatever the bytes,
-    this returns or raises :class:`DecodeError`, nothing else.
+    (a :class:`RawBody`) and ``error`` says why (the bus dead-letters it ``rejected``).
+    Whatever the bytes, this returns or raises :class:`DecodeError`, nothing else.
 
     :param attempt: the broker's delivery count, overriding the stored attempt.
     :raises DecodeError: when ``meta`` itself is unreadable, or a field is missing or
@@ -220,7 +238,7 @@ def envelope_from_wire(
     try:
         payload = codec.decode(body)
     except Exception as error:  # a codec's DecodeError, or whatever a custom one raises
-        payload, undecodable = body, _reason(error)
+        payload, undecodable = RawBody(body), _reason(error)
     return envelope_from_fields(fields, payload, attempt), undecodable
 
 
@@ -233,9 +251,10 @@ def _reason(error: BaseException) -> str:
 
 
 def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
-    """A dead letter as one JSON document (the body base64-encoded)."""
+    """A dead letter as one JSON document (the body base64-encoded; a :class:`RawBody`
+    byte for byte, marked ``raw``)."""
     payload = entry.envelope.payload
-    raw = isinstance(payload, bytes | bytearray)  # an undecodable body, kept byte for byte
+    raw = type(payload) is RawBody  # an undecodable body, kept byte for byte
     if raw:
         body = bytes(payload)
     else:
@@ -284,7 +303,7 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise DecodeError(f"dead letter is unreadable: {_reason(error)}") from error
     if fields.get("raw"):
-        payload: Any = body
+        payload: Any = RawBody(body)
     else:
         try:
             payload = codec.decode(body)

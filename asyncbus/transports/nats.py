@@ -98,8 +98,10 @@ from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeE
 from .._routing import compile_pattern, validate_topic
 from ._codec import (
     Codec,
+    RawBody,
     dead_letter_from_wire,
     dead_letter_to_wire,
+    encode_payload,
     envelope_to_wire,
 )
 from ._kit import AckWriter, TaskOwner, redact, require_asyncio
@@ -923,18 +925,19 @@ class NatsTransport(Transport):
         """Publish ``entry`` to the dead-letter stream and wait for the ack.
 
         The entry's fields go in a header (:func:`dead_letter_to_wire` without the
-        payload), the payload is the body as the codec encodes it, or raw when it is
-        bytes, so a dead letter is no bigger than the message it came from.
+        payload), the payload is the body as the codec encodes it, or as it came when it
+        did not decode (a :class:`RawBody`), so a dead letter is no bigger than the
+        message it came from; a payload the codec cannot encode is kept as its repr.
         """
         nc, js = self._client()
         payload = entry.envelope.payload
-        if isinstance(payload, bytes | bytearray):
+        if type(payload) is RawBody:
             body, kind = bytes(payload), "raw"
         else:
             try:
-                body, kind = self.codec.encode(payload), "codec"
+                body, kind = encode_payload(self.codec, payload), "codec"
             except EncodeError:
-                body, kind = repr(payload).encode(), "raw"
+                body, kind = repr(payload).encode("utf-8", "backslashreplace"), "shown"
         bare = dataclasses.replace(entry, envelope=entry.envelope.evolve(payload=None))
         headers = {
             _HEADER_DEAD_LETTER: dead_letter_to_wire(bare, self.codec).decode(),
@@ -972,6 +975,8 @@ class NatsTransport(Transport):
         kind = headers.get(_HEADER_BODY)
         payload: Any = None
         if kind == "raw":
+            payload = RawBody(msg.data)
+        elif kind == "shown":
             payload = msg.data
         elif kind == "codec":
             try:

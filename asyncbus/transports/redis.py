@@ -95,6 +95,7 @@ from . import _redis_scripts
 from ._coalesce import Coalescer
 from ._codec import (
     Codec,
+    RawBody,
     dead_letter_from_wire,
     dead_letter_to_wire,
     dump_meta,
@@ -928,7 +929,7 @@ class RedisTransport(Transport):
             envelope = Envelope(
                 id=f"redis:{_text(entry)}",
                 topic=consumer.pattern,
-                payload=body,
+                payload=RawBody(body),
                 attempt=count,
             )
             error = str(problem)
