@@ -85,8 +85,14 @@ _DEFAULT_LIMIT = 100
 _MAX_LIMIT = 1000
 #: Seconds the transport has to answer a liveness probe.
 _HEALTH_DEADLINE = 1.0
-#: Routes served without the token: probes reveal nothing but status.
+#: Routes served without the token: probes reveal nothing but status and a fixed reason.
 _PROBES = frozenset({"/healthz", "/readyz"})
+#: The reasons /healthz gives for a broker that does not answer (the detail is logged,
+#: and shown to a caller that presents the token).
+_BROKER_SILENT = "broker did not answer"
+_BROKER_FAILED = "broker failed"
+#: Key in the request's state: the probe's caller presented the token.
+_AUTHORISED = "asyncbus_authorised"
 
 
 # -- lifespan and dependency ------------------------------------------------------
@@ -266,6 +272,8 @@ class _AdminApi:
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
+        # The broker problem last logged by a health probe (None: none, or answering).
+        self._logged: str | None = None
 
     def _check_known(self, ids: list[str]) -> None:
         unknown = [id for id in ids if self.bus.dead_letters.get(id) is None]
@@ -350,10 +358,27 @@ class _AdminApi:
         if state not in ("running", "closing"):
             return _status(503, "down", f"the bus is {state}")
         problem = await _transport_problem(self.bus)
+        self._log_problem(problem)
         if problem is not None:
-            return _status(503, "down", problem)
+            # The broker's own words name its user, address and stages: the log and
+            # the token holder get them, an anonymous probe only the reason.
+            reason, detail = problem
+            if request.scope.get("state", {}).get(_AUTHORISED):
+                return _status(503, "down", reason, detail=detail)
+            return _status(503, "down", reason)
         # Draining is alive: a liveness probe failing now would kill it mid-drain.
         return _status(200, "ok" if state == "running" else "closing")
+
+    def _log_problem(self, problem: tuple[str, str] | None) -> None:
+        """Log the broker's problem when it changes (probes come every few seconds)."""
+        detail = None if problem is None else problem[1]
+        if detail == self._logged:
+            return
+        if detail is not None:
+            logger.warning("health probe: %s", detail)
+        else:
+            logger.warning("health probe: the broker answers again")
+        self._logged = detail
 
     async def readyz(self, request: Request) -> Response:
         state = bus_state(self.bus)
@@ -376,13 +401,21 @@ class _AdminApi:
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
 
 
-def _status(code: int, status: str, reason: str | None = None) -> JSONResponse:
-    body = {"status": status} if reason is None else {"status": status, "reason": reason}
+def _status(
+    code: int, status: str, reason: str | None = None, *, detail: str | None = None
+) -> JSONResponse:
+    body = {"status": status}
+    if reason is not None:
+        body["reason"] = reason
+    if detail is not None:
+        body["detail"] = detail
     return JSONResponse(body, status_code=code, headers={"Cache-Control": "no-store"})
 
 
-async def _transport_problem(bus: Bus) -> str | None:
-    """Why the bus's broker is not answering, or ``None`` (always ``None`` in memory).
+async def _transport_problem(bus: Bus) -> tuple[str, str] | None:
+    """Why the bus's broker is not answering: ``(reason, detail)``, or ``None`` (always
+    ``None`` in memory). The reason is one of a few fixed phrases; the detail is the
+    broker's error, which may name its user, address and stages.
 
     Asks the backlog of one stage, the cheapest question a broker answers (a transport
     that cannot count is not asked).
@@ -397,9 +430,9 @@ async def _transport_problem(bus: Bus) -> str | None:
         with anyio.fail_after(_HEALTH_DEADLINE):
             await transport.backlog(stage.topic, stage.group)
     except TimeoutError:
-        return f"{transport.name} did not answer within {_HEALTH_DEADLINE:g}s"
+        return _BROKER_SILENT, f"{transport.name} did not answer within {_HEALTH_DEADLINE:g}s"
     except Exception as error:
-        return f"{transport.name} failed: {type(error).__name__}: {error}"
+        return _BROKER_FAILED, f"{transport.name} failed: {type(error).__name__}: {error}"
     return None
 
 
@@ -415,15 +448,22 @@ class _BearerAuth:
         self.token = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or _route_path(scope) in _PROBES:
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         connection = HTTPConnection(scope)
         scheme, _, credentials = connection.headers.get("authorization", "").partition(" ")
         presented: str | None = credentials.strip() if scheme.lower() == "bearer" else None
+        if _route_path(scope) in _PROBES:
+            # Open to anyone; the token holder is also told the detail of a failure.
+            authorised = presented is not None and self._matches(presented)
+            # (A new state: the one in the scope may be shared with other requests.)
+            scope = {**scope, "state": {**scope.get("state", {}), _AUTHORISED: authorised}}
+            await self.app(scope, receive, send)
+            return
         if presented is None and _route_path(scope) in ("", "/"):
             presented = connection.query_params.get("token")
-        if presented is not None and hmac.compare_digest(presented.encode(), self.token):
+        if presented is not None and self._matches(presented):
             await self.app(scope, receive, send)
             return
         message = "wrong bearer token" if presented else "missing bearer token"
@@ -433,6 +473,9 @@ class _BearerAuth:
             headers={"WWW-Authenticate": 'Bearer realm="asyncbus"'},
         )
         await response(scope, receive, send)
+
+    def _matches(self, presented: str) -> bool:
+        return hmac.compare_digest(presented.encode(), self.token)
 
 
 def _route_path(scope: Scope) -> str:
@@ -464,13 +507,17 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
       (:class:`asyncbus.integrations.prometheus.BusCollector`; extra ``prometheus``);
     * ``GET /healthz`` -- liveness: 200 ``{"status": "ok"}`` while the bus runs (also
       ``"closing"`` while it drains) and its broker answered within 1 s, else 503
-      ``{"status": "down", "reason": ...}``;
+      ``{"status": "down", "reason": ...}``: ``"the bus is <state>"``, ``"broker did
+      not answer"`` or ``"broker failed"``. The broker's error (which may name its
+      user, address and stages) is logged when it changes, and added as ``"detail"``
+      only for a caller that presents the token;
     * ``GET /readyz`` -- readiness: 200 ``{"status": "ready"}`` while the bus runs and
       every broker subscription exists; 503 with the reason before that and from the
       moment ``aclose`` begins, so a load balancer stops sending work before the drain.
 
     The two probes answer without the token (probes seldom can send one, and they
-    reveal nothing but the status); everything else needs it when one is given.
+    reveal nothing but the status and a fixed reason); everything else needs it when
+    one is given.
 
     POST bodies must be ``Content-Type: application/json`` (so a cross-site form
     cannot post one). Serve it on the event loop that runs the bus, behind your app's
