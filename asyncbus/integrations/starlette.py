@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import html
 import importlib.resources
 import json
 import logging
@@ -461,10 +462,17 @@ class _BearerAuth:
             scope = {**scope, "state": {**scope.get("state", {}), _AUTHORISED: authorised}}
             await self.app(scope, receive, send)
             return
-        if presented is None and _route_path(scope) in ("", "/"):
+        page = _route_path(scope) in ("", "/")
+        if presented is None and page:
             presented = connection.query_params.get("token")
         if presented is not None and self._matches(presented):
             await self.app(scope, receive, send)
+            return
+        if page and "text/html" in connection.headers.get("accept", ""):
+            # A person with a browser: a page that says what to do, not JSON.
+            await _locked_page(scope.get("root_path", "") + "/", bool(presented))(
+                scope, receive, send
+            )
             return
         message = "wrong bearer token" if presented else "missing bearer token"
         response = JSONResponse(
@@ -571,14 +579,14 @@ def _metrics_endpoint(bus: Bus) -> Callable[[Request], Awaitable[Response]]:
 # -- the dashboard page -----------------------------------------------------------
 
 
-def _load_dashboard() -> tuple[str, dict[str, str]]:
-    html = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+def _page_headers(html: str) -> dict[str, str]:
+    """Strict headers for a page of ours: its one inline ``<style>`` (and ``<script>``,
+    if it has one) allowed by hash, nothing else."""
 
     def digest(tag: str) -> str:
-        # The page's one inline <script> and <style> are allowed by hash, nothing else.
         match = re.search(rf"<{tag}>(.*?)</{tag}>", html, re.DOTALL)
-        if match is None:  # pragma: no cover - the file ships with the package
-            raise RuntimeError(f"asyncbus dashboard.html has no <{tag}> element")
+        if match is None:
+            return "'none'"
         return f"'sha256-{base64.b64encode(hashlib.sha256(match[1].encode()).digest()).decode()}'"
 
     policy = (
@@ -586,7 +594,7 @@ def _load_dashboard() -> tuple[str, dict[str, str]]:
         "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
         "frame-ancestors 'none'"
     )
-    return html, {
+    return {
         "Content-Security-Policy": policy,
         "Cache-Control": "no-store",
         "Referrer-Policy": "no-referrer",
@@ -595,4 +603,50 @@ def _load_dashboard() -> tuple[str, dict[str, str]]:
     }
 
 
+def _load_dashboard() -> tuple[str, dict[str, str]]:
+    html = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+    for tag in ("script", "style"):
+        if f"<{tag}>" not in html:  # pragma: no cover - the file ships with the package
+            raise RuntimeError(f"asyncbus dashboard.html has no <{tag}> element")
+    return html, _page_headers(html)
+
+
 _DASHBOARD, _PAGE_HEADERS = _load_dashboard()
+
+#: What a browser that opened the dashboard without the right token is shown.
+_LOCKED_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>asyncbus dashboard: {title}</title>
+<style>
+body {{ font: 15px/1.5 system-ui, sans-serif; max-width: 40rem; margin: 3rem auto;
+  padding: 0 1.5rem; color-scheme: light dark; }}
+code {{ font-size: .9em; }}
+</style>
+</head>
+<body>
+<h1>{title}</h1>
+<p>{what}</p>
+<p>This dashboard is locked with the token its application gave to
+<code>admin_app(bus, token=...)</code> (often read from an environment variable, such as
+<code>ADMIN_TOKEN</code>). Open it with that token at the end of the address:</p>
+<p><code>{path}?token=&lt;token&gt;</code></p>
+<p>The page passes the token on to the API it polls. Scripts and API clients send it as a
+header instead: <code>Authorization: Bearer &lt;token&gt;</code>.</p>
+</body>
+</html>
+"""
+
+
+def _locked_page(path: str, wrong: bool) -> HTMLResponse:
+    """The 401 page of a browser that came without the token, or with another one."""
+    if wrong:
+        title, what = "Wrong token", "The token in the address is not this dashboard's."
+    else:
+        title, what = "Token needed", "The address has no token, and this dashboard needs one."
+    page = _LOCKED_PAGE.format(title=title, what=what, path=html.escape(path))
+    headers = {**_page_headers(page), "WWW-Authenticate": 'Bearer realm="asyncbus"'}
+    return HTMLResponse(page, status_code=401, headers=headers)
