@@ -11,23 +11,35 @@ from typing import cast
 
 import anyio
 import anyio.lowlevel
+from anyio.abc import TaskStatus
 
 from .._consumer import pump
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import ConfigurationError, EncodeError
+from .._failures import describe_error
 from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
-from ..transports.base import DedupStoreProvider, Transport, TransportSettings
+from ..transports._kit import Backoff
+from ..transports.base import (
+    DedupStoreProvider,
+    SharedDeadLetters,
+    Transport,
+    TransportSettings,
+)
 from .local import LocalMode
 from .mode import CLOSE_GRACE, INBOX, Progress
 
 __all__ = ["BrokerMode", "over_broker", "split_stage_name"]
 
 dead_letter_logger = logging.getLogger("asyncbus.dead_letters")
+
+#: Pauses before watching the broker's dead letters again after a failure (seconds).
+_WATCH_BACKOFF_MIN = 0.1
+_WATCH_BACKOFF_MAX = 2.0
 
 
 def _batch_encode_error(
@@ -84,8 +96,56 @@ class BrokerMode:
             )
         )
         await stack.enter_async_context(broker)
-        for entry in await self.port.dead_letters():
-            dead_letters.restore(entry)
+        port = self.port
+        if port.shared is None:
+            # A store of this process's making (or none): loaded once, kept here.
+            dead_letters.share(port.dead_letters if port.store is not None else None, None)
+            for entry in await port.dead_letters():
+                dead_letters.restore(entry)
+            return
+        # One list for every process: this queue is its view, read now (``start``
+        # waits for it) and kept up to date from the broker's changes until the close.
+        dead_letters.share(port.dead_letters, _Shared(port.shared, port))
+        watchers = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(watchers.cancel_scope.cancel)  # (callbacks run first: LIFO)
+        await watchers.start(self._watch, port.shared, dead_letters)
+
+    async def _watch(
+        self,
+        shared: SharedDeadLetters,
+        queue: DeadLetterQueue,
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Keep ``queue`` the view of the broker's dead letters, until cancelled.
+
+        The first read's failure is the start's; later ones are logged and the watch
+        begins again (after a pause doubling up to 2 s), with a fresh read.
+        """
+        started = False
+        backoff = Backoff(_WATCH_BACKOFF_MIN, _WATCH_BACKOFF_MAX)
+        while True:
+            try:
+                async with shared.watch_dead_letters() as changes:
+                    # Entered first, read next: nothing changed between goes unseen.
+                    await queue.refresh()
+                    if not started:
+                        started = True
+                        task_status.started()
+                    backoff.reset()
+                    async for change in changes:
+                        if change.stale:
+                            await queue.refresh()
+                        else:
+                            queue.changed(change.added, change.removed)
+            except Exception as error:  # deliberate: the watch goes on while the bus runs
+                if not started:
+                    raise
+                dead_letter_logger.warning(
+                    "the broker's dead letters: watching them failed, again shortly: %s",
+                    describe_error(error),
+                )
+            await backoff.sleep()
 
     def close_by(self, deadline: float) -> float:
         """Keep the end of the deadline for closing with the broker.
@@ -259,17 +319,24 @@ class BrokerMode:
                 "could not store dead letter %s", entry.envelope.id, exc_info=True
             )
 
-    def forget(self, ids: Sequence[str]) -> None:
-        """Remove the stored copies of ``ids``, in the background."""
-        if ids:
-            self.host.start_background(self._forget, list(ids))
+    def forget(self, ids: Sequence[str], everything: bool = False) -> None:
+        """Remove the stored copies of ``ids`` (of every entry when ``everything``: in a
+        store every process shares, theirs too), in the background."""
+        if ids or everything:
+            self.host.start_background(self._forget, list(ids), everything)
 
-    async def _forget(self, ids: list[str]) -> None:
+    async def _forget(self, ids: list[str], everything: bool) -> None:
+        shared = self.port.shared
         try:
             with self.transport.cleanup_scope():
-                await self.port.remove_dead_letters(ids)
+                if shared is not None and everything:
+                    await shared.clear_dead_letters()
+                elif ids:
+                    await self.port.remove_dead_letters(ids)
         except Exception:
-            dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)
+            dead_letter_logger.warning(
+                "could not remove dead letters %s", "(all)" if everything else ids, exc_info=True
+            )
 
     async def replay(self, entry: DeadLetter, envelope: Envelope) -> Receipt:
         """To the group that dead-lettered it, in whichever process asks.
@@ -286,10 +353,12 @@ class BrokerMode:
             if stage is not None and over_broker(stage)
             else split_stage_name(entry.stage, envelope.topic)
         )
+        claimed = broker.shared is not None  # the queue took it out of the store
         with anyio.CancelScope(shield=True):
-            # Forget the stored entry first: the replay may die again at once, and
-            # its new dead letter (same id) must not be the one removed.
-            await broker.remove_dead_letters([envelope.id])
+            if not claimed:
+                # Forget the stored entry first: the replay may die again at once, and
+                # its new dead letter (same id) must not be the one removed.
+                await broker.remove_dead_letters([envelope.id])
             reached: tuple[str, ...] | None = (entry.stage,) if entry.stage else ()
             try:
                 if target is not None:
@@ -297,7 +366,8 @@ class BrokerMode:
                 else:
                     reached = await broker.publish_routed(envelope.topic, [envelope])
             except BaseException:  # deliberate: whatever stopped the re-send, keep it
-                await broker.add_dead_letter(entry)  # not re-sent: keep it stored
+                if not claimed:  # (a claimed one the queue puts back)
+                    await broker.add_dead_letter(entry)  # not re-sent: keep it stored
                 raise
         if reached == () and target is None:
             self.host.dead_letter(
@@ -322,6 +392,34 @@ class BrokerMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """The transport's shielded scope, bounded by its close deadline."""
         return self.transport.cleanup_scope()
+
+
+class _Shared:
+    """A broker's store every process shares, as the dead-letter queue uses it."""
+
+    def __init__(self, shared: SharedDeadLetters, port: BoundTransport) -> None:
+        self._shared = shared
+        self._port = port
+
+    async def load(self) -> list[DeadLetter]:
+        return await self._port.dead_letters()
+
+    async def take(self, ids: Sequence[str]) -> list[DeadLetter]:
+        with self._port.transport.cleanup_scope():
+            return await self._shared.take_dead_letters(ids)
+
+    async def put_back(self, entries: Sequence[DeadLetter]) -> None:
+        for entry in entries:
+            try:
+                with self._port.transport.cleanup_scope():
+                    await self._port.add_dead_letter(entry)
+            except Exception:
+                dead_letter_logger.error(
+                    "dead letter %s was taken for a replay that failed, and could not be "
+                    "stored again",
+                    entry.envelope.id,
+                    exc_info=True,
+                )
 
 
 def over_broker(stage: Stage) -> bool:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter, DeadLetterKey, DeadLetterReason
 from .._envelope import Envelope
 from .._exceptions import DecodeError, EncodeError, SerializationError
-from ._wire_fields import envelope_from_fields, optional_text, real
+from ._wire_fields import envelope_from_fields, optional_text, real, text
 
 __all__ = [
     "Codec",
@@ -18,6 +18,8 @@ __all__ = [
     "MsgspecCodec",
     "RawBody",
     "dead_letter_from_wire",
+    "dead_letter_keys_from_wire",
+    "dead_letter_keys_to_wire",
     "dead_letter_to_wire",
     "default_codec",
     "dump_meta",
@@ -318,3 +320,34 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
         dead_at=real(fields.get("dead_at", 0.0), "dead_at"),
         traceback=optional_text(fields.get("traceback"), "traceback"),
     )
+
+
+def dead_letter_keys_to_wire(keys: Sequence[DeadLetterKey]) -> bytes:
+    """Keys of dead letters (a removal every process is told of) as a JSON list."""
+    return json.dumps([list(key) for key in keys], separators=(",", ":")).encode()
+
+
+def dead_letter_keys_from_wire(data: bytes | str) -> tuple[DeadLetterKey, ...]:
+    """Keys written by :func:`dead_letter_keys_to_wire`.
+
+    :raises DecodeError: when ``data`` is not such a list (whatever the bytes).
+    """
+    try:
+        found = json.loads(data)
+    except (ValueError, TypeError, RecursionError) as error:
+        raise DecodeError(f"dead-letter keys are unreadable: {_reason(error)}") from error
+    if type(found) is not list:
+        raise DecodeError("dead-letter keys are not a list")
+    keys: list[DeadLetterKey] = []
+    for item in found:
+        if type(item) is not list or len(item) != 4:
+            raise DecodeError("a dead-letter key is not [id, timestamp, stage, reason]")
+        keys.append(
+            (
+                text(item[0], "id"),
+                real(item[1], "timestamp"),
+                optional_text(item[2], "stage"),
+                text(item[3], "reason"),
+            )
+        )
+    return tuple(keys)
