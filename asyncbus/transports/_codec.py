@@ -253,10 +253,11 @@ def _reason(error: BaseException) -> str:
 
 
 def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
-    """A dead letter as one JSON document (the body base64-encoded; a :class:`RawBody`
-    byte for byte, marked ``raw``)."""
+    """A dead letter as one JSON document (the body base64-encoded). A bytes payload is
+    kept as it is (``raw``); a :class:`RawBody` is marked ``verbatim`` too, so a replay
+    sends it as it came."""
     payload = entry.envelope.payload
-    raw = type(payload) is RawBody  # an undecodable body, kept byte for byte
+    raw = isinstance(payload, bytes | bytearray)  # kept byte for byte
     if raw:
         body = bytes(payload)
     else:
@@ -269,6 +270,7 @@ def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
             "meta": envelope_meta(entry.envelope),
             "body": base64.b64encode(body).decode(),
             "raw": raw,
+            "verbatim": type(payload) is RawBody,
             "reason": entry.reason.value,
             "error": entry.error,
             "traceback": entry.traceback,
@@ -305,7 +307,7 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise DecodeError(f"dead letter is unreadable: {_reason(error)}") from error
     if fields.get("raw"):
-        payload: Any = RawBody(body)
+        payload: Any = RawBody(body) if fields.get("verbatim") is True else body
     else:
         try:
             payload = codec.decode(body)
