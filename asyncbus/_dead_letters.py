@@ -367,8 +367,10 @@ class DeadLetterQueue:
                     await shared.put_back(taken)
                 raise _NotQueued(missing)
             self._expire()
-            # This process's own entry where it has one: it may know more (a traceback,
-            # the payload as it was).
+            # In the order asked for (as in memory); this process's own entry where it
+            # has one: it may know more (a traceback, the payload as it was).
+            order = {id: position for position, id in enumerate(ids)}
+            taken.sort(key=lambda entry: order[entry.envelope.id])
             entries = [self._own(entry) for entry in taken]
             keys = [dead_letter_key(entry) for entry in entries]
             self._journal("drop", keys)

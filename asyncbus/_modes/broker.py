@@ -409,17 +409,16 @@ class _Shared:
             return await self._shared.take_dead_letters(ids)
 
     async def put_back(self, entries: Sequence[DeadLetter]) -> None:
-        for entry in entries:
-            try:
-                with self._port.transport.cleanup_scope():
-                    await self._port.add_dead_letter(entry)
-            except Exception:
-                dead_letter_logger.error(
-                    "dead letter %s was taken for a replay that failed, and could not be "
-                    "stored again",
-                    entry.envelope.id,
-                    exc_info=True,
-                )
+        try:
+            with self._port.transport.cleanup_scope():
+                await self._shared.restore_dead_letters(entries)
+        except Exception:
+            dead_letter_logger.error(
+                "dead letters %s were taken for a replay that failed, and could not be "
+                "stored again",
+                ", ".join(entry.envelope.id for entry in entries),
+                exc_info=True,
+            )
 
 
 def over_broker(stage: Stage) -> bool:

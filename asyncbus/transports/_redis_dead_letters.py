@@ -7,7 +7,8 @@ the stream ``{prefix}:deadletters:removed`` (``n``, ``keys``), ``n`` counting re
 in ``{prefix}:deadletters:removals``. A watcher reads both streams with one blocking
 ``XREAD``: new entries are additions, removals name the keys that went; a removal whose
 ``n`` is not the one after the last (some were trimmed unread, or Redis lost its data)
-makes the watcher read everything again, as does a purge of everything.
+makes the watcher read everything again, as does a purge of everything (or entries put
+back after a replay that failed).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class DeadLetterHost(RedisHost, Protocol):
     block_ms: int
     #: The registered scripts of :mod:`._redis_scripts`, by name.
     _scripts: dict[str, AsyncScript]
+
+    def _queue_dead_letter(self, pipe: Any, entry: DeadLetter) -> None:
+        """Add the XADD of ``entry`` to ``pipe``."""
+        ...
 
     def _dead_entries(self) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
         """Every entry of the dead-letter stream, oldest first, in pages."""
@@ -99,6 +104,20 @@ class RedisDeadLetters:
         except transport._errors.RedisError as error:
             raise transport._failed("taking dead letters", error) from error
         return [dead for entry in taken if (dead := found.get(entry)) is not None]
+
+    async def restore(self, entries: Sequence[DeadLetter]) -> None:
+        """Append ``entries`` again; every watcher reads the store again."""
+        transport = self.transport
+        pipe = transport._redis().pipeline(transaction=True)
+        for entry in entries:
+            transport._queue_dead_letter(pipe, entry)
+        try:
+            await pipe.execute()
+            await transport._scripts["STALE_DEAD"](
+                keys=[self.dead_key, self.removed_key, self.count_key], args=[_REMOVALS_KEPT]
+            )
+        except transport._errors.RedisError as error:
+            raise transport._failed("storing dead letters again", error) from error
 
     async def clear(self) -> None:
         """Delete every dead letter; every watcher reads the store again."""

@@ -16,6 +16,7 @@ __all__ = [
     "REAP",
     "REAP_INBOXES",
     "RELEASE",
+    "STALE_DEAD",
     "TAKE_DEAD",
     "TOUCH",
 ]
@@ -219,4 +220,12 @@ redis.call('DEL', KEYS[1])
 local n = redis.call('INCR', KEYS[3])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 'all', 1)
 return gone
+"""
+
+#: Tell every watcher to read the dead letters again (entries were put back).
+#: KEYS as for TAKE_DEAD; ARGV the removals' length to keep.
+STALE_DEAD = """
+local n = redis.call('INCR', KEYS[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 'all', 1)
+return n
 """

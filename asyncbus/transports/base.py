@@ -445,6 +445,10 @@ class SharedDeadLetters(Protocol):
     async def clear_dead_letters(self) -> None:
         """Remove every dead letter kept (every watcher is told to read the store again)."""
 
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Keep ``entries`` again: taken for a replay that could not be sent (every
+        watcher is told to read the store again)."""
+
     def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
         """Every change to the store made after the context was entered, by any process,
         in the order the broker made them; a change with ``stale`` set whenever some may

@@ -265,6 +265,11 @@ class MemoryTransport(Transport):
         self._dead.clear()
         self._tell(DeadLetterChange(stale=True))
 
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Keep ``entries`` again (taken for a replay that failed)."""
+        self._dead.extend(entries)
+        self._tell(DeadLetterChange(stale=True))
+
     @asynccontextmanager
     async def watch_dead_letters(self) -> AsyncIterator[AsyncIterator[DeadLetterChange]]:
         """Every change to the dead letters from now on."""

@@ -1250,6 +1250,11 @@ class RedisTransport(Transport):
         """Delete every dead letter (every watcher reads them again)."""
         await self._shared_dead.clear()
 
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Append ``entries`` again (taken for a replay that failed); every watcher reads
+        the dead letters again."""
+        await self._shared_dead.restore(entries)
+
     def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
         """Every dead letter added or removed from now on, by any process."""
         return self._shared_dead.watch()
