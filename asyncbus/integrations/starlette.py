@@ -69,7 +69,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 from .._bus import DEADLETTER_TOPIC, Bus
 from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, TransportError
 from .._observe import bus_state, stages_subscribed
 from ..transports.base import BacklogReader
 from ._json import json_safe
@@ -276,14 +276,25 @@ class _AdminApi:
         # The broker problem last logged by a health probe (None: none, or answering).
         self._logged: str | None = None
 
-    def _check_known(self, ids: list[str]) -> None:
-        unknown = [id for id in ids if self.bus.dead_letters.get(id) is None]
+    async def _unknown(self, ids: list[str]) -> list[str]:
+        """The ids the dead-letter queue does not list. Over a broker, one it does not
+        list yet (stored by another process a moment ago) is looked for again after
+        reading the broker."""
+        queue = self.bus.dead_letters
+        unknown = [id for id in ids if queue.get(id) is None]
         if unknown:
-            raise _Problem(
-                404,
-                f"not in the dead-letter queue: {', '.join(unknown)}; nothing was changed",
-                unknown_ids=unknown,
-            )
+            try:
+                await queue.refresh()
+            except TransportError as error:
+                logger.warning("could not read the broker's dead letters: %s", error)
+                return unknown
+            unknown = [id for id in ids if queue.get(id) is None]
+        return unknown
+
+    async def _check_known(self, ids: list[str]) -> None:
+        unknown = await self._unknown(ids)
+        if unknown:
+            raise _unknown_ids(unknown)
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(_DASHBOARD, headers=_PAGE_HEADERS)
@@ -322,6 +333,7 @@ class _AdminApi:
 
     async def dead_letter(self, request: Request) -> Response:
         id = request.path_params["id"]
+        await self._unknown([id])
         entries = [entry for entry in self.bus.dead_letters.list() if entry.envelope.id == id]
         if not entries:
             raise _Problem(404, f"not in the dead-letter queue: {id}", unknown_ids=[id])
@@ -331,14 +343,16 @@ class _AdminApi:
         ids = _ids(await _json_object(request, frozenset({"ids"})))
         if not self.bus.running:
             raise _Problem(409, "the bus is not running; replay needs a running bus")
-        self._check_known(ids)
         # Replay takes entries out of the queue before re-sending them: finish even if
-        # the client goes away, so none is lost half-way.
+        # the client goes away, so none is lost half-way. What is not in the queue
+        # (over a broker: not in the broker's store, whichever process lists it) is
+        # refused as a whole.
         with anyio.CancelScope(shield=True):
             try:
                 receipts = await self.bus.dead_letters.replay(*ids)
             except KeyError as error:
-                raise _Problem(404, str(error.args[0]), unknown_ids=ids) from None
+                unknown = getattr(error, "ids", None)
+                raise _unknown_ids(unknown if isinstance(unknown, list) else ids) from None
         return JSONResponse(
             {
                 "replayed": ids,
@@ -398,8 +412,16 @@ class _AdminApi:
                 raise _Problem(422, 'send either {"all": true} or {"ids": [...]}, not both')
             return JSONResponse({"purged": self.bus.dead_letters.purge()})
         ids = _ids(body)
-        self._check_known(ids)
+        await self._check_known(ids)
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
+
+
+def _unknown_ids(ids: list[str]) -> _Problem:
+    return _Problem(
+        404,
+        f"not in the dead-letter queue: {', '.join(ids)}; nothing was changed",
+        unknown_ids=ids,
+    )
 
 
 def _status(
@@ -506,7 +528,9 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
     * ``GET /stats`` -- :meth:`Bus.statistics` as ``dataclasses.asdict``;
     * ``GET /dead-letters?reason=&topic=&limit=100&offset=0&order=oldest`` -- one page
       of the dead-letter queue plus ``total`` (matching), ``queue_length`` and
-      ``by_reason`` (over the whole queue);
+      ``by_reason`` (over the whole queue); over a broker, every process's dead letters
+      (``bus.dead_letters`` is the broker's list), and replay and purge act on any of
+      them, a replay at most once however many processes or clicks ask;
     * ``GET /dead-letters/{id}`` -- the entries of one envelope id;
     * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
       409 when the bus is not running;
