@@ -123,6 +123,7 @@ class BrokerMode:
         begins again (after a pause doubling up to 2 s), with a fresh read.
         """
         started = False
+        failing = False  # (a broker that stays down is logged once, not every pause)
         backoff = Backoff(_WATCH_BACKOFF_MIN, _WATCH_BACKOFF_MAX)
         while True:
             try:
@@ -132,6 +133,9 @@ class BrokerMode:
                     if not started:
                         started = True
                         task_status.started()
+                    elif failing:
+                        dead_letter_logger.info("the broker's dead letters: watching again")
+                    failing = False
                     backoff.reset()
                     async for change in changes:
                         if change.stale:
@@ -141,10 +145,13 @@ class BrokerMode:
             except Exception as error:  # deliberate: the watch goes on while the bus runs
                 if not started:
                     raise
-                dead_letter_logger.warning(
-                    "the broker's dead letters: watching them failed, again shortly: %s",
+                dead_letter_logger.log(
+                    logging.DEBUG if failing else logging.WARNING,
+                    "the broker's dead letters: watching them failed (the list may fall "
+                    "behind until it works again): %s",
                     describe_error(error),
                 )
+                failing = True
             await backoff.sleep()
 
     def close_by(self, deadline: float) -> float:

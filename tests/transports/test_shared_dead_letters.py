@@ -19,8 +19,9 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _kinds import SHARED_PORTS, make_transport, url_for  # type: ignore[import-not-found]
 from _processes import stop  # type: ignore[import-not-found]
+from _proxy import TcpProxy  # type: ignore[import-not-found]
 
 from asyncbus import HEADER_REPLAYED, Bus, DeadLetterReason, Envelope
 from asyncbus.integrations.starlette import admin_app
@@ -315,3 +316,33 @@ async def test_processes_share_one_dead_letter_list_and_a_replay_runs_once(
     for worker in workers:
         worker.stop()
     assert [worker.handled() for worker in workers] == [[chosen[0]], [chosen[1]]]
+
+
+async def test_a_list_that_lost_its_broker_catches_up_once_it_is_back(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    """What another process dead-letters while this one cannot reach the broker shows
+    in this one's list once the broker answers again (it reads everything again)."""
+    with TcpProxy(SHARED_PORTS[kind]) as proxy:
+        cut_off = Bus(
+            transport=make_transport(
+                kind, url_for(kind, proxy.port), unique_prefix, publish_timeout=1.5
+            )
+        )
+        b = _Process(kind, url, unique_prefix, "b")
+        with anyio.fail_after(90):
+            async with cut_off, b.bus:
+                proxy.refuse()
+                receipts = await b.bus.publish_many("jobs.b", list(range(N)))
+                await b.bus.drain(20)
+                assert len(cut_off.dead_letters) == 0
+                proxy.forward()
+                made = {receipt.id for receipt in receipts}
+                await until(
+                    lambda: {e.envelope.id for e in cut_off.dead_letters.list()} == made,
+                    "the list catches up after the outage",
+                )
+                # And it follows again: b's replay of one reaches it.
+                first = sorted(made)[0]
+                await b.bus.dead_letters.replay(first)
+                await until(lambda: cut_off.dead_letters.get(first) is None, "the replay")
