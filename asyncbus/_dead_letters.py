@@ -96,8 +96,8 @@ class SharedStore(Protocol):
 class _NotQueued(KeyError):
     """A replay of ids the queue does not hold (``ids``): nothing was replayed."""
 
-    def __init__(self, ids: Sequence[str], why: str = "not in the dead-letter queue") -> None:
-        super().__init__(f"{why}: {', '.join(ids)}")
+    def __init__(self, ids: Sequence[str]) -> None:
+        super().__init__(f"not in the dead-letter queue: {', '.join(ids)}")
         self.ids = builtins.list(ids)
 
 

@@ -11,35 +11,24 @@ from typing import cast
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskStatus
 
 from .._consumer import pump
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import ConfigurationError, EncodeError
-from .._failures import describe_error
 from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
-from ..transports._kit import Backoff
-from ..transports.base import (
-    DedupStoreProvider,
-    SharedDeadLetters,
-    Transport,
-    TransportSettings,
-)
+from ..transports.base import DedupStoreProvider, Transport, TransportSettings
+from .dead_letters import BrokerStore, watch
 from .local import LocalMode
 from .mode import CLOSE_GRACE, INBOX, Progress
 
 __all__ = ["BrokerMode", "over_broker", "split_stage_name"]
 
 dead_letter_logger = logging.getLogger("asyncbus.dead_letters")
-
-#: Pauses before watching the broker's dead letters again after a failure (seconds).
-_WATCH_BACKOFF_MIN = 0.1
-_WATCH_BACKOFF_MAX = 2.0
 
 
 def _batch_encode_error(
@@ -105,54 +94,10 @@ class BrokerMode:
             return
         # One list for every process: this queue is its view, read now (``start``
         # waits for it) and kept up to date from the broker's changes until the close.
-        dead_letters.share(port.dead_letters, _Shared(port.shared, port))
+        dead_letters.share(port.dead_letters, BrokerStore(port.shared, port))
         watchers = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(watchers.cancel_scope.cancel)  # (callbacks run first: LIFO)
-        await watchers.start(self._watch, port.shared, dead_letters)
-
-    async def _watch(
-        self,
-        shared: SharedDeadLetters,
-        queue: DeadLetterQueue,
-        *,
-        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Keep ``queue`` the view of the broker's dead letters, until cancelled.
-
-        The first read's failure is the start's; later ones are logged and the watch
-        begins again (after a pause doubling up to 2 s), with a fresh read.
-        """
-        started = False
-        failing = False  # (a broker that stays down is logged once, not every pause)
-        backoff = Backoff(_WATCH_BACKOFF_MIN, _WATCH_BACKOFF_MAX)
-        while True:
-            try:
-                async with shared.watch_dead_letters() as changes:
-                    # Entered first, read next: nothing changed between goes unseen.
-                    await queue.refresh()
-                    if not started:
-                        started = True
-                        task_status.started()
-                    elif failing:
-                        dead_letter_logger.info("the broker's dead letters: watching again")
-                    failing = False
-                    backoff.reset()
-                    async for change in changes:
-                        if change.stale:
-                            await queue.refresh()
-                        else:
-                            queue.changed(change.added, change.removed)
-            except Exception as error:  # deliberate: the watch goes on while the bus runs
-                if not started:
-                    raise
-                dead_letter_logger.log(
-                    logging.DEBUG if failing else logging.WARNING,
-                    "the broker's dead letters: watching them failed (the list may fall "
-                    "behind until it works again): %s",
-                    describe_error(error),
-                )
-                failing = True
-            await backoff.sleep()
+        await watchers.start(watch, port.shared, dead_letters)
 
     def close_by(self, deadline: float) -> float:
         """Keep the end of the deadline for closing with the broker.
@@ -399,33 +344,6 @@ class BrokerMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """The transport's shielded scope, bounded by its close deadline."""
         return self.transport.cleanup_scope()
-
-
-class _Shared:
-    """A broker's store every process shares, as the dead-letter queue uses it."""
-
-    def __init__(self, shared: SharedDeadLetters, port: BoundTransport) -> None:
-        self._shared = shared
-        self._port = port
-
-    async def load(self) -> list[DeadLetter]:
-        return await self._port.dead_letters()
-
-    async def take(self, ids: Sequence[str]) -> list[DeadLetter]:
-        with self._port.transport.cleanup_scope():
-            return await self._shared.take_dead_letters(ids)
-
-    async def put_back(self, entries: Sequence[DeadLetter]) -> None:
-        try:
-            with self._port.transport.cleanup_scope():
-                await self._shared.restore_dead_letters(entries)
-        except Exception:
-            dead_letter_logger.error(
-                "dead letters %s were taken for a replay that failed, and could not be "
-                "stored again",
-                ", ".join(entry.envelope.id for entry in entries),
-                exc_info=True,
-            )
 
 
 def over_broker(stage: Stage) -> bool:
