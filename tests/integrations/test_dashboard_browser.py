@@ -8,6 +8,7 @@ Playwright downloads. Without it the test is skipped, unless the environment set
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -37,6 +38,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 TOKEN = "dashboard-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STAGE = "orders.created@fulfil"
 TIMEOUT_MS = 15_000
 
@@ -277,6 +279,22 @@ async def browser_page(chromium: Path, width: int = 1280) -> AsyncIterator[Any]:
             await browser.close()
 
 
+async def _every_column_in_view(page: Any) -> None:
+    """No column of the stage table is outside its panel (none hidden in a scroller)."""
+    panel = page.locator("#stages").locator("xpath=..")
+    widths = await panel.evaluate("(panel) => [panel.scrollWidth, panel.clientWidth]")
+    assert widths[0] <= widths[1], f"the stage table overflows its panel: {widths}"
+    box = await panel.bounding_box()
+    assert box is not None
+    headers = page.locator("#stages thead th")
+    assert await headers.count() == 16
+    for index in range(16):
+        cell = await headers.nth(index).bounding_box()
+        assert cell is not None
+        assert cell["x"] + cell["width"] <= box["x"] + box["width"] + 0.5, index
+    assert await panel.evaluate("(panel) => panel.classList.contains('overflows')") is False
+
+
 @pytest.mark.timeout(120)
 async def test_at_1280_px_every_stage_column_is_in_view_and_the_totals_say_what_they_count(
     chromium: Path,
@@ -295,21 +313,7 @@ async def test_at_1280_px_every_stage_column_is_in_view_and_the_totals_say_what_
                 await page.goto(f"{url}/?token={TOKEN}")
                 await expect(page.locator("#status")).to_have_text("live")
                 await expect(page.locator('[data-total="published"]')).to_have_text("9003")
-                panel = page.locator("#stages").locator("xpath=..")
-                widths = await panel.evaluate("(panel) => [panel.scrollWidth, panel.clientWidth]")
-                assert widths[0] <= widths[1], f"the stage table overflows its panel: {widths}"
-                box = await panel.bounding_box()
-                assert box is not None
-                headers = page.locator("#stages thead th")
-                assert await headers.count() == 16
-                for index in range(16):
-                    cell = await headers.nth(index).bounding_box()
-                    assert cell is not None
-                    assert cell["x"] + cell["width"] <= box["x"] + box["width"] + 0.5, index
-                assert (
-                    await panel.evaluate("(panel) => panel.classList.contains('overflows')")
-                    is False
-                )
+                await _every_column_in_view(page)
 
                 # The door's refusals and the dead-letter reason 'rejected' are told apart,
                 # and the totals say that they add up every stage an envelope reached.
@@ -331,6 +335,30 @@ async def test_at_1280_px_every_stage_column_is_in_view_and_the_totals_say_what_
                 assert (
                     "dead letter" in (await page.locator("#by-reason-label").inner_text()).lower()
                 )
+
+                # A long-running service: seven-digit counts, a stage shedding.
+                stats = await (await page.request.get(f"{url}/stats", headers=AUTH)).json()
+                for stage in stats["stages"]:
+                    stage.update(
+                        {field: 1_234_567 for field in ("published", "acked", "failed")},
+                        retried=123_456,
+                        dead_lettered=98_765,
+                        rejected=12_345,
+                        shed=123_456,
+                        shedding=True,
+                        depth=1000,
+                        in_flight=256,
+                        limit=256,
+                    )
+                await page.route(
+                    "**/stats",
+                    lambda route: route.fulfill(
+                        status=200, content_type="application/json", body=json.dumps(stats)
+                    ),
+                )
+                shed = page.locator('#stages td[data-field="shed"]').first
+                await expect(shed).to_have_text("123456 shedding")
+                await _every_column_in_view(page)
 
             # Narrower than the table: the scroller says so.
             async with browser_page(chromium, width=700) as page:
