@@ -59,6 +59,7 @@ class DeadLettering:
             on_add=self.announce,
             on_remove=mode.forget,
             clock=clock,
+            before_replay=self.check_replay,
         )
 
     def record(
@@ -135,13 +136,19 @@ class DeadLettering:
 
     # -- replay -----------------------------------------------------------------
 
-    async def resend(self, entry: DeadLetter) -> Receipt:
-        """Replay ``entry``: ``attempt`` 1, marked replayed, to the stage that lost it."""
-        # As a publish: refused once ``aclose`` began, but from the bus's own handlers
-        # (the entry stays in the queue).
+    def check_replay(self) -> None:
+        """Raise :class:`BusClosedError` unless a replay may be sent now.
+
+        As a publish: refused once ``aclose`` began, but from the bus's own handlers
+        (the entry stays in the queue).
+        """
         state = self._state()
         if not (state == "running" or (state == "closing" and current_handling() is not None)):
             raise BusClosedError(f"replay needs a running bus; the bus is {state}")
+
+    async def resend(self, entry: DeadLetter) -> Receipt:
+        """Replay ``entry``: ``attempt`` 1, marked replayed, to the stage that lost it."""
+        self.check_replay()
         envelope = with_headers(
             entry.envelope.evolve(attempt=1, timestamp=time.time()), {HEADER_REPLAYED: "1"}
         )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from asyncbus import (
@@ -15,10 +18,12 @@ from asyncbus import (
     DeadLetter,
     DeadLetterReason,
     Envelope,
+    Receipt,
     Reject,
     Retry,
     StageStatistics,
 )
+from asyncbus._dead_letters import DeadLetterQueue, dead_letter_key
 
 pytestmark = pytest.mark.anyio
 
@@ -518,3 +523,100 @@ async def test_a_cancelled_replay_keeps_its_dead_letter_for_the_next_one(
     assert seen.count("bad") == 2
     assert bus.dead_letters.get(dead) is None
     assert_settled(bus)
+
+
+# -- the view of a store every process shares ---------------------------------------
+
+
+def _entry(id: str, stage: str = "jobs@g") -> DeadLetter:
+    return DeadLetter(
+        Envelope(id=id, topic="jobs", payload=id),
+        DeadLetterReason.HANDLER_FAILED,
+        None,
+        stage,
+        1,
+        time.time(),
+    )
+
+
+class _Store:
+    """A store shared by every process, in this one: a load that waits until released."""
+
+    def __init__(self, *entries: DeadLetter) -> None:
+        self.entries = list(entries)
+        self.release: anyio.Event | None = None
+
+    async def load(self) -> list[DeadLetter]:
+        if self.release is not None:
+            await self.release.wait()
+        return list(self.entries)
+
+    async def take(self, ids: Sequence[str]) -> list[DeadLetter]:
+        await anyio.lowlevel.checkpoint()
+        taken = [entry for entry in self.entries if entry.envelope.id in ids]
+        self.entries = [entry for entry in self.entries if entry not in taken]
+        return taken
+
+    async def put_back(self, entries: Sequence[DeadLetter]) -> None:
+        self.entries.extend(entries)
+
+
+def _view(store: _Store, sent: list[str] | None = None) -> DeadLetterQueue:
+    async def resend(entry: DeadLetter) -> Receipt:
+        if sent is None:
+            raise BusClosedError("not running")
+        sent.append(entry.envelope.id)
+        return Receipt(entry.envelope.id, (entry.stage or "",))
+
+    queue = DeadLetterQueue(ttl=60.0, maxlen=100, resend=resend)
+    queue.share(store.load, store)
+    return queue
+
+
+async def test_a_refresh_keeps_what_changed_while_it_read() -> None:
+    old, theirs, mine = _entry("old"), _entry("theirs"), _entry("mine")
+    store = _Store(old)
+    queue = _view(store)
+    await queue.refresh()
+    assert [entry.envelope.id for entry in queue.list()] == ["old"]
+    store.release = anyio.Event()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(queue.refresh)
+            await anyio.wait_all_tasks_blocked()
+            # While the store is read: another process's entry arrives, one of this
+            # process's is recorded, and the old one is taken elsewhere.
+            queue.changed(added=[theirs])
+            queue.add(mine)
+            queue.changed(removed=[dead_letter_key(old)])
+            store.release.set()  # the read answers as it was when it began
+    assert [entry.envelope.id for entry in queue.list()] == ["theirs", "mine"]
+    # The broker's copy of this process's own entry is the same entry.
+    queue.changed(added=[dataclasses.replace(mine, dead_at=mine.dead_at + 0.5)])
+    assert len(queue) == 2 and queue.get("mine") is mine
+
+
+async def test_a_replay_over_a_shared_store_takes_before_it_sends_and_only_once() -> None:
+    sent: list[str] = []
+    store = _Store(_entry("a"), _entry("b"), _entry("b", "jobs@other"))
+    queue = _view(store, sent)
+    await queue.refresh()
+    stale = _view(store, sent)  # another process, whose list is about to go stale
+    await stale.refresh()
+    receipts = await queue.replay("b")
+    assert [receipt.accepted for receipt in receipts] == [("jobs@g",), ("jobs@other",)]
+    assert [entry.envelope.id for entry in queue.list()] == ["a"]
+    assert stale.get("b") is not None  # its list still shows it...
+    with pytest.raises(KeyError, match="not in the dead-letter queue: b"):
+        await stale.replay("b", "a")  # ...but the store decides, and nothing is sent
+    assert sent == ["b", "b"] and [e.envelope.id for e in store.entries] == ["a"]
+
+
+async def test_a_replay_that_cannot_send_puts_the_entries_back() -> None:
+    store = _Store(_entry("a"))
+    queue = _view(store)  # its bus is not running: every re-send fails
+    await queue.refresh()
+    with pytest.raises(BusClosedError):
+        await queue.replay("a")
+    assert [e.envelope.id for e in store.entries] == ["a"]
+    assert [e.envelope.id for e in queue.list()] == ["a"]

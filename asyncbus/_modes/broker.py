@@ -22,6 +22,7 @@ from .._stage import Stage
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
 from ..transports.base import DedupStoreProvider, Transport, TransportSettings
+from .dead_letters import BrokerStore, watch
 from .local import LocalMode
 from .mode import CLOSE_GRACE, INBOX, Progress
 
@@ -84,8 +85,19 @@ class BrokerMode:
             )
         )
         await stack.enter_async_context(broker)
-        for entry in await self.port.dead_letters():
-            dead_letters.restore(entry)
+        port = self.port
+        if port.shared is None:
+            # A store of this process's making (or none): loaded once, kept here.
+            dead_letters.share(port.dead_letters if port.store is not None else None, None)
+            for entry in await port.dead_letters():
+                dead_letters.restore(entry)
+            return
+        # One list for every process: this queue is its view, read now (``start``
+        # waits for it) and kept up to date from the broker's changes until the close.
+        dead_letters.share(port.dead_letters, BrokerStore(port.shared, port))
+        watchers = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(watchers.cancel_scope.cancel)  # (callbacks run first: LIFO)
+        await watchers.start(watch, port.shared, dead_letters)
 
     def close_by(self, deadline: float) -> float:
         """Keep the end of the deadline for closing with the broker.
@@ -273,17 +285,24 @@ class BrokerMode:
                 "could not store dead letter %s", entry.envelope.id, exc_info=True
             )
 
-    def forget(self, ids: Sequence[str]) -> None:
-        """Remove the stored copies of ``ids``, in the background."""
-        if ids:
-            self.host.start_background(self._forget, list(ids))
+    def forget(self, ids: Sequence[str], everything: bool = False) -> None:
+        """Remove the stored copies of ``ids`` (of every entry when ``everything``: in a
+        store every process shares, theirs too), in the background."""
+        if ids or everything:
+            self.host.start_background(self._forget, list(ids), everything)
 
-    async def _forget(self, ids: list[str]) -> None:
+    async def _forget(self, ids: list[str], everything: bool) -> None:
+        shared = self.port.shared
         try:
             with self.transport.cleanup_scope():
-                await self.port.remove_dead_letters(ids)
+                if shared is not None and everything:
+                    await shared.clear_dead_letters()
+                elif ids:
+                    await self.port.remove_dead_letters(ids)
         except Exception:
-            dead_letter_logger.warning("could not remove dead letters %s", ids, exc_info=True)
+            dead_letter_logger.warning(
+                "could not remove dead letters %s", "(all)" if everything else ids, exc_info=True
+            )
 
     async def replay(self, entry: DeadLetter, envelope: Envelope) -> Receipt:
         """To the group that dead-lettered it, in whichever process asks.
@@ -300,10 +319,12 @@ class BrokerMode:
             if stage is not None and over_broker(stage)
             else split_stage_name(entry.stage, envelope.topic)
         )
+        claimed = broker.shared is not None  # the queue took it out of the store
         with anyio.CancelScope(shield=True):
-            # Forget the stored entry first: the replay may die again at once, and
-            # its new dead letter (same id) must not be the one removed.
-            await broker.remove_dead_letters([envelope.id])
+            if not claimed:
+                # Forget the stored entry first: the replay may die again at once, and
+                # its new dead letter (same id) must not be the one removed.
+                await broker.remove_dead_letters([envelope.id])
             reached: tuple[str, ...] | None = (entry.stage,) if entry.stage else ()
             try:
                 if target is not None:
@@ -311,7 +332,8 @@ class BrokerMode:
                 else:
                     reached = await broker.publish_routed(envelope.topic, [envelope])
             except BaseException:  # deliberate: whatever stopped the re-send, keep it
-                await broker.add_dead_letter(entry)  # not re-sent: keep it stored
+                if not claimed:  # (a claimed one the queue puts back)
+                    await broker.add_dead_letter(entry)  # not re-sent: keep it stored
                 raise
         if reached == () and target is None:
             self.host.dead_letter(

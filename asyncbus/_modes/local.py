@@ -336,7 +336,7 @@ class LocalMode:
     def store(self, entry: DeadLetter) -> None:
         """The bus's dead-letter queue is the only one."""
 
-    def forget(self, ids: Sequence[str]) -> None:
+    def forget(self, ids: Sequence[str], everything: bool = False) -> None:
         """Nothing stored elsewhere."""
 
     async def replay(self, entry: DeadLetter, envelope: Envelope) -> Receipt:

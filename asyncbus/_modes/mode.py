@@ -115,8 +115,9 @@ class Mode(Protocol):
     def store(self, entry: DeadLetter) -> None:
         """Keep ``entry`` where other processes see it too (nothing in memory)."""
 
-    def forget(self, ids: Sequence[str]) -> None:
-        """The dead letters ``ids`` left the queue: forget their stored copies."""
+    def forget(self, ids: Sequence[str], everything: bool = False) -> None:
+        """The dead letters ``ids`` (every one, when ``everything``) left the queue:
+        forget their stored copies."""
 
     async def replay(self, entry: DeadLetter, envelope: Envelope) -> Receipt:
         """Send ``envelope`` (``entry``'s, made new) to the stage that dead-lettered it."""

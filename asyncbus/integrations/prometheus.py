@@ -48,7 +48,8 @@ every octave from 1 µs (1, 2, 4 µs … about 71 minutes), over the envelopes t
 times: one in eight on a plain stage (so ``_count`` is about an eighth of what was
 handled), every one on a controlled stage (``admission=`` or ``Adaptive``).
 ``asyncbus_dead_letters`` carries ``reason`` and the stage labels (empty for
-``no_subscribers``, which reached no stage).
+``no_subscribers``, which reached no stage). Over a broker the dead letters are one list
+for every process, so each process reports all of them: aggregate with ``max``.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import html
 import importlib.resources
 import json
 import logging
@@ -68,7 +69,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 from .._bus import DEADLETTER_TOPIC, Bus
 from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, TransportError
 from .._observe import bus_state, stages_subscribed
 from ..transports.base import BacklogReader
 from ._json import json_safe
@@ -85,8 +86,14 @@ _DEFAULT_LIMIT = 100
 _MAX_LIMIT = 1000
 #: Seconds the transport has to answer a liveness probe.
 _HEALTH_DEADLINE = 1.0
-#: Routes served without the token: probes reveal nothing but status.
+#: Routes served without the token: probes reveal nothing but status and a fixed reason.
 _PROBES = frozenset({"/healthz", "/readyz"})
+#: The reasons /healthz gives for a broker that does not answer (the detail is logged,
+#: and shown to a caller that presents the token).
+_BROKER_SILENT = "broker did not answer"
+_BROKER_FAILED = "broker failed"
+#: Key in the request's state: the probe's caller presented the token.
+_AUTHORISED = "asyncbus_authorised"
 
 
 # -- lifespan and dependency ------------------------------------------------------
@@ -266,15 +273,28 @@ class _AdminApi:
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
+        # The broker problem last logged by a health probe (None: none, or answering).
+        self._logged: str | None = None
 
-    def _check_known(self, ids: list[str]) -> None:
-        unknown = [id for id in ids if self.bus.dead_letters.get(id) is None]
+    async def _unknown(self, ids: list[str]) -> list[str]:
+        """The ids the dead-letter queue does not list. Over a broker, one it does not
+        list yet (stored by another process a moment ago) is looked for again after
+        reading the broker."""
+        queue = self.bus.dead_letters
+        unknown = [id for id in ids if queue.get(id) is None]
         if unknown:
-            raise _Problem(
-                404,
-                f"not in the dead-letter queue: {', '.join(unknown)}; nothing was changed",
-                unknown_ids=unknown,
-            )
+            try:
+                await queue.refresh()
+            except TransportError as error:
+                logger.warning("could not read the broker's dead letters: %s", error)
+                return unknown
+            unknown = [id for id in ids if queue.get(id) is None]
+        return unknown
+
+    async def _check_known(self, ids: list[str]) -> None:
+        unknown = await self._unknown(ids)
+        if unknown:
+            raise _unknown_ids(unknown)
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(_DASHBOARD, headers=_PAGE_HEADERS)
@@ -313,6 +333,7 @@ class _AdminApi:
 
     async def dead_letter(self, request: Request) -> Response:
         id = request.path_params["id"]
+        await self._unknown([id])
         entries = [entry for entry in self.bus.dead_letters.list() if entry.envelope.id == id]
         if not entries:
             raise _Problem(404, f"not in the dead-letter queue: {id}", unknown_ids=[id])
@@ -322,14 +343,16 @@ class _AdminApi:
         ids = _ids(await _json_object(request, frozenset({"ids"})))
         if not self.bus.running:
             raise _Problem(409, "the bus is not running; replay needs a running bus")
-        self._check_known(ids)
         # Replay takes entries out of the queue before re-sending them: finish even if
-        # the client goes away, so none is lost half-way.
+        # the client goes away, so none is lost half-way. What is not in the queue
+        # (over a broker: not in the broker's store, whichever process lists it) is
+        # refused as a whole.
         with anyio.CancelScope(shield=True):
             try:
                 receipts = await self.bus.dead_letters.replay(*ids)
             except KeyError as error:
-                raise _Problem(404, str(error.args[0]), unknown_ids=ids) from None
+                unknown = getattr(error, "ids", None)
+                raise _unknown_ids(unknown if isinstance(unknown, list) else ids) from None
         return JSONResponse(
             {
                 "replayed": ids,
@@ -350,10 +373,27 @@ class _AdminApi:
         if state not in ("running", "closing"):
             return _status(503, "down", f"the bus is {state}")
         problem = await _transport_problem(self.bus)
+        self._log_problem(problem)
         if problem is not None:
-            return _status(503, "down", problem)
+            # The broker's own words name its user, address and stages: the log and
+            # the token holder get them, an anonymous probe only the reason.
+            reason, detail = problem
+            if request.scope.get("state", {}).get(_AUTHORISED):
+                return _status(503, "down", reason, detail=detail)
+            return _status(503, "down", reason)
         # Draining is alive: a liveness probe failing now would kill it mid-drain.
         return _status(200, "ok" if state == "running" else "closing")
+
+    def _log_problem(self, problem: tuple[str, str] | None) -> None:
+        """Log the broker's problem when it changes (probes come every few seconds)."""
+        detail = None if problem is None else problem[1]
+        if detail == self._logged:
+            return
+        if detail is not None:
+            logger.warning("health probe: %s", detail)
+        else:
+            logger.warning("health probe: the broker answers again")
+        self._logged = detail
 
     async def readyz(self, request: Request) -> Response:
         state = bus_state(self.bus)
@@ -372,17 +412,33 @@ class _AdminApi:
                 raise _Problem(422, 'send either {"all": true} or {"ids": [...]}, not both')
             return JSONResponse({"purged": self.bus.dead_letters.purge()})
         ids = _ids(body)
-        self._check_known(ids)
+        await self._check_known(ids)
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
 
 
-def _status(code: int, status: str, reason: str | None = None) -> JSONResponse:
-    body = {"status": status} if reason is None else {"status": status, "reason": reason}
+def _unknown_ids(ids: list[str]) -> _Problem:
+    return _Problem(
+        404,
+        f"not in the dead-letter queue: {', '.join(ids)}; nothing was changed",
+        unknown_ids=ids,
+    )
+
+
+def _status(
+    code: int, status: str, reason: str | None = None, *, detail: str | None = None
+) -> JSONResponse:
+    body = {"status": status}
+    if reason is not None:
+        body["reason"] = reason
+    if detail is not None:
+        body["detail"] = detail
     return JSONResponse(body, status_code=code, headers={"Cache-Control": "no-store"})
 
 
-async def _transport_problem(bus: Bus) -> str | None:
-    """Why the bus's broker is not answering, or ``None`` (always ``None`` in memory).
+async def _transport_problem(bus: Bus) -> tuple[str, str] | None:
+    """Why the bus's broker is not answering: ``(reason, detail)``, or ``None`` (always
+    ``None`` in memory). The reason is one of a few fixed phrases; the detail is the
+    broker's error, which may name its user, address and stages.
 
     Asks the backlog of one stage, the cheapest question a broker answers (a transport
     that cannot count is not asked).
@@ -397,9 +453,9 @@ async def _transport_problem(bus: Bus) -> str | None:
         with anyio.fail_after(_HEALTH_DEADLINE):
             await transport.backlog(stage.topic, stage.group)
     except TimeoutError:
-        return f"{transport.name} did not answer within {_HEALTH_DEADLINE:g}s"
+        return _BROKER_SILENT, f"{transport.name} did not answer within {_HEALTH_DEADLINE:g}s"
     except Exception as error:
-        return f"{transport.name} failed: {type(error).__name__}: {error}"
+        return _BROKER_FAILED, f"{transport.name} failed: {type(error).__name__}: {error}"
     return None
 
 
@@ -415,16 +471,30 @@ class _BearerAuth:
         self.token = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or _route_path(scope) in _PROBES:
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         connection = HTTPConnection(scope)
         scheme, _, credentials = connection.headers.get("authorization", "").partition(" ")
         presented: str | None = credentials.strip() if scheme.lower() == "bearer" else None
-        if presented is None and _route_path(scope) in ("", "/"):
-            presented = connection.query_params.get("token")
-        if presented is not None and hmac.compare_digest(presented.encode(), self.token):
+        if _route_path(scope) in _PROBES:
+            # Open to anyone; the token holder is also told the detail of a failure.
+            authorised = presented is not None and self._matches(presented)
+            # (A new state: the one in the scope may be shared with other requests.)
+            scope = {**scope, "state": {**scope.get("state", {}), _AUTHORISED: authorised}}
             await self.app(scope, receive, send)
+            return
+        page = _route_path(scope) in ("", "/")
+        if presented is None and page:
+            presented = connection.query_params.get("token")
+        if presented is not None and self._matches(presented):
+            await self.app(scope, receive, send)
+            return
+        if page and "text/html" in connection.headers.get("accept", ""):
+            # A person with a browser: a page that says what to do, not JSON.
+            await _locked_page(scope.get("root_path", "") + "/", bool(presented))(
+                scope, receive, send
+            )
             return
         message = "wrong bearer token" if presented else "missing bearer token"
         response = JSONResponse(
@@ -433,6 +503,9 @@ class _BearerAuth:
             headers={"WWW-Authenticate": 'Bearer realm="asyncbus"'},
         )
         await response(scope, receive, send)
+
+    def _matches(self, presented: str) -> bool:
+        return hmac.compare_digest(presented.encode(), self.token)
 
 
 def _route_path(scope: Scope) -> str:
@@ -455,7 +528,9 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
     * ``GET /stats`` -- :meth:`Bus.statistics` as ``dataclasses.asdict``;
     * ``GET /dead-letters?reason=&topic=&limit=100&offset=0&order=oldest`` -- one page
       of the dead-letter queue plus ``total`` (matching), ``queue_length`` and
-      ``by_reason`` (over the whole queue);
+      ``by_reason`` (over the whole queue); over a broker, every process's dead letters
+      (``bus.dead_letters`` is the broker's list), and replay and purge act on any of
+      them, a replay at most once however many processes or clicks ask;
     * ``GET /dead-letters/{id}`` -- the entries of one envelope id;
     * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
       409 when the bus is not running;
@@ -464,13 +539,17 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
       (:class:`asyncbus.integrations.prometheus.BusCollector`; extra ``prometheus``);
     * ``GET /healthz`` -- liveness: 200 ``{"status": "ok"}`` while the bus runs (also
       ``"closing"`` while it drains) and its broker answered within 1 s, else 503
-      ``{"status": "down", "reason": ...}``;
+      ``{"status": "down", "reason": ...}``: ``"the bus is <state>"``, ``"broker did
+      not answer"`` or ``"broker failed"``. The broker's error (which may name its
+      user, address and stages) is logged when it changes, and added as ``"detail"``
+      only for a caller that presents the token;
     * ``GET /readyz`` -- readiness: 200 ``{"status": "ready"}`` while the bus runs and
       every broker subscription exists; 503 with the reason before that and from the
       moment ``aclose`` begins, so a load balancer stops sending work before the drain.
 
     The two probes answer without the token (probes seldom can send one, and they
-    reveal nothing but the status); everything else needs it when one is given.
+    reveal nothing but the status and a fixed reason); everything else needs it when
+    one is given.
 
     POST bodies must be ``Content-Type: application/json`` (so a cross-site form
     cannot post one). Serve it on the event loop that runs the bus, behind your app's
@@ -524,14 +603,14 @@ def _metrics_endpoint(bus: Bus) -> Callable[[Request], Awaitable[Response]]:
 # -- the dashboard page -----------------------------------------------------------
 
 
-def _load_dashboard() -> tuple[str, dict[str, str]]:
-    html = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+def _page_headers(html: str) -> dict[str, str]:
+    """Strict headers for a page of ours: its one inline ``<style>`` (and ``<script>``,
+    if it has one) allowed by hash, nothing else."""
 
     def digest(tag: str) -> str:
-        # The page's one inline <script> and <style> are allowed by hash, nothing else.
         match = re.search(rf"<{tag}>(.*?)</{tag}>", html, re.DOTALL)
-        if match is None:  # pragma: no cover - the file ships with the package
-            raise RuntimeError(f"asyncbus dashboard.html has no <{tag}> element")
+        if match is None:
+            return "'none'"
         return f"'sha256-{base64.b64encode(hashlib.sha256(match[1].encode()).digest()).decode()}'"
 
     policy = (
@@ -539,7 +618,7 @@ def _load_dashboard() -> tuple[str, dict[str, str]]:
         "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
         "frame-ancestors 'none'"
     )
-    return html, {
+    return {
         "Content-Security-Policy": policy,
         "Cache-Control": "no-store",
         "Referrer-Policy": "no-referrer",
@@ -548,4 +627,50 @@ def _load_dashboard() -> tuple[str, dict[str, str]]:
     }
 
 
+def _load_dashboard() -> tuple[str, dict[str, str]]:
+    html = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+    for tag in ("script", "style"):
+        if f"<{tag}>" not in html:  # pragma: no cover - the file ships with the package
+            raise RuntimeError(f"asyncbus dashboard.html has no <{tag}> element")
+    return html, _page_headers(html)
+
+
 _DASHBOARD, _PAGE_HEADERS = _load_dashboard()
+
+#: What a browser that opened the dashboard without the right token is shown.
+_LOCKED_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>asyncbus dashboard: {title}</title>
+<style>
+body {{ font: 15px/1.5 system-ui, sans-serif; max-width: 40rem; margin: 3rem auto;
+  padding: 0 1.5rem; color-scheme: light dark; }}
+code {{ font-size: .9em; }}
+</style>
+</head>
+<body>
+<h1>{title}</h1>
+<p>{what}</p>
+<p>This dashboard is locked with the token its application gave to
+<code>admin_app(bus, token=...)</code> (often read from an environment variable, such as
+<code>ADMIN_TOKEN</code>). Open it with that token at the end of the address:</p>
+<p><code>{path}?token=&lt;token&gt;</code></p>
+<p>The page passes the token on to the API it polls. Scripts and API clients send it as a
+header instead: <code>Authorization: Bearer &lt;token&gt;</code>.</p>
+</body>
+</html>
+"""
+
+
+def _locked_page(path: str, wrong: bool) -> HTMLResponse:
+    """The 401 page of a browser that came without the token, or with another one."""
+    if wrong:
+        title, what = "Wrong token", "The token in the address is not this dashboard's."
+    else:
+        title, what = "Token needed", "The address has no token, and this dashboard needs one."
+    page = _LOCKED_PAGE.format(title=title, what=what, path=html.escape(path))
+    headers = {**_page_headers(page), "WWW-Authenticate": 'Bearer realm="asyncbus"'}
+    return HTMLResponse(page, status_code=401, headers=headers)

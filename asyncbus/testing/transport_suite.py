@@ -33,6 +33,7 @@ to the test::
 What a transport cannot do natively is told by ``transport.capabilities``, and
 what it offers beyond the core by the optional protocols it implements
 (:class:`~asyncbus.transports.DeadLetterStore`,
+:class:`~asyncbus.transports.SharedDeadLetters`,
 :class:`~asyncbus.transports.RoutedPublisher`, ...); the tests that need one are
 skipped, and a transport that claims one must honour it. The suite relies on one thing beyond the
 interface's docstrings: a group exists once ``subscribe`` has been *entered*, so
@@ -47,6 +48,7 @@ Failures are ``AssertionError`` with a message, never ``pytest.fail``: a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import secrets
 import string
@@ -58,7 +60,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter, DeadLetterReason, dead_letter_key
 from .._dedup import Claim, DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
@@ -66,12 +68,14 @@ from ..transports.base import (
     AcksWrittenBehind,
     BacklogReader,
     BaseDelivery,
+    DeadLetterChange,
     DeadLetterStore,
     DedupStoreProvider,
     Delivery,
     GroupPublisher,
     KeepAlive,
     RoutedPublisher,
+    SharedDeadLetters,
     Transport,
     TransportSettings,
 )
@@ -844,6 +848,82 @@ class TransportSuite:
             await store.add_dead_letter(entry)
         listed = await store.dead_letters()
         _check(_ids(e.envelope for e in listed), _ids(e.envelope for e in added[2:]), "ids kept")
+
+    # -- a store every process shares ---------------------------------------------
+
+    def _shared(self, transport: Transport) -> SharedDeadLetters:
+        """The transport as :class:`SharedDeadLetters` (the test is skipped otherwise)."""
+        if not isinstance(transport, SharedDeadLetters):
+            pytest.skip(f"{type(transport).__name__} shares no dead letters")
+        return transport
+
+    @pytest.mark.anyio
+    async def test_taking_dead_letters_is_a_claim(self, transport: Transport) -> None:
+        """Of concurrent ``take_dead_letters`` of one id, one gets each of its entries
+        (every stage's), once; the other gets none; what was not asked for stays."""
+        shared = self._shared(transport)
+        store = self._store(transport)
+        wanted = self._dead_letter("twice")
+        other_stage = dataclasses.replace(wanted, stage="dead.stored@other")
+        kept = self._dead_letter("kept")
+        for entry in (wanted, other_stage, kept):
+            await store.add_dead_letter(entry)
+        takes: list[list[DeadLetter]] = []
+
+        async def take() -> None:
+            takes.append(await shared.take_dead_letters([wanted.envelope.id]))
+
+        with anyio.fail_after(self.timeout):
+            async with anyio.create_task_group() as group:
+                for _ in range(3):
+                    group.start_soon(take)
+        got = sorted(entry.stage or "" for taken in takes for entry in taken)
+        _check(got, ["dead.*@g", "dead.stored@other"], "stages taken, over three takes")
+        _check(sorted(len(taken) for taken in takes), [0, 0, 2], "entries per take")
+        (winner,) = [taken for taken in takes if taken]
+        _check_envelope(winner[0].envelope, wanted.envelope, attempt=None)
+        listed = await store.dead_letters()
+        _check(_ids(e.envelope for e in listed), [kept.envelope.id], "ids left")
+        _check(await shared.take_dead_letters(["no-such-id"]), [], "take of an unknown id")
+
+    @pytest.mark.anyio
+    async def test_watchers_hear_of_every_change(self, transport: Transport) -> None:
+        """A watcher is told of each entry added and taken out (by its key), and to read
+        the store again after a purge of everything or entries put back."""
+        shared = self._shared(transport)
+        store = self._store(transport)
+        entry = self._dead_letter("watched")
+        key = dead_letter_key(entry)
+        async with shared.watch_dead_letters() as changes:
+
+            async def next_change(what: str) -> DeadLetterChange:
+                try:
+                    with anyio.fail_after(self.timeout):
+                        return await anext(changes)
+                except TimeoutError:
+                    raise AssertionError(f"no change within {self.timeout} s: {what}") from None
+
+            await store.add_dead_letter(entry)
+            added = await next_change("the entry added")
+            _check([dead_letter_key(e) for e in added.added], [key], "keys added")
+            _check_envelope(added.added[0].envelope, entry.envelope, attempt=None)
+            (taken,) = await shared.take_dead_letters([entry.envelope.id])
+            removed = await next_change("the entry taken")
+            _check((list(removed.removed), removed.stale), ([key], False), "keys removed")
+
+            async def until_stale(what: str) -> None:
+                change = await next_change(what)
+                while not change.stale:  # (an addition may come first)
+                    _check(change.removed, (), f"keys removed before: {what}")
+                    change = await next_change(what)
+
+            await shared.restore_dead_letters([taken])
+            await until_stale("read again, after the entry was put back")
+            listed = await store.dead_letters()
+            _check(_ids(e.envelope for e in listed), [entry.envelope.id], "ids put back")
+            await shared.clear_dead_letters()
+            await until_stale("read again, after a purge of everything")
+            _check(await store.dead_letters(), [], "dead letters after a purge of everything")
 
     # -- consumers that leave or die ----------------------------------------------
 

@@ -23,12 +23,14 @@ from .base import AcksWrittenBehind as AcksWrittenBehind
 from .base import BacklogReader as BacklogReader
 from .base import BaseDelivery as BaseDelivery
 from .base import Capabilities as Capabilities
+from .base import DeadLetterChange as DeadLetterChange
 from .base import DeadLetterStore as DeadLetterStore
 from .base import DedupStoreProvider as DedupStoreProvider
 from .base import Delivery as Delivery
 from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
 from .base import RoutedPublisher as RoutedPublisher
+from .base import SharedDeadLetters as SharedDeadLetters
 from .base import TopicLimits as TopicLimits
 from .base import Transport as Transport
 from .base import TransportSettings as TransportSettings
@@ -45,6 +47,7 @@ __all__ = [
     "BaseDelivery",
     "Capabilities",
     "Codec",
+    "DeadLetterChange",
     "DeadLetterStore",
     "DedupStoreProvider",
     "Delivery",
@@ -57,6 +60,7 @@ __all__ = [
     "RabbitTransport",
     "RedisTransport",
     "RoutedPublisher",
+    "SharedDeadLetters",
     "TopicLimits",
     "Transport",
     "TransportSettings",

@@ -20,6 +20,7 @@ from .base import (
     DeadLetterStore,
     GroupPublisher,
     RoutedPublisher,
+    SharedDeadLetters,
     Transport,
     TransportSettings,
 )
@@ -43,6 +44,7 @@ class BoundTransport:
     :ivar to_group: its :class:`~.base.GroupPublisher` side.
     :ivar counter: its :class:`~.base.BacklogReader` side.
     :ivar store: its :class:`~.base.DeadLetterStore` side.
+    :ivar shared: its :class:`~.base.SharedDeadLetters` side (a store every process shares).
     :ivar acks: its :class:`~.base.AcksWrittenBehind` side.
     """
 
@@ -52,6 +54,7 @@ class BoundTransport:
     counter: BacklogReader | None
     store: DeadLetterStore | None
     acks: AcksWrittenBehind | None
+    shared: SharedDeadLetters | None = None
 
     @classmethod
     def of(cls, transport: Transport) -> BoundTransport:
@@ -63,6 +66,9 @@ class BoundTransport:
             transport if isinstance(transport, BacklogReader) else None,
             transport if isinstance(transport, DeadLetterStore) else None,
             transport if isinstance(transport, AcksWrittenBehind) else None,
+            transport
+            if isinstance(transport, SharedDeadLetters) and isinstance(transport, DeadLetterStore)
+            else None,
         )
 
     async def publish_routed(

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter, DeadLetterKey, DeadLetterReason
 from .._envelope import Envelope
 from .._exceptions import DecodeError, EncodeError, SerializationError
-from ._wire_fields import envelope_from_fields, optional_text, real
+from ._wire_fields import envelope_from_fields, optional_text, real, text
 
 __all__ = [
     "Codec",
     "JsonCodec",
     "MsgspecCodec",
+    "RawBody",
     "dead_letter_from_wire",
+    "dead_letter_keys_from_wire",
+    "dead_letter_keys_to_wire",
     "dead_letter_to_wire",
     "default_codec",
     "dump_meta",
@@ -24,6 +27,18 @@ __all__ = [
     "envelope_meta",
     "envelope_to_wire",
 ]
+
+
+class RawBody(bytes):
+    """A body as it came off the wire, which the codec could not decode.
+
+    An envelope carries it as its payload when a delivery did not decode (the bus
+    dead-letters it ``rejected``); a dead letter keeps it, and a replay sends it again
+    byte for byte (:func:`encode_payload` never gives it to a codec). It is ``bytes``
+    in every other way.
+    """
+
+    __slots__ = ()
 
 
 class Codec(Protocol):
@@ -192,7 +207,12 @@ def dump_meta(meta: Mapping[str, Any]) -> bytes:
 
 def encode_payload(codec: Codec, payload: Any) -> bytes:
     """``codec.encode(payload)``; a payload nested too deep is an :class:`EncodeError`
-    whatever the codec (Python's recursion limit is no excuse to end a publisher)."""
+    whatever the codec (Python's recursion limit is no excuse to end a publisher).
+
+    A :class:`RawBody` is the body it was: its bytes, not the codec's rendering of them.
+    """
+    if type(payload) is RawBody:
+        return bytes(payload)
     try:
         return codec.encode(payload)
     except RecursionError as error:
@@ -205,8 +225,8 @@ def envelope_from_wire(
     """Rebuild an envelope; ``(envelope, error)``.
 
     When the body does not decode, the envelope carries the raw body as its payload
-    and ``error`` says why (the bus dead-letters it ``rejected``). Whatever the bytes,
-    this returns or raises :class:`DecodeError`, nothing else.
+    (a :class:`RawBody`) and ``error`` says why (the bus dead-letters it ``rejected``).
+    Whatever the bytes, this returns or raises :class:`DecodeError`, nothing else.
 
     :param attempt: the broker's delivery count, overriding the stored attempt.
     :raises DecodeError: when ``meta`` itself is unreadable, or a field is missing or
@@ -220,7 +240,7 @@ def envelope_from_wire(
     try:
         payload = codec.decode(body)
     except Exception as error:  # a codec's DecodeError, or whatever a custom one raises
-        payload, undecodable = body, _reason(error)
+        payload, undecodable = RawBody(body), _reason(error)
     return envelope_from_fields(fields, payload, attempt), undecodable
 
 
@@ -233,9 +253,11 @@ def _reason(error: BaseException) -> str:
 
 
 def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
-    """A dead letter as one JSON document (the body base64-encoded)."""
+    """A dead letter as one JSON document (the body base64-encoded). A bytes payload is
+    kept as it is (``raw``); a :class:`RawBody` is marked ``verbatim`` too, so a replay
+    sends it as it came."""
     payload = entry.envelope.payload
-    raw = isinstance(payload, bytes | bytearray)  # an undecodable body, kept byte for byte
+    raw = isinstance(payload, bytes | bytearray)  # kept byte for byte
     if raw:
         body = bytes(payload)
     else:
@@ -248,6 +270,7 @@ def dead_letter_to_wire(entry: DeadLetter, codec: Codec) -> bytes:
             "meta": envelope_meta(entry.envelope),
             "body": base64.b64encode(body).decode(),
             "raw": raw,
+            "verbatim": type(payload) is RawBody,
             "reason": entry.reason.value,
             "error": entry.error,
             "traceback": entry.traceback,
@@ -284,7 +307,7 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise DecodeError(f"dead letter is unreadable: {_reason(error)}") from error
     if fields.get("raw"):
-        payload: Any = body
+        payload: Any = RawBody(body) if fields.get("verbatim") is True else body
     else:
         try:
             payload = codec.decode(body)
@@ -299,3 +322,34 @@ def dead_letter_from_wire(data: bytes, codec: Codec) -> DeadLetter:
         dead_at=real(fields.get("dead_at", 0.0), "dead_at"),
         traceback=optional_text(fields.get("traceback"), "traceback"),
     )
+
+
+def dead_letter_keys_to_wire(keys: Sequence[DeadLetterKey]) -> bytes:
+    """Keys of dead letters (a removal every process is told of) as a JSON list."""
+    return json.dumps([list(key) for key in keys], separators=(",", ":")).encode()
+
+
+def dead_letter_keys_from_wire(data: bytes | str) -> tuple[DeadLetterKey, ...]:
+    """Keys written by :func:`dead_letter_keys_to_wire`.
+
+    :raises DecodeError: when ``data`` is not such a list (whatever the bytes).
+    """
+    try:
+        found = json.loads(data)
+    except (ValueError, TypeError, RecursionError) as error:
+        raise DecodeError(f"dead-letter keys are unreadable: {_reason(error)}") from error
+    if type(found) is not list:
+        raise DecodeError("dead-letter keys are not a list")
+    keys: list[DeadLetterKey] = []
+    for item in found:
+        if type(item) is not list or len(item) != 4:
+            raise DecodeError("a dead-letter key is not [id, timestamp, stage, reason]")
+        keys.append(
+            (
+                text(item[0], "id"),
+                real(item[1], "timestamp"),
+                optional_text(item[2], "stage"),
+                text(item[3], "reason"),
+            )
+        )
+    return tuple(keys)

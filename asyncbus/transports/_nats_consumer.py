@@ -24,7 +24,7 @@ import anyio
 from .._dead_letters import DeadLetter
 from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._exceptions import ConfigurationError, DecodeError, TransportError
-from ._codec import Codec, envelope_from_wire
+from ._codec import Codec, RawBody, envelope_from_wire
 from ._kit import AckWriter, Backoff
 from .base import BaseDelivery, Delivery
 from .base import over_max_deliveries as exceeded
@@ -352,7 +352,7 @@ class PullConsumer:
             envelope = make_envelope(
                 msg_id,
                 msg.subject[len(self.transport.prefix) + 1 :] or msg.subject,
-                msg.data,
+                RawBody(msg.data),
                 EMPTY_HEADERS,
                 time.time(),
                 None,

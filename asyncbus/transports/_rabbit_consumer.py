@@ -26,7 +26,7 @@ import anyio.lowlevel
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import DecodeError, TransportError
-from ._codec import envelope_from_wire
+from ._codec import RawBody, envelope_from_wire
 from ._kit import Backoff
 from .base import (
     HEADER_DELIVERIES,
@@ -472,7 +472,7 @@ class Subscription:
             if isinstance(message_id, str) and message_id
             else f"rabbit:{secrets.token_hex(8)}",
             topic=topic if isinstance(topic, str) and topic else self.pattern,
-            payload=body,
+            payload=RawBody(body),
             attempt=1 + count,
         )
         return RabbitDelivery(self, consumer, message.delivery_tag or 0, envelope, body, error)

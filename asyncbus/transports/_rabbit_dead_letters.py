@@ -1,4 +1,5 @@
-"""The dead-letter store of the RabbitMQ transport: reading and editing its queue.
+"""The dead-letter store of the RabbitMQ transport: reading and editing its queue, and
+its news.
 
 AMQP has no way to look at a queue without consuming it. A :class:`QueueScan`
 takes a broker-wide lock (an exclusive queue: another connection's declaration is
@@ -7,29 +8,46 @@ queue on a fresh channel without acking, acks the entries to drop and closes the
 channel: the broker puts every other entry back in its place, in order (classic
 queues keep the position of what is returned to them). A reader that dies half-way
 returns everything too. A :class:`DeadLetterScan` does that to the dead-letter queue,
-dropping the entries past the TTL, beyond the maximum length, or asked for.
+dropping the entries past the TTL, beyond the maximum length, or asked for (taking
+them out: the lock makes that a claim, one process at a time).
+
+:class:`DeadLetterNews` tells a process what every process changes: a private queue
+of its connection is bound to the dead-letter exchange (every dead letter stored
+reaches it too) and to ``{prefix}.deadletters.changes``, where what was taken out is
+announced (the keys, as JSON) or ``"stale"`` when every list should be read again.
+One queue holds both, so they come in the order the broker routed them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectSendStream
 
-from .._dead_letters import DeadLetter
+from .._dead_letters import DeadLetter, DeadLetterKey
 from .._exceptions import DecodeError, TransportError
-from ._codec import Codec, dead_letter_from_wire
+from ._codec import (
+    Codec,
+    dead_letter_from_wire,
+    dead_letter_keys_from_wire,
+    dead_letter_keys_to_wire,
+)
 from ._kit import Backoff
 from ._rabbit_consumer import BACKOFF_MIN, RELEASE_TIMEOUT
+from .base import DeadLetterChange
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
-__all__ = ["DeadLetterScan", "QueueScan"]
+__all__ = ["DeadLetterNews", "DeadLetterScan", "QueueScan"]
 
 T = TypeVar("T")
 
@@ -176,31 +194,42 @@ class DeadLetterScan(QueueScan):
         self.ttl = ttl
         self.maxlen = maxlen
 
-    async def run(self, drop: frozenset[str]) -> list[DeadLetter]:
-        """The dead letters kept, oldest first, after dropping ``drop`` (envelope ids)."""
+    async def run(self, drop: frozenset[str] | None) -> tuple[list[DeadLetter], list[DeadLetter]]:
+        """The dead letters kept, oldest first, after taking out those of ``drop``
+        (envelope ids; ``None``: every one); and those taken out."""
 
         async def sift(
             reader: AbstractChannel, messages: list[DeliveredMessage]
-        ) -> list[DeadLetter]:
+        ) -> tuple[list[DeadLetter], list[DeadLetter]]:
             return await self._sift(reader, messages, drop)
 
         return await self.scan(sift)
 
     async def _sift(
-        self, reader: AbstractChannel, messages: list[DeliveredMessage], drop: frozenset[str]
-    ) -> list[DeadLetter]:
-        """Ack what goes (expired, beyond maxlen, dropped); return what stays."""
+        self,
+        reader: AbstractChannel,
+        messages: list[DeliveredMessage],
+        drop: frozenset[str] | None,
+    ) -> tuple[list[DeadLetter], list[DeadLetter]]:
+        """Ack what goes (expired, beyond maxlen, dropped); return what stays, and what
+        was dropped (taken out)."""
         horizon = time.time() - self.ttl
         kept: list[tuple[DeliveredMessage, DeadLetter]] = []
         gone: list[DeliveredMessage] = []
+        taken: list[DeadLetter] = []
         for message in messages:
             try:
                 entry = dead_letter_from_wire(message.body, self.codec)
             except DecodeError as error:
                 logger.warning("RabbitMQ: skipping an unreadable dead letter: %s", error)
+                if drop is None:
+                    gone.append(message)
                 continue
-            if entry.dead_at <= horizon or entry.envelope.id in drop:
+            if entry.dead_at <= horizon:
                 gone.append(message)
+            elif drop is None or entry.envelope.id in drop:
+                gone.append(message)
+                taken.append(entry)
             else:
                 kept.append((message, entry))
         excess = len(kept) - max(self.maxlen, 0)
@@ -209,4 +238,90 @@ class DeadLetterScan(QueueScan):
             kept = kept[excess:]
         for message in gone:
             await reader.basic_ack(message.delivery_tag or 0)
-        return [entry for _, entry in kept]
+        return [entry for _, entry in kept], taken
+
+
+#: The body of a change that says: read every dead letter again.
+STALE = b'"stale"'
+
+
+class DeadLetterNews:
+    """What every process adds to and takes out of the dead letters, as it happens.
+
+    :param dead_letter_exchange: the fanout exchange every dead letter is published to.
+    :param exchange: the fanout exchange changes are announced on.
+    :param codec: the transport's codec (to read the dead letters).
+    """
+
+    def __init__(self, dead_letter_exchange: str, exchange: str, codec: Codec) -> None:
+        self.dead_letter_exchange = dead_letter_exchange
+        self.exchange = exchange
+        self.codec = codec
+        #: The watchers, by the connection their queue lives on.
+        self._watchers: dict[MemoryObjectSendStream[DeadLetterChange], object] = {}
+
+    @staticmethod
+    def removal(keys: Sequence[DeadLetterKey]) -> bytes:
+        """The announcement of entries taken out."""
+        return dead_letter_keys_to_wire(keys)
+
+    def lost(self, connection: object) -> None:
+        """``connection`` is gone, and its queues: its watchers' changes end."""
+        for watcher, on in list(self._watchers.items()):
+            if on is connection:
+                watcher.close()
+
+    @asynccontextmanager
+    async def watch(
+        self,
+        connection: AbstractConnection,
+        cleanup: Callable[[], AbstractContextManager[anyio.CancelScope]],
+    ) -> AsyncIterator[AsyncIterator[DeadLetterChange]]:
+        """The changes from now on, through a private queue of ``connection``; they end
+        when it is lost (watch again on the next one, and read everything). ``cleanup``
+        bounds closing its channel (the transport's close deadline)."""
+        send, receive = anyio.create_memory_object_stream[DeadLetterChange](math.inf)
+
+        async def on_message(message: DeliveredMessage) -> None:
+            body = bytes(message.body or b"")
+            if message.exchange == self.exchange:
+                change = self._change(body)
+            else:
+                try:
+                    change = DeadLetterChange(added=(dead_letter_from_wire(body, self.codec),))
+                except DecodeError as error:
+                    logger.warning("RabbitMQ: skipping an unreadable dead letter: %s", error)
+                    return
+            with contextlib.suppress(anyio.ClosedResourceError):  # (lost: nothing more)
+                send.send_nowait(change)
+
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            declared = await channel.queue_declare("", exclusive=True, auto_delete=True)
+            queue = declared.queue
+            assert queue is not None
+            await channel.exchange_declare(self.exchange, exchange_type="fanout", durable=True)
+            for exchange in (self.dead_letter_exchange, self.exchange):
+                await channel.queue_bind(queue, exchange, routing_key="")
+            await channel.basic_consume(queue, on_message, no_ack=True)
+            self._watchers[send] = connection
+            async with receive:
+                yield receive
+        finally:
+            self._watchers.pop(send, None)
+            send.close()
+            with cleanup():
+                try:
+                    if not channel.is_closed:
+                        await channel.close()  # the queue goes with it (exclusive)
+                except Exception as error:  # the connection may be gone already
+                    logger.debug("RabbitMQ: closing the dead letters' news failed: %s", error)
+
+    def _change(self, body: bytes) -> DeadLetterChange:
+        if body == STALE:
+            return DeadLetterChange(stale=True)
+        try:
+            return DeadLetterChange(removed=dead_letter_keys_from_wire(body))
+        except DecodeError as error:
+            logger.warning("RabbitMQ: unreadable removal of dead letters: %s", error)
+            return DeadLetterChange(stale=True)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 __all__ = [
     "CLAIM",
+    "CLEAR_DEAD",
     "COUNT_DELAYED",
     "MOVE_DUE",
     "PUBLISH",
     "REAP",
     "REAP_INBOXES",
     "RELEASE",
+    "STALE_DEAD",
+    "TAKE_DEAD",
     "TOUCH",
 ]
 
@@ -183,4 +186,46 @@ for _, stream in ipairs(gone) do
 end
 if #gone > 0 then redis.call('SET', KEYS[3], ARGV[2]) end
 return #gone
+"""
+
+#: Take dead letters out of the dead-letter stream, each at most once however many
+#: processes ask (the claim of a replay), and tell every watcher which went.
+#: KEYS[1] the dead-letter stream, KEYS[2] the stream of removals, KEYS[3] the count of
+#: removals; ARGV the removals' length to keep, then (entry id, its key as JSON, or ''
+#: for an entry no watcher lists) pairs.
+#: Returns the entry ids this call deleted; for them, one removal is added: ``n`` (the
+#: count, so a watcher that missed one knows) and ``keys`` (a JSON list of their keys).
+TAKE_DEAD = """
+local taken = {}
+local keys = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then
+    taken[#taken + 1] = ARGV[i]
+    if ARGV[i + 1] ~= '' then keys[#keys + 1] = ARGV[i + 1] end
+  end
+end
+if #taken > 0 then
+  local n = redis.call('INCR', KEYS[3])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*',
+    'n', n, 'keys', '[' .. table.concat(keys, ',') .. ']')
+end
+return taken
+"""
+
+#: Delete every dead letter; tell every watcher to read the store again.
+#: KEYS as for TAKE_DEAD; ARGV the removals' length to keep. Returns how many went.
+CLEAR_DEAD = """
+local gone = redis.call('XLEN', KEYS[1])
+redis.call('DEL', KEYS[1])
+local n = redis.call('INCR', KEYS[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 'all', 1)
+return gone
+"""
+
+#: Tell every watcher to read the dead letters again (entries were put back).
+#: KEYS as for TAKE_DEAD; ARGV the removals' length to keep.
+STALE_DEAD = """
+local n = redis.call('INCR', KEYS[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'n', n, 'all', 1)
+return n
 """

@@ -6,9 +6,9 @@ call through which the bus hands over its settings) and the :class:`Delivery`
 protocol (``ack``, ``nack``, ``reject`` with one signature). What only some brokers
 offer is an optional protocol of its own, checked once (``isinstance``) when the bus
 binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
-:class:`BacklogReader`, :class:`DeadLetterStore`, :class:`DedupStoreProvider`,
-:class:`AcksWrittenBehind`, :class:`KeepAlive`. Everything else (retry, expiry,
-timeouts, slips, requests, statistics) is the bus's, written once.
+:class:`BacklogReader`, :class:`DeadLetterStore` (and :class:`SharedDeadLetters`),
+:class:`DedupStoreProvider`, :class:`AcksWrittenBehind`, :class:`KeepAlive`. Everything
+else (retry, expiry, timeouts, slips, requests, statistics) is the bus's, written once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import anyio
 from anyio.abc import AsyncResource
 
 from .._checks import check_count, check_seconds
-from .._dead_letters import DeadLetter, DeadLetterReason
+from .._dead_letters import DeadLetter, DeadLetterKey, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
@@ -46,12 +46,14 @@ __all__ = [
     "BacklogReader",
     "BaseDelivery",
     "Capabilities",
+    "DeadLetterChange",
     "DeadLetterStore",
     "DedupStoreProvider",
     "Delivery",
     "GroupPublisher",
     "KeepAlive",
     "RoutedPublisher",
+    "SharedDeadLetters",
     "TopicLimits",
     "Transport",
     "TransportSettings",
@@ -496,6 +498,50 @@ class DeadLetterStore(Protocol):
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Forget the dead letters of these envelope ids (no ids: none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterChange:
+    """What changed in a broker's dead-letter store (:meth:`SharedDeadLetters.watch_dead_letters`).
+
+    :ivar added: entries stored, by any process.
+    :ivar removed: the keys (:func:`asyncbus._dead_letters.dead_letter_key`: envelope id
+        and timestamp, stage, reason) of entries removed, by any process.
+    :ivar stale: changes may have been missed (the connection dropped, a gap): read the
+        whole store again.
+    """
+
+    added: tuple[DeadLetter, ...] = ()
+    removed: tuple[DeadLetterKey, ...] = ()
+    stale: bool = False
+
+
+@runtime_checkable
+class SharedDeadLetters(Protocol):
+    """A :class:`DeadLetterStore` that is one list for every process using the broker.
+
+    Its removal is the claim that makes a replay happen once: of calls that would remove
+    one entry at the same time, exactly one gets it. And it tells every process what is
+    added and removed, so each one's ``bus.dead_letters`` lists every process's entries.
+    Its ``remove_dead_letters`` is :meth:`take_dead_letters` without the answer.
+    """
+
+    async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Remove the dead letters of these envelope ids; return the ones this call
+        removed, oldest first (none for an id another call took first, or never kept)."""
+
+    async def clear_dead_letters(self) -> None:
+        """Remove every dead letter kept (every watcher is told to read the store again)."""
+
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Keep ``entries`` again: taken for a replay that could not be sent (every
+        watcher is told to read the store again)."""
+
+    def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
+        """Every change to the store made after the context was entered, by any process,
+        in the order the broker made them; a change with ``stale`` set whenever some may
+        have been missed. The iterator raises :class:`~asyncbus.TransportError` when the
+        broker is lost (enter again, then read the store)."""
 
 
 @runtime_checkable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -9,14 +10,22 @@ from contextlib import asynccontextmanager
 from typing import ClassVar
 
 import anyio
+from anyio.streams.memory import MemoryObjectSendStream
 
-from .._dead_letters import DeadLetter
+from .._dead_letters import DeadLetter, dead_letter_key
 from .._envelope import Envelope
 from .._exceptions import TransportError
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
 from ._kit import TaskOwner
-from .base import BaseDelivery, Capabilities, Delivery, Transport, unrouted_entry
+from .base import (
+    BaseDelivery,
+    Capabilities,
+    DeadLetterChange,
+    Delivery,
+    Transport,
+    unrouted_entry,
+)
 
 __all__ = ["MemoryTransport"]
 
@@ -69,7 +78,7 @@ class _MemoryDelivery(BaseDelivery):
 
     async def _reject(self, entry: DeadLetter) -> None:
         """Move it to the transport's dead letters."""
-        self._transport._dead.append(entry)
+        self._transport._keep_dead([entry])
 
 
 class _Consumer:
@@ -106,6 +115,8 @@ class MemoryTransport(Transport):
         self.direct = direct
         self._groups: dict[tuple[str, str], _Group] = {}
         self._dead: list[DeadLetter] = []
+        #: Where each watcher of the dead letters is told what changed.
+        self._watchers: set[MemoryObjectSendStream[DeadLetterChange]] = set()
         self._tasks = TaskOwner("MemoryTransport")
 
     async def connect(self) -> None:
@@ -155,7 +166,7 @@ class MemoryTransport(Transport):
         )
         await self.publish(topic, envelopes)
         if not names:
-            self._dead.extend(unrouted_entry(envelope) for envelope in envelopes)
+            self._keep_dead([unrouted_entry(envelope) for envelope in envelopes])
         return names
 
     async def publish_to_group(
@@ -219,7 +230,15 @@ class MemoryTransport(Transport):
 
     async def add_dead_letter(self, entry: DeadLetter) -> None:
         """Keep ``entry``."""
-        self._dead.append(entry)
+        self._keep_dead([entry])
+
+    def _keep_dead(self, entries: list[DeadLetter]) -> None:
+        self._dead.extend(entries)
+        self._tell(DeadLetterChange(added=tuple(entries)))
+
+    def _tell(self, change: DeadLetterChange) -> None:
+        for watcher in self._watchers:
+            watcher.send_nowait(change)
 
     async def dead_letters(self) -> list[DeadLetter]:
         """The dead letters kept, oldest first, after dropping expired ones."""
@@ -230,5 +249,35 @@ class MemoryTransport(Transport):
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Forget the dead letters of these envelope ids."""
+        await self.take_dead_letters(ids)
+
+    async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Remove the dead letters of these envelope ids and return them (the claim)."""
         drop = set(ids)
-        self._dead = [entry for entry in self._dead if entry.envelope.id not in drop]
+        taken = [entry for entry in self._dead if entry.envelope.id in drop]
+        if taken:
+            self._dead = [entry for entry in self._dead if entry.envelope.id not in drop]
+            self._tell(DeadLetterChange(removed=tuple(map(dead_letter_key, taken))))
+        return taken
+
+    async def clear_dead_letters(self) -> None:
+        """Forget every dead letter."""
+        self._dead.clear()
+        self._tell(DeadLetterChange(stale=True))
+
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Keep ``entries`` again (taken for a replay that failed)."""
+        self._dead.extend(entries)
+        self._tell(DeadLetterChange(stale=True))
+
+    @asynccontextmanager
+    async def watch_dead_letters(self) -> AsyncIterator[AsyncIterator[DeadLetterChange]]:
+        """Every change to the dead letters from now on."""
+        send, receive = anyio.create_memory_object_stream[DeadLetterChange](math.inf)
+        self._watchers.add(send)
+        try:
+            async with receive:
+                yield receive
+        finally:
+            self._watchers.discard(send)
+            send.close()

@@ -20,10 +20,12 @@ What it keeps on the server, for ``prefix="asyncbus"``:
   pulling side is :mod:`._nats_consumer`.
 * stream ``ASYNCBUS_DLQ`` (limits retention, ``max_age = dead_letter_ttl``,
   ``max_msgs = dead_letter_maxlen``, both updated at every start) keeps dead letters,
-  one subject per envelope id (``asyncbus_dlq.{id}``), so removing an id is a purge
-  by subject. A shorter TTL shrinks its duplicate window with it (JetStream refuses a
-  window longer than the age); a TTL under JetStream's shortest age (0.1 s) is kept
-  0.1 s, and the listing drops what is past the TTL.
+  one subject per envelope id (``asyncbus_dlq.{id}``). A shorter TTL shrinks its
+  duplicate window with it (JetStream refuses a window longer than the age); a TTL
+  under JetStream's shortest age (0.1 s) is kept 0.1 s, and the listing drops what is
+  past the TTL. Taking one out deletes it by its sequence, the claim that makes a
+  replay happen once, and every process hears of what went on
+  ``asyncbus_dlq_changes`` (:mod:`._nats_dead_letters`).
 
 Replaying to one group: a server before 2.10 gives a consumer a single filter
 subject, so a replay cannot go to a subject only its group sees. It is published
@@ -97,7 +99,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -109,6 +111,7 @@ from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeE
 from .._routing import compile_pattern, validate_topic
 from ._codec import (
     Codec,
+    RawBody,
     dead_letter_from_wire,
     dead_letter_to_wire,
     envelope_to_wire,
@@ -120,6 +123,7 @@ from ._nats_consumer import (
     PullConsumer,
     broker_call,
 )
+from ._nats_dead_letters import NatsDeadLetters
 from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description
 from ._nats_handbacks import HandBacks
@@ -129,6 +133,7 @@ from .base import (
     INBOX_GROUP_PREFIX,
     MAX_SECONDS,
     Capabilities,
+    DeadLetterChange,
     Delivery,
     TopicLimits,
     Transport,
@@ -140,7 +145,6 @@ from .base import (
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
-    from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
     from nats.js import JetStreamContext
 
@@ -353,6 +357,7 @@ class NatsTransport(Transport):
                 "a topic in a NATS subject"
             )
         self._dead_prefix = f"{prefix}_dlq"
+        self._shared_dead = NatsDeadLetters(self, self._dead_prefix)
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._consumers: set[PullConsumer] = set()
@@ -620,6 +625,7 @@ class NatsTransport(Transport):
     async def _on_reconnected(self) -> None:
         logger.info("NATS %s: reconnected", _address(self.url))
         self._groups.forget()  # announcements may have been missed meanwhile
+        self._shared_dead.reconnected()  # so may changes of the dead letters
         self._server = _server_id(self._nc)
         if self._nc is not None:
             self._max_payload = self._nc.max_payload
@@ -1003,12 +1009,14 @@ class NatsTransport(Transport):
 
         The entry's fields go in a header (:func:`dead_letter_to_wire` without the
         payload), the payload is the body as the codec encodes it, or raw when it is
-        bytes, so a dead letter is no bigger than the message it came from.
+        bytes, so a dead letter is no bigger than the message it came from (a
+        :class:`RawBody`, a body that did not decode, is marked ``verbatim``: a replay
+        sends it as it came).
         """
         nc, js = self._client()
         payload = entry.envelope.payload
         if isinstance(payload, bytes | bytearray):
-            body, kind = bytes(payload), "raw"
+            body, kind = bytes(payload), "verbatim" if type(payload) is RawBody else "raw"
         else:
             try:
                 body, kind = self.codec.encode(payload), "codec"
@@ -1032,7 +1040,7 @@ class NatsTransport(Transport):
             body = b""
         from nats.js.errors import NoStreamResponseError
 
-        subject = f"{self._dead_prefix}.{_id_token(entry.envelope.id)}"
+        subject = self.dead_letter_subject(entry.envelope.id)
         with broker_call(f"cannot store the dead letter of {entry.envelope.id}"):
             try:
                 await js.publish(subject, body, headers=headers)
@@ -1041,8 +1049,17 @@ class NatsTransport(Transport):
                 await self._restore()
                 await js.publish(subject, body, headers=headers)
 
-    def _dead_letter_from(self, msg: Msg) -> DeadLetter | None:
-        headers = msg.headers or {}
+    def dead_letter_subject(self, envelope_id: str) -> str:
+        """The subject of the dead letters of ``envelope_id``."""
+        return f"{self._dead_prefix}.{_id_token(envelope_id)}"
+
+    def dead_letter_horizon(self) -> float:
+        """Epoch seconds before which a dead letter has expired."""
+        return time.time() - self.settings.dead_letter_ttl
+
+    def dead_letter_from(self, headers: Mapping[str, str] | None, data: bytes) -> DeadLetter | None:
+        """The dead letter a message of the dead-letter stream holds (``None``: unreadable)."""
+        headers = headers or {}
         try:
             entry = dead_letter_from_wire(headers[_HEADER_DEAD_LETTER].encode(), self.codec)
         except (KeyError, DecodeError):
@@ -1050,13 +1067,15 @@ class NatsTransport(Transport):
             return None
         kind = headers.get(_HEADER_BODY)
         payload: Any = None
-        if kind == "raw":
-            payload = msg.data
+        if kind == "verbatim":
+            payload = RawBody(data)
+        elif kind == "raw":
+            payload = data
         elif kind == "codec":
             try:
-                payload = self.codec.decode(msg.data)
+                payload = self.codec.decode(data)
             except DecodeError:
-                payload = msg.data
+                payload = data
         return dataclasses.replace(entry, envelope=entry.envelope.evolve(payload=payload))
 
     async def dead_letters(self) -> list[DeadLetter]:
@@ -1093,7 +1112,7 @@ class NatsTransport(Transport):
                         except NatsTimeout:
                             break
                         for msg in msgs:
-                            entry = self._dead_letter_from(msg)
+                            entry = self.dead_letter_from(msg.headers, msg.data)
                             if entry is not None:
                                 entries.append(entry)
                         metadata = msgs[-1].metadata
@@ -1113,12 +1132,31 @@ class NatsTransport(Transport):
         return entries
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
-        """Purge the dead letters of these envelope ids (every entry of each id)."""
+        """Delete the dead letters of these envelope ids (every entry of each id)."""
+        await self._shared_dead.take(ids)
+
+    async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Delete the dead letters of these envelope ids, each by its sequence (the
+        claim); return those this call deleted, telling every watcher."""
+        return await self._shared_dead.take(ids)
+
+    async def clear_dead_letters(self) -> None:
+        """Purge the dead-letter stream (every watcher reads it again)."""
         _, js = self._client()
-        for envelope_id in dict.fromkeys(ids):
-            subject = f"{self._dead_prefix}.{_id_token(envelope_id)}"
-            with broker_call(f"cannot remove the dead letters of {envelope_id}"):
-                await js.purge_stream(self.dead_letter_stream, subject=subject)
+        with broker_call(f"cannot purge the dead-letter stream {self.dead_letter_stream}"):
+            await js.purge_stream(self.dead_letter_stream)
+        await self._shared_dead.stale()
+
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Store ``entries`` again (taken for a replay that failed); every watcher reads
+        the dead letters again."""
+        for entry in entries:
+            await self.add_dead_letter(entry)
+        await self._shared_dead.stale()
+
+    def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
+        """Every dead letter added or removed from now on, by any process."""
+        return self._shared_dead.watch()
 
 
 def _is_inbox(group: str) -> bool:

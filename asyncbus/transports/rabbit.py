@@ -23,7 +23,9 @@ Broker names (all under ``prefix``, ``asyncbus`` by default):
   documents (``x-message-ttl`` = ``dead_letter_ttl``, ``x-max-length`` =
   ``dead_letter_maxlen``, as they were when the queue was first declared; listing
   applies the current values), and ``{prefix}.deadletters.lock``, an exclusive queue
-  that exists while one process reads or edits the dead letters.
+  that exists while one process reads or edits the dead letters;
+  ``{prefix}.deadletters.changes``, a fanout exchange announcing what was taken out,
+  so every process's list follows (:class:`~._rabbit_dead_letters.DeadLetterNews`).
 * ``{prefix}.catalog``: the names of the queues declared under the prefix, one
   message each (AMQP cannot list queues), for :meth:`RabbitTransport.delete_everything`.
 * ``{prefix}.groups``: a fanout exchange each group is announced on when declared,
@@ -115,7 +117,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import anyio
 import anyio.lowlevel
 
-from .._dead_letters import DeadLetter
+from .._dead_letters import DeadLetter, dead_letter_key
 from .._envelope import Envelope
 from .._exceptions import (
     ConfigurationError,
@@ -143,7 +145,7 @@ from ._rabbit_consumer import (
     retrieve,
     spurious_cancel,
 )
-from ._rabbit_dead_letters import DeadLetterScan
+from ._rabbit_dead_letters import STALE, DeadLetterNews, DeadLetterScan
 from ._rabbit_groups import GroupRegister
 from ._rabbit_names import (
     KEY_LIMIT,
@@ -159,6 +161,7 @@ from .base import (
     HEADER_DELIVERIES,
     INBOX_GROUP_PREFIX,
     Capabilities,
+    DeadLetterChange,
     Delivery,
     TopicLimits,
     Transport,
@@ -377,6 +380,9 @@ class RabbitTransport(Transport):
         self.dead_letter_exchange = f"{prefix}.deadletters"
         self.dead_letter_queue = f"{prefix}.deadletters"
         self._lock_queue = f"{prefix}.deadletters.lock"
+        self._dead_news = DeadLetterNews(
+            self.dead_letter_exchange, f"{prefix}.deadletters.changes", self.codec
+        )
         self._catalog = f"{prefix}.catalog"
         self._client_id = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
         self._aiormq: Any = None
@@ -529,6 +535,7 @@ class RabbitTransport(Transport):
         return link
 
     def _link_lost(self, link: _Link) -> None:
+        self._dead_news.lost(link.consumer)  # its watchers' queues are gone
         if self._link is link and not self._closing:
             self._link_event = anyio.Event()
 
@@ -662,9 +669,8 @@ class RabbitTransport(Transport):
 
         async def declare(channel: AbstractChannel) -> None:
             await channel.exchange_declare(self.prefix, exchange_type="topic", durable=True)
-            await channel.exchange_declare(
-                self.dead_letter_exchange, exchange_type="fanout", durable=True
-            )
+            for fanout in (self.dead_letter_exchange, self._dead_news.exchange):
+                await channel.exchange_declare(fanout, exchange_type="fanout", durable=True)
 
         await self._admin(link, declare)
         await self._admin(
@@ -805,7 +811,13 @@ class RabbitTransport(Transport):
                     await channel.queue_delete(queue)
                 except errors.ChannelNotFoundEntity:
                     channel = await connection.channel(publisher_confirms=False)
-            for exchange in (self.prefix, self.dead_letter_exchange, self._groups.exchange):
+            exchanges = (
+                self.prefix,
+                self.dead_letter_exchange,
+                self._dead_news.exchange,
+                self._groups.exchange,
+            )
+            for exchange in exchanges:
                 try:
                     await channel.exchange_delete(exchange)
                 except errors.ChannelNotFoundEntity:
@@ -1358,20 +1370,64 @@ class RabbitTransport(Transport):
 
     async def dead_letters(self) -> list[DeadLetter]:
         """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
-        return await self._edit_dead_letters(frozenset())
+        kept, _ = await self._edit_dead_letters(frozenset())
+        return kept
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Delete the dead letters of these envelope ids."""
-        self._properties_type()
-        if ids:
-            await self._edit_dead_letters(frozenset(ids))
+        await self.take_dead_letters(ids)
 
-    async def _edit_dead_letters(self, drop: frozenset[str]) -> list[DeadLetter]:
+    async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Delete the dead letters of these envelope ids, under the lock (the claim);
+        return those this call deleted, telling every watcher."""
+        self._properties_type()
+        if not ids:
+            return []
+        _, taken = await self._edit_dead_letters(frozenset(ids))
+        if taken:
+            await self._announce_dead(DeadLetterNews.removal(list(map(dead_letter_key, taken))))
+        return taken
+
+    async def clear_dead_letters(self) -> None:
+        """Delete every dead letter, under the lock (every watcher reads them again)."""
+        await self._edit_dead_letters(None)
+        await self._announce_dead(STALE)
+
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Publish ``entries`` again (taken for a replay that failed); every watcher
+        reads the dead letters again."""
+        self._properties_type()
+        await self._add_dead_letters(entries)
+        await self._announce_dead(STALE)
+
+    @asynccontextmanager
+    async def watch_dead_letters(self) -> AsyncIterator[AsyncIterator[DeadLetterChange]]:
+        """Every dead letter added or removed from now on, by any process; the changes
+        end when the connection is lost (watch again: what was missed is unknown)."""
+        self._properties_type()
+        link = await self._wait_link(anyio.current_time() + self.publish_timeout)
+        self._dead_news.codec = self.codec
+        try:
+            cleanup = partial(self.cleanup_scope, RELEASE_TIMEOUT)
+            async with self._dead_news.watch(link.consumer, cleanup) as changes:
+                yield changes
+        except (self._aiormq.exceptions.AMQPError, OSError) as error:
+            raise self._failed("watching the dead letters", error) from error
+
+    async def _announce_dead(self, body: bytes) -> None:
+        properties = self._properties_type()(content_type="application/json", delivery_mode=1)
+        await self._publish_one(self._dead_news.exchange, "", body, properties)
+
+    async def _edit_dead_letters(
+        self, drop: frozenset[str] | None
+    ) -> tuple[list[DeadLetter], list[DeadLetter]]:
         self._properties_type()
         async with self._dead_lock:
             return await self._call("reading the dead letters", partial(self._scan_dead, drop))
 
-    async def _scan_dead(self, drop: frozenset[str], link: _Link) -> list[DeadLetter]:
+    async def _scan_dead(
+        self, drop: frozenset[str] | None, link: _Link
+    ) -> tuple[list[DeadLetter], list[DeadLetter]]:
         scan = DeadLetterScan(
             link.consumer,
             queue=self.dead_letter_queue,

@@ -10,7 +10,9 @@ Layout of the keys (all under ``prefix``):
 * ``{prefix}:delayed``: sorted set of delayed retries by due time (ms), each one a hash
   ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
   counts them per stream (for :meth:`RedisTransport.backlog`).
-* ``{prefix}:deadletters``: the dead-letter stream (``id``, ``entry`` fields).
+* ``{prefix}:deadletters``: the dead-letter stream (``id``, ``entry`` fields), and
+  ``{prefix}:deadletters:removed`` / ``:removals``, what was taken out of it, so every
+  process's list follows (:mod:`._redis_dead_letters`).
 * ``{prefix}:inboxes``: sorted set of the streams of request inboxes (groups
   ``_reply.*``, one per process) by the time they expire (ms). A live process pushes
   its inbox's expiry (and the stream's own ``PEXPIRE``) forward every
@@ -79,7 +81,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
 
@@ -95,6 +97,7 @@ from . import _redis_scripts
 from ._coalesce import Coalescer
 from ._codec import (
     Codec,
+    RawBody,
     dead_letter_from_wire,
     dead_letter_to_wire,
     dump_meta,
@@ -103,6 +106,7 @@ from ._codec import (
     envelope_to_wire,
 )
 from ._kit import AckWriter, Backoff, TaskOwner, TopicMatches, redact, require_asyncio
+from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
 from ._wire_fields import group_from_wire
 from .base import (
@@ -111,6 +115,7 @@ from .base import (
     INBOX_GROUP_PREFIX,
     BaseDelivery,
     Capabilities,
+    DeadLetterChange,
     Delivery,
     Transport,
     checked_max_deliveries,
@@ -412,6 +417,7 @@ class RedisTransport(Transport):
         self._delayed_key = f"{prefix}:delayed"
         self._delayed_counts_key = f"{prefix}:delayed:counts"
         self._dead_key = f"{prefix}:deadletters"
+        self._shared_dead = RedisDeadLetters(self, self._dead_key)
         self._inboxes_key = f"{prefix}:inboxes"
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
@@ -933,7 +939,7 @@ class RedisTransport(Transport):
             envelope = Envelope(
                 id=f"redis:{_text(entry)}",
                 topic=consumer.pattern,
-                payload=body,
+                payload=RawBody(body),
                 attempt=count,
             )
             error = str(problem)
@@ -1238,15 +1244,22 @@ class RedisTransport(Transport):
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Delete the dead-letter entries of these envelope ids."""
-        if not ids:
-            return
-        drop = {id.encode() for id in ids}
-        client = self._redis()
-        try:
-            doomed = [
-                entry async for entry, fields in self._dead_entries() if fields.get(b"id") in drop
-            ]
-            if doomed:
-                await client.xdel(self._dead_key, *doomed)
-        except self._errors.RedisError as error:
-            raise self._failed("removing dead letters", error) from error
+        await self._shared_dead.take(ids)
+
+    async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Delete the dead letters of these envelope ids; return those this call deleted
+        (``XDEL`` of each, in one script: the claim), telling every watcher."""
+        return await self._shared_dead.take(ids)
+
+    async def clear_dead_letters(self) -> None:
+        """Delete every dead letter (every watcher reads them again)."""
+        await self._shared_dead.clear()
+
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Append ``entries`` again (taken for a replay that failed); every watcher reads
+        the dead letters again."""
+        await self._shared_dead.restore(entries)
+
+    def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
+        """Every dead letter added or removed from now on, by any process."""
+        return self._shared_dead.watch()

@@ -8,13 +8,16 @@ Playwright downloads. Without it the test is skipped, unless the environment set
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 import uvicorn
 
@@ -35,6 +38,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 TOKEN = "dashboard-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STAGE = "orders.created@fulfil"
 TIMEOUT_MS = 15_000
 
@@ -247,3 +251,142 @@ async def test_dashboard_shows_the_limit_and_shedding_live(
                 await browser.close()
     stage = bus.statistics().stage("work@w")
     assert (stage.published, stage.acked, stage.shed, stage.dead_lettered) == (7, 3, 4, 4)
+
+
+async def reserve_stock(order: dict[str, Any]) -> None:
+    """A handler with the default group (its module and name), as most services have."""
+
+
+async def bill_customer(order: dict[str, Any]) -> None:
+    if order["id"] % 100 == 0:
+        raise ValueError("card declined")
+
+
+@contextlib.asynccontextmanager
+async def browser_page(chromium: Path, width: int = 1280) -> AsyncIterator[Any]:
+    """A page of a headless Chromium, ``width`` CSS pixels wide."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=30_000
+        )
+        try:
+            page = await browser.new_page(viewport={"width": width, "height": 800})
+            page.set_default_timeout(TIMEOUT_MS)
+            yield page
+        finally:
+            await browser.close()
+
+
+async def _every_column_in_view(page: Any) -> None:
+    """No column of the stage table is outside its panel (none hidden in a scroller)."""
+    panel = page.locator("#stages").locator("xpath=..")
+    widths = await panel.evaluate("(panel) => [panel.scrollWidth, panel.clientWidth]")
+    assert widths[0] <= widths[1], f"the stage table overflows its panel: {widths}"
+    box = await panel.bounding_box()
+    assert box is not None
+    headers = page.locator("#stages thead th")
+    assert await headers.count() == 16
+    for index in range(16):
+        cell = await headers.nth(index).bounding_box()
+        assert cell is not None
+        assert cell["x"] + cell["width"] <= box["x"] + box["width"] + 0.5, index
+    assert await panel.evaluate("(panel) => panel.classList.contains('overflows')") is False
+
+
+@pytest.mark.timeout(120)
+async def test_at_1280_px_every_stage_column_is_in_view_and_the_totals_say_what_they_count(
+    chromium: Path,
+) -> None:
+    from playwright.async_api import expect
+
+    bus = Bus()
+    bus.subscribe("orders.created", reserve_stock)
+    bus.subscribe("orders.*", bill_customer, group="billing-and-invoicing", concurrency=8)
+    bus.subscribe("orders.created", reserve_stock, group="warehouse.eu-west.reservations")
+    with anyio.fail_after(90):
+        async with bus, serving(admin_app(bus, token=TOKEN)) as url:
+            await bus.publish_many("orders.created", [{"id": n} for n in range(1, 3002)])
+            await bus.drain(timeout=20)
+            async with browser_page(chromium) as page:
+                await page.goto(f"{url}/?token={TOKEN}")
+                await expect(page.locator("#status")).to_have_text("live")
+                await expect(page.locator('[data-total="published"]')).to_have_text("9003")
+                await _every_column_in_view(page)
+
+                # The door's refusals and the dead-letter reason 'rejected' are told apart,
+                # and the totals say that they add up every stage an envelope reached.
+                labels = {
+                    name: (
+                        await page.locator(f'[data-total="{name}"]')
+                        .locator("xpath=..")
+                        .locator(".label")
+                        .inner_text()
+                    ).lower()
+                    for name in ("published", "rejected")
+                }
+                assert "door" in labels["rejected"], labels
+                assert "stage" in labels["published"], labels
+                note = await page.locator("#totals-note").inner_text()
+                assert "once per stage" in note, note
+                header = await page.locator("#stages thead th").nth(8).inner_text()
+                assert "door" in header.lower(), header
+                assert (
+                    "dead letter" in (await page.locator("#by-reason-label").inner_text()).lower()
+                )
+
+                # A long-running service: seven-digit counts, a stage shedding.
+                stats = await (await page.request.get(f"{url}/stats", headers=AUTH)).json()
+                for stage in stats["stages"]:
+                    stage.update(
+                        {field: 1_234_567 for field in ("published", "acked", "failed")},
+                        retried=123_456,
+                        dead_lettered=98_765,
+                        rejected=12_345,
+                        shed=123_456,
+                        shedding=True,
+                        depth=1000,
+                        in_flight=256,
+                        limit=256,
+                    )
+                await page.route(
+                    "**/stats",
+                    lambda route: route.fulfill(
+                        status=200, content_type="application/json", body=json.dumps(stats)
+                    ),
+                )
+                shed = page.locator('#stages td[data-field="shed"]').first
+                await expect(shed).to_have_text("123456 shedding")
+                await _every_column_in_view(page)
+
+            # Narrower than the table: the scroller says so.
+            async with browser_page(chromium, width=700) as page:
+                await page.goto(f"{url}/?token={TOKEN}")
+                await expect(page.locator("#status")).to_have_text("live")
+                await expect(page.locator('[data-total="published"]')).to_have_text("9003")
+                panel = page.locator("#stages").locator("xpath=..")
+                await expect(panel).to_have_class(re.compile(r"\boverflows\b"))
+
+
+@pytest.mark.timeout(60)
+async def test_a_wrong_or_missing_token_gets_a_page_that_says_what_to_do(chromium: Path) -> None:
+    bus = Bus()
+    with anyio.fail_after(50):
+        async with bus, serving(admin_app(bus, token=TOKEN)) as url:
+            async with browser_page(chromium) as page:
+                for query, heading in (("?token=not-it", "wrong token"), ("", "token needed")):
+                    response = await page.goto(f"{url}/{query}")
+                    assert response is not None and response.status == 401
+                    assert response.headers["content-type"].startswith("text/html")
+                    text = await page.locator("body").inner_text()
+                    assert heading in (await page.locator("h1").inner_text()).lower()
+                    assert "?token=" in text and "admin_app" in text, text
+                    assert "not-it" not in await page.content()  # never echoed back
+            # An API client still gets JSON.
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(f"{url}/?token=not-it")
+                assert answer.status_code == 401
+                assert answer.json() == {
+                    "error": "wrong bearer token: send 'Authorization: Bearer <token>'"
+                }

@@ -107,16 +107,17 @@ class _Broker(MemoryTransport):
     """The in-process broker, with a backlog that can hang or fail, and subscriptions
     that exist only once ``subscribe_gate`` opens."""
 
-    def __init__(self) -> None:
+    def __init__(self, failure: str = "connection reset by peer") -> None:
         super().__init__(direct=False)
         self.mode = "answer"
+        self.failure = failure
         self.subscribe_gate: anyio.Event | None = None
 
     async def backlog(self, pattern: str, group: str) -> int:
         if self.mode == "hang":
             await anyio.sleep_forever()
         if self.mode == "fail":
-            raise TransportError("connection reset by peer")
+            raise TransportError(self.failure)
         return await super().backlog(pattern, group)
 
     @asynccontextmanager
@@ -140,15 +141,13 @@ async def test_healthz_is_503_when_the_broker_does_not_answer_within_a_second() 
             with anyio.fail_after(5):  # the probe's own deadline is 1 s
                 assert await probe(client, "/healthz") == (
                     503,
-                    {"status": "down", "reason": "memory did not answer within 1s"},
+                    {"status": "down", "reason": "broker did not answer"},
                 )
             broker.mode = "fail"
+            # Without a token to present, the probe says what, never the broker's words.
             assert await probe(client, "/healthz") == (
                 503,
-                {
-                    "status": "down",
-                    "reason": "memory failed: TransportError: connection reset by peer",
-                },
+                {"status": "down", "reason": "broker failed"},
             )
             assert await probe(client, "/readyz") == (200, {"status": "ready"})
             broker.mode = "answer"
@@ -170,3 +169,54 @@ async def test_readyz_waits_for_the_broker_subscriptions() -> None:
             broker.subscribe_gate.set()
             await bus.subscribed()
             assert await probe(client, "/readyz") == (200, {"status": "ready"})
+
+
+async def test_a_failing_broker_is_described_to_the_token_holder_and_the_log_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failure = (
+        "Redis at redis://opsadmin:***@127.0.0.1:6399/0: backlog of hz.items@billing failed: "
+        "Connection refused"
+    )
+    broker = _Broker(failure)
+    bus = Bus(broker)
+    bus.subscribe("hz.items", print, group="billing", offload="inline")
+    secret = {"Authorization": f"Bearer {TOKEN}"}
+    with anyio.fail_after(20):
+        async with bus, client_of(bus, token=TOKEN) as client:
+            broker.mode = "fail"
+            for _ in range(3):
+                anonymous = await client.get("/healthz")
+                assert (anonymous.status_code, anonymous.json()) == (
+                    503,
+                    {"status": "down", "reason": "broker failed"},
+                )
+                for leak in ("opsadmin", "127.0.0.1", "6399", "hz.items", "billing", "Redis"):
+                    assert leak not in anonymous.text, leak
+            authorised = await client.get("/healthz", headers=secret)
+            assert (authorised.status_code, authorised.json()) == (
+                503,
+                {
+                    "status": "down",
+                    "reason": "broker failed",
+                    "detail": f"memory failed: TransportError: {failure}",
+                },
+            )
+            wrong = await client.get("/healthz", headers={"Authorization": "Bearer nope"})
+            assert wrong.json() == {"status": "down", "reason": "broker failed"}
+            broker.mode = "hang"
+            with anyio.fail_after(5):
+                assert (await client.get("/healthz", headers=secret)).json() == {
+                    "status": "down",
+                    "reason": "broker did not answer",
+                    "detail": "memory did not answer within 1s",
+                }
+            broker.mode = "answer"
+            assert await probe(client, "/healthz") == (200, {"status": "ok"})
+    # The operator finds the detail in the log: once per change, not once per probe.
+    logged = [r.getMessage() for r in caplog.records if r.name == "asyncbus.integrations.starlette"]
+    assert logged == [
+        f"health probe: memory failed: TransportError: {failure}",
+        "health probe: memory did not answer within 1s",
+        "health probe: the broker answers again",
+    ]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from _processes import stop  # type: ignore[import-not-found]
 
 from asyncbus import Bus
 
@@ -98,13 +99,7 @@ class Worker:
                 await anyio.sleep(0.05)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process)
 
 
 @pytest.fixture
