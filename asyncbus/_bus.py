@@ -42,7 +42,7 @@ from ._exceptions import (
     ConfigurationError,
     TransportError,
 )
-from ._failures import describe_error, stray_cancellation
+from ._failures import describe_error, loop_closing, stray_cancellation
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
@@ -54,7 +54,7 @@ from ._offload import (
 from ._publishing import Publisher
 from ._replies import Replies
 from ._routing import Router
-from ._runtime import FREE_THREADED, fast_checkpoint
+from ._runtime import FREE_THREADED, current_backend, fast_checkpoint
 from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
@@ -288,6 +288,10 @@ class Bus:
         self._fatal: BaseException | None = None
         self._fatal_raised = False
         self._exiting = False
+        #: The task that started the bus (``async with``, ``__aenter__``).
+        self._entered_by: int | None = None
+        #: Set when the event loop was torn down under the running bus (never closed).
+        self._left_running = False
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
         self._system = self._mode.system
         self._publisher = Publisher(
@@ -369,6 +373,8 @@ class Bus:
         self._exiting = False
         self._fatal = None
         self._fatal_raised = False
+        self._entered_by = anyio.get_current_task().id
+        self._left_running = False
         # The bus's own task group runs inside a runner task, so the task that entered
         # ``async with bus`` is never inside the cancel scope that stops the bus:
         # ``aclose()`` works from any task and inside any cancel scope.
@@ -453,6 +459,11 @@ class Bus:
                                 self._drained = True
                     finally:
                         asked = self._stop_requested is not None and self._stop_requested.is_set()
+                        if not asked and self._loop_left_it_running():
+                            # Nobody closed the bus and its event loop is ending: stop
+                            # at once, list the work as abandoned, say so once (below).
+                            self._left_running = asked = True
+                            self._request_stop(-math.inf)  # (a broker: a short grace)
                         self._deadline_scope = None
                         with anyio.CancelScope(shield=True):
                             self._replies.close()
@@ -474,13 +485,27 @@ class Bus:
             self._task_group = None
             self._portal = None
             self._runner = None
-            self._finish(self._drained)
+            report = self._finish(self._drained, quiet=self._left_running)
+            if self._left_running:
+                _never_closed(self.name, report)
             if self._stopped is not None:
                 self._stopped.set()
             host = self._host
             if self._fatal is not None and host is not None and not self._exiting:
                 # Interrupt the body of ``async with bus``: its exit raises the error.
                 host.cancel_scope.cancel()
+
+    def _loop_left_it_running(self) -> bool:
+        """Whether the bus's tasks end because the event loop ends with the bus running.
+
+        On asyncio the runner cancels every task left (see ``loop_closing``); on trio
+        the task that started the bus returned without closing it, and trio cancels
+        the bus's abandoned task group (a trio task cannot outlive its nursery).
+        """
+        if current_backend() == "trio":
+            running = {task.id for task in anyio.get_running_tasks()}
+            return self._entered_by is not None and self._entered_by not in running
+        return loop_closing()
 
     async def _wait_for_stop_request(self) -> None:
         """Wait until a stop is requested; a stray cancellation of the runner is ignored."""
@@ -629,7 +654,7 @@ class Bus:
             task = parents.get(task)
         return False
 
-    def _finish(self, drained: bool = False) -> ShutdownReport:
+    def _finish(self, drained: bool = False, *, quiet: bool = False) -> ShutdownReport:
         if self._report is not None:
             return self._report
         if self._holds_switch_interval:
@@ -643,7 +668,7 @@ class Bus:
                 stage.unsettled.append(envelope_id)
         abandoned: list[str] = []
         for stage in self._stages.values():
-            abandoned += stage.close()
+            abandoned += stage.close(log=not quiet)
         self._services.failure_log.flush()
         self._background = 0
         self._state = "closed"
@@ -1153,6 +1178,20 @@ def _check_joins(
             "group cannot be Adaptive (give the group's first subscription Adaptive or "
             "admission=)"
         )
+
+
+def _never_closed(name: str, report: ShutdownReport) -> None:
+    """Log, once, that the bus stopped because its event loop ended with it running."""
+    ids = report.abandoned
+    named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+    logger.error(
+        "bus was never closed: use `async with bus`, `lifespan(bus)` or `await bus.aclose()` "
+        "(bus %r stopped as its event loop ended; %d envelope(s) abandoned%s)",
+        name,
+        len(ids),
+        f": {named}" if ids else "",
+        extra={"asyncbus_envelope_ids": tuple(ids)},
+    )
 
 
 def _not_drained(bus: Bus, timeout: float | None) -> str:

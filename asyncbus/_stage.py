@@ -219,9 +219,10 @@ class Stage:
         """Start admitting (when the bus starts, or at once if it runs)."""
         self.closed = False
 
-    def close(self) -> list[str]:
+    def close(self, *, log: bool = True) -> list[str]:
         """After the consumers are gone: count what is left as abandoned.
 
+        :param log: log the abandoned ids (the bus says it otherwise).
         :return: ids of the abandoned envelopes.
         """
         self.closed = True
@@ -239,7 +240,8 @@ class Stage:
         self.deliveries.clear()
         self.pumping = False
         self.ledger.abandoned += len(left)
-        self.host.failure_log.abandoned(self.name, left)
+        if log:
+            self.host.failure_log.abandoned(self.name, left)
         left = self.unsettled + left  # (counted, and logged, when their settle failed)
         self.unsettled = []
         self.queued = self.in_flight = 0
