@@ -102,7 +102,16 @@ from ._codec import (
     envelope_meta,
     envelope_to_wire,
 )
-from ._kit import AckWriter, Backoff, TaskOwner, TopicMatches, redact, require_asyncio
+from ._kit import (
+    AckWriter,
+    Backoff,
+    TaskOwner,
+    TopicMatches,
+    check_url,
+    redact,
+    require_asyncio,
+    require_extra,
+)
 from ._redis_dedup import RedisDedupStore
 from ._wire_fields import group_from_wire
 from .base import (
@@ -129,6 +138,10 @@ if TYPE_CHECKING:
 __all__ = ["RedisTransport"]
 
 logger = logging.getLogger("asyncbus.transport.redis")
+
+#: The URL schemes redis-py takes, and what a URL looks like (for errors).
+_SCHEMES = ("redis", "rediss", "unix")
+_URL_FORM = "redis://[[user]:password@]host[:port][/db] (rediss:// for TLS, unix:///path)"
 
 _EXTRA_MISSING = "RedisTransport needs the 'redis' extra: pip install 'asyncbus[redis]'"
 #: Why a delivery its subscription gave back cannot be settled.
@@ -351,8 +364,11 @@ class RedisTransport(Transport):
         behind other writes included) before raising :class:`TransportError`; it is
         also the socket timeout of every other call (at least ``block_ms`` plus a
         second), so a server that stops answering fails calls instead of hanging them.
-    :raises ConfigurationError: for a timeout, interval, size or cap that is not a
+    :raises ConfigurationError: for a URL without a ``redis``, ``rediss`` or ``unix``
+        scheme or with a bad port, or a timeout, interval, size or cap that is not a
         positive number in range (NaN, infinities, bools, huge values included).
+    :raises ImportError: (also a ``ConfigurationError``) when redis-py is not
+        installed: the message names the extra.
     """
 
     #: Seconds the inbox of a process that died stays in Redis (see the module docstring).
@@ -385,6 +401,8 @@ class RedisTransport(Transport):
         publish_timeout: float = 10.0,
     ) -> None:
         super().__init__(codec=codec)
+        require_extra("RedisTransport", "redis", "redis")
+        check_url("RedisTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
         publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")
         # A blocking read is one call: it must fit well within a socket timeout.
