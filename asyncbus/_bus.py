@@ -41,6 +41,7 @@ from ._exceptions import (
     BusClosedError,
     ConfigurationError,
     TransportError,
+    not_started,
 )
 from ._failures import describe_error, loop_closing, stray_cancellation
 from ._handling import current_handling
@@ -327,6 +328,8 @@ class Bus:
     def _tasks(self) -> TaskGroup:
         """The one task group that owns every task of the running bus."""
         if self._task_group is None:
+            if self._state == "new":
+                raise not_started("start tasks")
             raise BusClosedError("the bus is not running: use `async with bus:`")
         return self._task_group
 

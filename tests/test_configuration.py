@@ -18,6 +18,7 @@ from asyncbus import (
     Adaptive,
     Admission,
     Bus,
+    BusClosedError,
     ConfigurationError,
     DeadLetterReason,
     Envelope,
@@ -414,6 +415,34 @@ async def test_topics_that_were_valid_stay_valid(assert_settled: Callable[[Bus],
             await bus.drain()
     assert got == topics
     assert_settled(bus)
+
+
+async def test_publishing_before_the_start_says_how_to_start_the_bus() -> None:
+    """``async with bus`` for a script, ``lifespan=lifespan(bus)`` for a web app."""
+    bus = Bus()
+    bus.subscribe("jobs", handler, group="g")
+    wanted = [
+        "the bus has not started: publish inside `async with bus:`",
+        "`lifespan=lifespan(bus)`",
+    ]
+    errors: list[BaseException] = []
+    for attempt in (
+        lambda: bus.publish("jobs", 1),
+        lambda: bus.publish_many("jobs", [1]),
+        lambda: bus.request("jobs", 1),
+    ):
+        with pytest.raises(BusClosedError) as caught:
+            await attempt()
+        errors.append(caught.value)
+    with pytest.raises(BusClosedError) as caught:
+        bus.publish_nowait("jobs", 1)
+    errors.append(caught.value)
+    error = bus.publish_threadsafe("jobs", 1).exception(timeout=5)
+    assert error is not None
+    errors.append(error)
+    for error in errors:
+        assert all(part in str(error) for part in wanted), error
+    assert bus.statistics().published == 0
 
 
 async def test_a_bare_string_slip_is_one_hop(assert_settled: Callable[[Bus], None]) -> None:
