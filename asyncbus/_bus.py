@@ -192,6 +192,10 @@ class _Services:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
         return self._bus._mode.cleanup_scope()
 
+    def refused(self, stage: Stage, error: ConfigurationError) -> None:
+        """The broker refused ``stage``'s subscription for good (``Bus._refused``)."""
+        self._bus._refused(stage, error)
+
     async def halt(self, error: BaseException) -> NoReturn:
         """A handler raised ``error`` (``KeyboardInterrupt``, ...): stop the bus (``Bus._halt``)."""
         await self._bus._halt(error)
@@ -293,6 +297,8 @@ class Bus:
         self._entered_by: int | None = None
         #: Set when the event loop was torn down under the running bus (never closed).
         self._left_running = False
+        #: Subscriptions the broker refused, not yet raised by ``subscribed()``.
+        self._refusals: list[ConfigurationError] = []
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
         self._system = self._mode.system
         self._publisher = Publisher(
@@ -304,7 +310,7 @@ class Bus:
             self._services,
             self._publisher.send,
             self._subscribe,
-            self.subscribed,
+            self._wait_subscribed,
         )
         self._publisher.replies = self._replies
         self._dead_lettering = DeadLettering(
@@ -378,6 +384,7 @@ class Bus:
         self._fatal_raised = False
         self._entered_by = anyio.get_current_task().id
         self._left_running = False
+        self._refusals = []
         # The bus's own task group runs inside a runner task, so the task that entered
         # ``async with bus`` is never inside the cancel scope that stops the bus:
         # ``aclose()`` works from any task and inside any cancel scope.
@@ -420,10 +427,50 @@ class Bus:
 
         ``async with bus`` waits for this itself; after a ``subscribe`` on a running
         bus over a broker, await it before publishing what the new group must get.
+
+        :raises ConfigurationError: when the broker refused a subscription for good
+            (a pattern it cannot take) since the last call: that subscription was
+            withdrawn and the rest of the bus runs on as it was.
         """
+        await self._wait_subscribed()
+        if self._refusals:
+            first, *_ = self._refusals
+            self._refusals.clear()
+            raise first
+
+    async def _wait_subscribed(self) -> None:
+        """Wait until every stage's broker subscription exists or was refused."""
         for stage in list(self._stages.values()):
             if stage.subscribed is not None:
                 await stage.subscribed.wait()
+
+    def _refused(self, stage: Stage, error: ConfigurationError) -> None:
+        """The broker refused ``stage``'s subscription for good; its pump has ended.
+
+        On the running bus the stage is withdrawn (made by a ``subscribe`` there): the
+        other stages go on, nothing of the bus's state is left of it, and the error
+        reaches the next ``subscribed()``. While the bus starts, the start fails with
+        it (``subscribed()`` raises it in ``async with bus``).
+        """
+        self._refusals.append(error)
+        if self._started is not None and self._started.is_set():
+            logger.error(
+                "stage %r: the broker refused its subscription, which is withdrawn "
+                "(the rest of the bus goes on): %s",
+                stage.name,
+                describe_error(error),
+            )
+            key = (stage.pattern, stage.group)
+            if self._stages.get(key) is stage:
+                del self._stages[key]
+                del self._stages_by_name[stage.name]
+                self._router.remove(stage)
+            stage.withdraw()
+            self._services._consumers.pop(stage.name, None)
+        if stage.subscribed is not None:
+            stage.subscribed.set()  # (wakes subscribed())
+        if self._services.idle_waiters:
+            self._wake_drainers()
 
     async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """The runner task: owns the transport, the portal and the bus's task group.

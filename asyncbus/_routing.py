@@ -135,6 +135,12 @@ class Router(Generic[T]):
         self._cache.clear()
         self._names.clear()
 
+    def remove(self, target: T) -> None:
+        """Forget every route to ``target``."""
+        self._routes = [route for route in self._routes if route[2] is not target]
+        self._cache.clear()
+        self._names.clear()
+
     def targets(self) -> Iterable[T]:
         """Every registered target, in registration order."""
         return (target for _, _, target in self._routes)

@@ -252,6 +252,18 @@ class Stage:
         self.consumer_waiters.clear()
         return left
 
+    def withdraw(self) -> list[str]:
+        """Close the stage of a running bus for good (the broker refused its
+        subscription): what it held is abandoned, its consumers end once woken.
+
+        :return: ids of the abandoned envelopes.
+        """
+        waiters = list(self.consumer_waiters)
+        left = self.close()
+        for waiter in waiters:
+            waiter.set()  # (each finds the stage closed and empty, and ends)
+        return left
+
     # -- the door ---------------------------------------------------------------
 
     def has_room(self) -> bool:
