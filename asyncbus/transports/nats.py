@@ -267,7 +267,7 @@ class NatsTransport(Transport):
         publish_timeout: float | None = None,
     ) -> None:
         super().__init__(codec=codec)
-        require_extra("NatsTransport", "nats", "nats")
+        require_extra("NatsTransport", "nats", "nats.aio.client", "nats.errors")
         check_url("NatsTransport", url, _SCHEMES, _URL_FORM)
         if publish_timeout is None:
             publish_timeout = request_timeout

@@ -348,7 +348,9 @@ class RabbitTransport(Transport):
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
-        require_extra("RabbitTransport", "rabbit", "aio_pika", "aiormq", "pamqp")
+        require_extra(
+            "RabbitTransport", "rabbit", "aio_pika", "aiormq.exceptions", "pamqp.commands"
+        )
         check_url("RabbitTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout, publish_timeout, connect_timeout, max_backoff = (
             checked_seconds(value, f"RabbitTransport: {label}")

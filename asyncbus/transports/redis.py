@@ -401,7 +401,7 @@ class RedisTransport(Transport):
         publish_timeout: float = 10.0,
     ) -> None:
         super().__init__(codec=codec)
-        require_extra("RedisTransport", "redis", "redis")
+        require_extra("RedisTransport", "redis", "redis.asyncio", "redis.exceptions")
         check_url("RedisTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
         publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")

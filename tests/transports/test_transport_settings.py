@@ -8,6 +8,7 @@ before anything is declared.
 
 from __future__ import annotations
 
+import builtins
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -176,8 +177,8 @@ def test_a_url_that_can_work_is_kept(transport: type[Transport], url: str) -> No
 
 
 EXTRAS = {
-    RedisTransport: ("redis", ["redis"]),
-    NatsTransport: ("nats", ["nats"]),
+    RedisTransport: ("redis", ["redis", "redis.asyncio"]),
+    NatsTransport: ("nats", ["nats", "nats.aio.client"]),
     RabbitTransport: ("rabbit", ["aio_pika", "aiormq", "pamqp"]),
 }
 
@@ -197,3 +198,15 @@ def test_a_missing_client_library_is_refused_when_the_transport_is_created(
         assert str(caught.value) == (
             f"{transport.__name__} needs the '{extra}' extra: pip install 'asyncbus[{extra}]'"
         )
+    # Or an import that fails however it is made (an uninstalled package).
+    real_import = builtins.__import__
+
+    def failing_import(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.split(".")[0] == modules[0]:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "__import__", failing_import)
+        with pytest.raises(ImportError, match=rf"pip install 'asyncbus\[{extra}\]'"):
+            transport()

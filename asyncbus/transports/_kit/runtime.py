@@ -3,7 +3,6 @@ library) and when it connects (the event loop its client runs on)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -45,7 +44,9 @@ def require_extra(transport: str, extra: str, *modules: str) -> None:
     """
     for module in modules:
         try:
-            importlib.import_module(module)
+            # The import statement's own machinery (``__import__``): a module blocked in
+            # ``sys.modules``, parent or child, fails here as it would in ``connect``.
+            __import__(module)
         except ImportError as error:
             raise MissingExtra(
                 f"{transport} needs the '{extra}' extra: pip install 'asyncbus[{extra}]'"
