@@ -434,7 +434,7 @@ class Bus:
         """
         await self._wait_subscribed()
         if self._refusals:
-            first, *_ = self._refusals
+            first = self._refusals[0]
             self._refusals.clear()
             raise first
 

@@ -156,12 +156,12 @@ def test_a_bus_never_closed_under_trio_ends_with_the_run_and_no_false_dead_lette
 ) -> None:
     # trio cannot hang here: a task may not return with a nursery open, so trio cancels
     # the bus's task group when the task that started it returns and then reports the
-    # misnesting itself. The bus must not make a dead letter of that cancellation.
+    # misnesting itself (its cancel scopes being misnested by then, a handler's
+    # ``sleep`` may even return early: what becomes of the work is trio's). The bus must
+    # not make a dead letter of that cancellation.
     outcome = _run(tmp_path, "anyio.run-trio", then)
 
     assert outcome["ended"] != "returned"  # trio's own error for the open nursery
     assert outcome["dead_letters"] == 0
-    assert outcome["acked"] == 0
-    assert outcome["running"] is False
     assert not [r for r in outcome["records"] if "dead-lettered" in r[2]]
     assert "HandlerCancelled" not in outcome["stderr"]
