@@ -226,12 +226,12 @@ class NatsTransport(Transport):
     :param max_deliveries: deliveries of one message (``num_delivered``), none
         settled, after which the next one is handed over with ``error`` set (the bus
         dead-letters it ``rejected``).
-    :raises ConfigurationError: for a URL without a ``nats``, ``tls``, ``ws`` or
-        ``wss`` scheme or with a bad port, a bad prefix, or a timeout, window or cap
-        that is not a positive number in range (NaN, infinities, bools, huge values
-        included).
-    :raises ImportError: (also a ``ConfigurationError``) when nats-py is not
-        installed: the message names the extra.
+    :raises ConfigurationError: for a URL without a scheme, with another broker's or
+        the web's (not ``nats``, ``tls``, ``ws``, ``wss``) or with a bad port, a bad
+        prefix, or a timeout, window or cap that is not a positive number in range
+        (NaN, infinities, bools, huge values included).
+    :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
+        nats-py is not installed: the message names the extra.
     """
 
     #: Seconds without a pull after which the server deletes a request inbox's
@@ -267,7 +267,7 @@ class NatsTransport(Transport):
         publish_timeout: float | None = None,
     ) -> None:
         super().__init__(codec=codec)
-        require_extra("NatsTransport", "nats", "nats.aio.client", "nats.errors")
+        require_extra("NatsTransport", "nats", "nats")
         check_url("NatsTransport", url, _SCHEMES, _URL_FORM)
         if publish_timeout is None:
             publish_timeout = request_timeout

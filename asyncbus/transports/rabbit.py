@@ -314,11 +314,12 @@ class RabbitTransport(Transport):
     :param max_deliveries: deliveries of one message (the quorum queue's
         ``x-delivery-count`` + 1), none settled, after which the next one is handed
         over with ``error`` set (the bus dead-letters it ``rejected``).
-    :raises ConfigurationError: for a URL without an ``amqp`` or ``amqps`` scheme or
-        with a bad port, a timeout, size or cap that is not a positive number in range
-        (NaN, infinities, bools, huge values included), or an unusable prefix.
-    :raises ImportError: (also a ``ConfigurationError``) when aio-pika is not
-        installed: the message names the extra.
+    :raises ConfigurationError: for a URL without a scheme, with another broker's or
+        the web's (not ``amqp``, ``amqps``) or with a bad port, a timeout, size or cap
+        that is not a positive number in range (NaN, infinities, bools, huge values
+        included), or an unusable prefix.
+    :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
+        aio-pika is not installed: the message names the extra.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -348,9 +349,7 @@ class RabbitTransport(Transport):
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
-        require_extra(
-            "RabbitTransport", "rabbit", "aio_pika", "aiormq.exceptions", "pamqp.commands"
-        )
+        require_extra("RabbitTransport", "rabbit", "aio_pika", "aiormq", "pamqp")
         check_url("RabbitTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout, publish_timeout, connect_timeout, max_backoff = (
             checked_seconds(value, f"RabbitTransport: {label}")

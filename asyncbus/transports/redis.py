@@ -364,11 +364,12 @@ class RedisTransport(Transport):
         behind other writes included) before raising :class:`TransportError`; it is
         also the socket timeout of every other call (at least ``block_ms`` plus a
         second), so a server that stops answering fails calls instead of hanging them.
-    :raises ConfigurationError: for a URL without a ``redis``, ``rediss`` or ``unix``
-        scheme or with a bad port, or a timeout, interval, size or cap that is not a
-        positive number in range (NaN, infinities, bools, huge values included).
-    :raises ImportError: (also a ``ConfigurationError``) when redis-py is not
-        installed: the message names the extra.
+    :raises ConfigurationError: for a URL without a scheme, with another broker's or
+        the web's (not ``redis``, ``rediss``, ``unix``) or with a bad port, or a
+        timeout, interval, size or cap that is not a positive number in range (NaN,
+        infinities, bools, huge values included).
+    :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
+        redis-py is not installed: the message names the extra.
     """
 
     #: Seconds the inbox of a process that died stays in Redis (see the module docstring).
@@ -401,7 +402,7 @@ class RedisTransport(Transport):
         publish_timeout: float = 10.0,
     ) -> None:
         super().__init__(codec=codec)
-        require_extra("RedisTransport", "redis", "redis.asyncio", "redis.exceptions")
+        require_extra("RedisTransport", "redis", "redis")
         check_url("RedisTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
         publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")
@@ -474,6 +475,7 @@ class RedisTransport(Transport):
 
         :raises ConnectError: when redis-py is missing, the server does not answer, or
             not running on asyncio.
+        :raises ConfigurationError: for a URL redis-py cannot read (an unknown scheme).
         """
         if self._client is not None:
             return
@@ -493,15 +495,20 @@ class RedisTransport(Transport):
         )
         # A blocking pool: a burst of concurrent publishes waits for a connection
         # instead of failing with "Too many connections".
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.url,
-            max_connections=256,
-            timeout=None,
-            socket_connect_timeout=min(5.0, self.publish_timeout),
-            # Every call is bounded; a blocking read waits block_ms, well within it.
-            socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
-            retry=retry,
-        )
+        try:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                self.url,
+                max_connections=256,
+                timeout=None,
+                socket_connect_timeout=min(5.0, self.publish_timeout),
+                # Every call is bounded; a blocking read waits block_ms, well within it.
+                socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
+                retry=retry,
+            )
+        except ValueError as error:  # a URL redis-py cannot read (an unknown scheme)
+            raise ConfigurationError(
+                f"RedisTransport: {error}, got {redact(self.url)!r}: write it like {_URL_FORM}"
+            ) from error
         pool.connection_class = _packing_by_hiredis(pool.connection_class)
         client = aioredis.Redis.from_pool(pool)
         # XREADGROUP's reply as it came (lists, or a map on RESP3), read by ``_fetch``

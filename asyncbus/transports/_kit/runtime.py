@@ -3,6 +3,7 @@ library) and when it connects (the event loop its client runs on)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -28,38 +29,45 @@ def require_asyncio(transport: str, client: str) -> None:
         )
 
 
-class MissingExtra(ConfigurationError, ImportError):
+class MissingExtra(ConnectError, ConfigurationError, ImportError):
     """A transport's client library is not installed: the message names the extra.
 
-    An :class:`ImportError`, as for the integrations' extras, and a
+    Raised when the transport is created. A :class:`~asyncbus.ConnectError`, what
+    ``connect`` raised for it before (it still does, for a library that fails to
+    import); an :class:`ImportError`, as for the integrations' extras; and a
     :class:`~asyncbus.ConfigurationError`, as for any setting that cannot work.
     """
 
 
-def require_extra(transport: str, extra: str, *modules: str) -> None:
-    """Import ``modules`` (the client library of ``extra``), as the transport is created.
+def require_extra(transport: str, extra: str, *packages: str) -> None:
+    """Refuse to create ``transport`` when a top-level package of ``extra`` is missing.
 
-    :raises MissingExtra: when one of them cannot be imported, naming the extra to
-        install (``pip install 'asyncbus[nats]'``).
+    Only looked up (:func:`importlib.util.find_spec`), never imported: a transport's
+    client library is imported when it connects. A package blocked in
+    ``sys.modules`` (``None``) counts as missing.
+
+    :raises MissingExtra: naming the extra to install (``pip install 'asyncbus[nats]'``).
     """
-    for module in modules:
+    for package in packages:
         try:
-            # The import statement's own machinery (``__import__``): a module blocked in
-            # ``sys.modules``, parent or child, fails here as it would in ``connect``.
-            __import__(module)
-        except ImportError as error:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):  # a broken package, a module without a spec
+            found = False
+        if not found:
             raise MissingExtra(
                 f"{transport} needs the '{extra}' extra: pip install 'asyncbus[{extra}]'"
-            ) from error
+            )
 
 
 def check_url(transport: str, url: object, schemes: Sequence[str], form: str) -> None:
     """Refuse a broker URL that cannot work, as the transport is created.
 
     ``url`` is one URL, several separated by commas, or a sequence of them; each must
-    be a string with one of ``schemes`` and, when it names a port, a number from 0 to
-    65535. (The client libraries would fail only on connecting, with their own raw
-    errors, or take a URL without a scheme for a host name.)
+    be a string with a scheme (not another broker's, nor the web's: one of
+    ``schemes``, or one the client library may know), without whitespace, and when it
+    names a port, a number from 0 to 65535. (The client libraries would fail only on
+    connecting, with their own raw errors, or take a URL without a scheme for a host
+    name.)
 
     :param form: what a URL looks like, for the message (``nats://host:port``).
     :raises ConfigurationError: naming the URL (without its credentials) and ``form``.
@@ -81,11 +89,18 @@ def check_url(transport: str, url: object, schemes: Sequence[str], form: str) ->
             )
 
 
+#: Schemes that name another broker or the web: a URL with one of them is a mix-up.
+#: (Any other scheme is left to the client library, which reports it on connecting.)
+_OTHER_SCHEMES = frozenset(
+    {"redis", "rediss", "unix", "nats", "tls", "ws", "wss", "amqp", "amqps", "http", "https"}
+)
+
+
 def _url_problem(url: str, schemes: Sequence[str]) -> str | None:
     scheme, separator, rest = url.partition("://")
     if not separator:
         return f"no scheme ({' or '.join(f'{name}://' for name in schemes)})"
-    if scheme.lower() not in schemes:
+    if scheme.lower() in _OTHER_SCHEMES and scheme.lower() not in schemes:
         return f"scheme {scheme!r} is not {' or '.join(repr(name) for name in schemes)}"
     try:
         urlsplit(url).port  # noqa: B018  (parsing is the check)
