@@ -89,7 +89,7 @@ class _Filler:
 
     def set(self) -> None:
         stage = self.stage
-        if stage.queued >= self.need or _starved(stage):
+        if stage.queued >= self.need or _starved(stage) or stage.closed:
             self.event.set()
         else:
             stage.consumer_waiters.append(typing.cast("anyio.Event", self))
@@ -146,6 +146,8 @@ async def consume_batch(stage: Stage, plan: BatchPlan, host: ConsumerHost) -> No
             _cancelled_from_outside(stage)
             continue
         if not stage.queued:
+            if stage.closed:
+                return  # withdrawn (the broker refused its subscription): nothing comes
             await _park(stage)
             if not stage.queued:
                 continue

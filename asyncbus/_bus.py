@@ -41,8 +41,9 @@ from ._exceptions import (
     BusClosedError,
     ConfigurationError,
     TransportError,
+    not_started,
 )
-from ._failures import describe_error, stray_cancellation
+from ._failures import describe_error, loop_closing, stray_cancellation
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
@@ -54,7 +55,7 @@ from ._offload import (
 from ._publishing import Publisher
 from ._replies import Replies
 from ._routing import Router
-from ._runtime import FREE_THREADED, fast_checkpoint
+from ._runtime import FREE_THREADED, current_backend, fast_checkpoint
 from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
@@ -191,6 +192,10 @@ class _Services:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
         return self._bus._mode.cleanup_scope()
 
+    def refused(self, stage: Stage, error: ConfigurationError) -> None:
+        """The broker refused ``stage``'s subscription for good (``Bus._refused``)."""
+        self._bus._refused(stage, error)
+
     async def halt(self, error: BaseException) -> NoReturn:
         """A handler raised ``error`` (``KeyboardInterrupt``, ...): stop the bus (``Bus._halt``)."""
         await self._bus._halt(error)
@@ -288,6 +293,12 @@ class Bus:
         self._fatal: BaseException | None = None
         self._fatal_raised = False
         self._exiting = False
+        #: The task that started the bus (``async with``, ``__aenter__``).
+        self._entered_by: int | None = None
+        #: Set when the event loop was torn down under the running bus (never closed).
+        self._left_running = False
+        #: Subscriptions the broker refused, not yet raised by ``subscribed()``.
+        self._refusals: list[ConfigurationError] = []
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
         self._system = self._mode.system
         self._publisher = Publisher(
@@ -299,7 +310,7 @@ class Bus:
             self._services,
             self._publisher.send,
             self._subscribe,
-            self.subscribed,
+            self._wait_subscribed,
         )
         self._publisher.replies = self._replies
         self._dead_lettering = DeadLettering(
@@ -323,6 +334,8 @@ class Bus:
     def _tasks(self) -> TaskGroup:
         """The one task group that owns every task of the running bus."""
         if self._task_group is None:
+            if self._state == "new":
+                raise not_started("start tasks")
             raise BusClosedError("the bus is not running: use `async with bus:`")
         return self._task_group
 
@@ -369,6 +382,9 @@ class Bus:
         self._exiting = False
         self._fatal = None
         self._fatal_raised = False
+        self._entered_by = anyio.get_current_task().id
+        self._left_running = False
+        self._refusals = []
         # The bus's own task group runs inside a runner task, so the task that entered
         # ``async with bus`` is never inside the cancel scope that stops the bus:
         # ``aclose()`` works from any task and inside any cancel scope.
@@ -411,10 +427,50 @@ class Bus:
 
         ``async with bus`` waits for this itself; after a ``subscribe`` on a running
         bus over a broker, await it before publishing what the new group must get.
+
+        :raises ConfigurationError: when the broker refused a subscription for good
+            (a pattern it cannot take) since the last call: that subscription was
+            withdrawn and the rest of the bus runs on as it was.
         """
+        await self._wait_subscribed()
+        if self._refusals:
+            first = self._refusals[0]
+            self._refusals.clear()
+            raise first
+
+    async def _wait_subscribed(self) -> None:
+        """Wait until every stage's broker subscription exists or was refused."""
         for stage in list(self._stages.values()):
             if stage.subscribed is not None:
                 await stage.subscribed.wait()
+
+    def _refused(self, stage: Stage, error: ConfigurationError) -> None:
+        """The broker refused ``stage``'s subscription for good; its pump has ended.
+
+        On the running bus the stage is withdrawn (made by a ``subscribe`` there): the
+        other stages go on, nothing of the bus's state is left of it, and the error
+        reaches the next ``subscribed()``. While the bus starts, the start fails with
+        it (``subscribed()`` raises it in ``async with bus``).
+        """
+        self._refusals.append(error)
+        if self._started is not None and self._started.is_set():
+            logger.error(
+                "stage %r: the broker refused its subscription, which is withdrawn "
+                "(the rest of the bus goes on): %s",
+                stage.name,
+                describe_error(error),
+            )
+            key = (stage.pattern, stage.group)
+            if self._stages.get(key) is stage:
+                del self._stages[key]
+                del self._stages_by_name[stage.name]
+                self._router.remove(stage)
+            stage.withdraw()
+            self._services._consumers.pop(stage.name, None)
+        if stage.subscribed is not None:
+            stage.subscribed.set()  # (wakes subscribed())
+        if self._services.idle_waiters:
+            self._wake_drainers()
 
     async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """The runner task: owns the transport, the portal and the bus's task group.
@@ -453,6 +509,11 @@ class Bus:
                                 self._drained = True
                     finally:
                         asked = self._stop_requested is not None and self._stop_requested.is_set()
+                        if not asked and self._loop_left_it_running():
+                            # Nobody closed the bus and its event loop is ending: stop
+                            # at once, list the work as abandoned, say so once (below).
+                            self._left_running = asked = True
+                            self._request_stop(-math.inf)  # (a broker: a short grace)
                         self._deadline_scope = None
                         with anyio.CancelScope(shield=True):
                             self._replies.close()
@@ -474,13 +535,27 @@ class Bus:
             self._task_group = None
             self._portal = None
             self._runner = None
-            self._finish(self._drained)
+            report = self._finish(self._drained, quiet=self._left_running)
+            if self._left_running:
+                _never_closed(self.name, report)
             if self._stopped is not None:
                 self._stopped.set()
             host = self._host
             if self._fatal is not None and host is not None and not self._exiting:
                 # Interrupt the body of ``async with bus``: its exit raises the error.
                 host.cancel_scope.cancel()
+
+    def _loop_left_it_running(self) -> bool:
+        """Whether the bus's tasks end because the event loop ends with the bus running.
+
+        On asyncio the runner cancels every task left (see ``loop_closing``); on trio
+        the task that started the bus returned without closing it, and trio cancels
+        the bus's abandoned task group (a trio task cannot outlive its nursery).
+        """
+        if current_backend() == "trio":
+            running = {task.id for task in anyio.get_running_tasks()}
+            return self._entered_by is not None and self._entered_by not in running
+        return loop_closing()
 
     async def _wait_for_stop_request(self) -> None:
         """Wait until a stop is requested; a stray cancellation of the runner is ignored."""
@@ -629,7 +704,7 @@ class Bus:
             task = parents.get(task)
         return False
 
-    def _finish(self, drained: bool = False) -> ShutdownReport:
+    def _finish(self, drained: bool = False, *, quiet: bool = False) -> ShutdownReport:
         if self._report is not None:
             return self._report
         if self._holds_switch_interval:
@@ -643,7 +718,7 @@ class Bus:
                 stage.unsettled.append(envelope_id)
         abandoned: list[str] = []
         for stage in self._stages.values():
-            abandoned += stage.close()
+            abandoned += stage.close(log=not quiet)
         self._services.failure_log.flush()
         self._background = 0
         self._state = "closed"
@@ -1161,6 +1236,20 @@ def _check_joins(
             "group cannot be Adaptive (give the group's first subscription Adaptive or "
             "admission=)"
         )
+
+
+def _never_closed(name: str, report: ShutdownReport) -> None:
+    """Log, once, that the bus stopped because its event loop ended with it running."""
+    ids = report.abandoned
+    named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+    logger.error(
+        "bus was never closed: use `async with bus`, `lifespan(bus)` or `await bus.aclose()` "
+        "(bus %r stopped as its event loop ended; %d envelope(s) abandoned%s)",
+        name,
+        len(ids),
+        f": {named}" if ids else "",
+        extra={"asyncbus_envelope_ids": tuple(ids)},
+    )
 
 
 def _not_drained(bus: Bus, timeout: float | None) -> str:

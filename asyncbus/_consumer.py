@@ -69,6 +69,14 @@ class ConsumerHost(StageHost, HandlingHost, Protocol):
     def cleanup_scope(self) -> AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
 
+    def refused(self, stage: Stage, error: ConfigurationError) -> None:
+        """The broker refused ``stage``'s subscription for good (its pump has ended).
+
+        On the running bus the stage is withdrawn and the other stages go on; the
+        error reaches ``await bus.subscribed()``. While the bus starts, the start
+        fails with it.
+        """
+
     async def halt(self, error: BaseException) -> NoReturn:
         """A handler raised ``error`` (``KeyboardInterrupt``, ``SystemExit``): stop the bus.
 
@@ -135,6 +143,8 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
             _cancelled_from_outside(stage)
             continue
         if not stage.queued:
+            if stage.closed:
+                return  # withdrawn (the broker refused its subscription): nothing comes
             # Still empty after a yield: park until an admission wakes us. (The yield
             # first lets a publisher that runs in step with us refill the stage without
             # anyone paying for an Event.)
@@ -225,6 +235,8 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
                 stage.wake_consumer()  # an admission may have woken us for an item
             return
         if not stage.queued:
+            if stage.closed:
+                return  # withdrawn (the broker refused its subscription): nothing comes
             if shedder is not None:
                 shedder.idle()
             waiter = anyio.Event()
@@ -419,7 +431,7 @@ async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
     broker is down or refuses for a moment) is logged and made again, after a pause
     that doubles up to :data:`PUMP_BACKOFF_MAX` seconds, until the bus stops. Only a
     :class:`ConfigurationError` (a pattern or setting the broker can never take)
-    ends it.
+    ends it, handed to the host (``refused``): the other stages go on.
     """
     backoff = PUMP_BACKOFF_MIN
     while True:
@@ -427,8 +439,9 @@ async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
         try:
             await _pump_once(stage, transport, host)
             return  # the subscription ended: the transport is closing
-        except ConfigurationError:
-            raise
+        except ConfigurationError as error:
+            host.refused(stage, error)  # never again: the stage is withdrawn, or the start fails
+            return
         except Exception as error:  # deliberate: nothing the broker does ends the bus
             if anyio.current_time() - began > PUMP_BACKOFF_MAX:
                 backoff = PUMP_BACKOFF_MIN  # it worked for a while: a new failure

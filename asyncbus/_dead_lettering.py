@@ -17,7 +17,7 @@ from . import _instrument
 from ._carry import with_headers
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from ._envelope import HEADER_REPLAYED, Envelope, Receipt, make_receipt
-from ._exceptions import BusClosedError
+from ._exceptions import BusClosedError, not_started
 from ._failures import short_traceback
 from ._handling import current_handling
 from ._modes import Mode, ModeHost
@@ -144,6 +144,8 @@ class DeadLettering:
         """
         state = self._state()
         if not (state == "running" or (state == "closing" and current_handling() is not None)):
+            if state == "new":
+                raise not_started("replay")
             raise BusClosedError(f"replay needs a running bus; the bus is {state}")
 
     async def resend(self, entry: DeadLetter) -> Receipt:

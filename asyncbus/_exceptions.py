@@ -41,6 +41,7 @@ __all__ = [
     "Reject",
     "SerializationError",
     "TransportError",
+    "not_started",
 ]
 
 
@@ -86,6 +87,19 @@ class PublishTimeout(AsyncbusError, TimeoutError):
         super().__init__(message)
         self.receipt = receipt
         self.receipts: list[Receipt] = list(receipts)
+
+
+def not_started(doing: str = "publish") -> BusClosedError:
+    """The error of ``doing`` what needs the running bus before the bus started.
+
+    It says how to start it, with ``async with`` and in a web app: a module-level bus
+    in a FastAPI or Starlette app is run by the app's lifespan.
+    """
+    return BusClosedError(
+        f"the bus has not started: {doing} inside `async with bus:`, or in a FastAPI or "
+        "Starlette app create the app with `lifespan=lifespan(bus)` (from "
+        "asyncbus.integrations.starlette) so that it runs the bus"
+    )
 
 
 class HandlerError(AsyncbusError):

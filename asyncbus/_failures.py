@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import sys
 import traceback
 
 import anyio
@@ -16,6 +17,7 @@ __all__ = [
     "HandlerExited",
     "describe_error",
     "handler_failure",
+    "loop_closing",
     "short_traceback",
     "stray_cancellation",
 ]
@@ -57,6 +59,31 @@ class HandlerExited(Exception):
     """
 
 
+#: The code of ``asyncio.Runner.close``: on the stack exactly while a runner tears its loop down.
+_RUNNER_CLOSE = asyncio.Runner.close.__code__
+
+
+def loop_closing() -> bool:
+    """Whether the asyncio event loop running the caller is being torn down.
+
+    ``asyncio.run`` ends, once its main coroutine returned or was interrupted, by
+    cancelling every task still running and waiting until they all ended, from
+    ``asyncio.Runner.close``; so do ``anyio.run``, ``uvloop.run``, uvicorn and the
+    pytest plugins, which all run their loop with an ``asyncio.Runner``. The loop
+    itself tells nothing then (it is neither closed nor closing until they all ended,
+    and async generators are shut down only afterwards), but ``Runner.close`` is on
+    the stack below the task being stepped, and nowhere else is. A task that took
+    that cancellation for a stray one and went on would keep the process alive for
+    ever. Always ``False`` on trio, whose tasks cannot outlive their nursery.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _RUNNER_CLOSE:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def stray_cancellation() -> bool:
     """Whether the cancellation exception being handled is not the bus's own.
 
@@ -67,9 +94,14 @@ def stray_cancellation() -> bool:
     a ``CancelledError`` of something else that was awaited. A stray cancellation
     requested on the calling task itself is taken back (``uncancel``): the task was
     not asked to stop by its owner, and goes on.
+
+    While the event loop is being torn down (:func:`loop_closing`) no cancellation is
+    stray: every task must end, the bus's included.
     """
     if anyio.current_effective_deadline() == -math.inf:
         return False  # a scope around us was cancelled: this is ours
+    if loop_closing():
+        return False
     if current_backend() == "asyncio":
         task = asyncio.current_task()
         if task is not None:

@@ -33,7 +33,7 @@ from ._envelope import (
     make_receipts,
     new_id,
 )
-from ._exceptions import BusClosedError, ConfigurationError
+from ._exceptions import BusClosedError, ConfigurationError, not_started
 from ._handling import current_handling, handled_envelope
 from ._modes import Mode, ModeHost
 from ._offload import offloaded_envelope
@@ -164,9 +164,7 @@ class Publisher:
         state = self._host._state
         if state == "running" or (state == "closing" and current_handling() is not None):
             return
-        if state == "new":
-            raise BusClosedError("the bus has not started: publish inside `async with bus:`")
-        raise BusClosedError(f"the bus is {state}: it accepts no new publishes")
+        raise _refusal(state)
 
     def envelope(
         self,
@@ -450,7 +448,7 @@ class Publisher:
                 return future
             portal = host._portal
             if portal is None:
-                raise BusClosedError(f"the bus is {host._state}: it accepts no new publishes")
+                raise _refusal(host._state)
             portal.start_task_soon(self._publish_into, job, *arguments).add_done_callback(
                 job.cut_off
             )
@@ -497,7 +495,7 @@ class Publisher:
     ) -> Receipt:
         state = self._host._state
         if not (state == "running" or (state == "closing" and inside)):
-            raise BusClosedError(f"the bus is {state}: it accepts no new publishes")
+            raise _refusal(state)
         if timeout is not None:
             timeout = check_wait(timeout, f"publish_threadsafe({topic!r}): timeout")
         envelope = self.envelope(
@@ -591,3 +589,10 @@ def _priority_text(topic: str, priority: Priority | int) -> str:
 
 
 _PRIORITIES = frozenset(int(level) for level in Priority)
+
+
+def _refusal(state: str) -> BusClosedError:
+    """Why a publish is refused while the bus is ``state``."""
+    if state == "new":
+        return not_started("publish")
+    return BusClosedError(f"the bus is {state}: it accepts no new publishes")

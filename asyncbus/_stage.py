@@ -261,9 +261,10 @@ class Stage:
         """Start admitting (when the bus starts, or at once if it runs)."""
         self.closed = False
 
-    def close(self) -> list[str]:
+    def close(self, *, log: bool = True) -> list[str]:
         """After the consumers are gone: count what is left as abandoned.
 
+        :param log: log the abandoned ids (the bus says it otherwise).
         :return: ids of the abandoned envelopes.
         """
         self.closed = True
@@ -281,7 +282,8 @@ class Stage:
         self.deliveries.clear()
         self.pumping = False
         self.ledger.abandoned += len(left)
-        self.host.failure_log.abandoned(self.name, left)
+        if log:
+            self.host.failure_log.abandoned(self.name, left)
         left = self.unsettled + left  # (counted, and logged, when their settle failed)
         self.unsettled = []
         self.queued = self.in_flight = 0
@@ -291,6 +293,18 @@ class Stage:
         self.holding = self.reserved = 0
         self.room_needed = 1
         self.consumer_waiters.clear()
+        return left
+
+    def withdraw(self) -> list[str]:
+        """Close the stage of a running bus for good (the broker refused its
+        subscription): what it held is abandoned, its consumers end once woken.
+
+        :return: ids of the abandoned envelopes.
+        """
+        waiters = list(self.consumer_waiters)
+        left = self.close()
+        for waiter in waiters:
+            waiter.set()  # (each finds the stage closed and empty, and ends)
         return left
 
     # -- the door ---------------------------------------------------------------

@@ -18,6 +18,7 @@ from asyncbus import (
     Adaptive,
     Admission,
     Bus,
+    BusClosedError,
     ConfigurationError,
     DeadLetterReason,
     Envelope,
@@ -340,6 +341,108 @@ async def test_a_topic_that_is_not_a_string_is_a_configuration_error(
     with pytest.raises(ConfigurationError):
         running_bus.subscribe(topic, handler)
     assert running_bus.statistics().published == 0
+
+
+#: Patterns that could never match what a broker carries, and what the refusal says.
+NEVER_MATCHING = {
+    "orders.#": "write 'orders.>'",  # AMQP's habit
+    "#.created": "write '*.created'",
+    "orders created": "whitespace",
+    "orders.\tcreated": "whitespace",
+    "orders.\x00": "a control character",
+    "orders..created": "empty token",
+    ".orders": "empty token",
+    "orders.": "empty token",
+    "orders.>.created": "'>' may only be the last token",
+    "orders.new*": "mixes a wildcard",
+}
+SYNTAX = "patterns use NATS syntax: tokens split on '.', '*' matches one token, '>' the rest"
+
+
+@pytest.mark.parametrize(("pattern", "why"), NEVER_MATCHING.items(), ids=repr)
+async def test_a_pattern_that_could_never_match_is_refused_saying_the_syntax(
+    running_bus: Bus, pattern: str, why: str
+) -> None:
+    before = running_bus.statistics()
+    for subscribe in (
+        lambda: Bus().subscribe(pattern, handler),
+        lambda: Bus().subscribe(pattern, group="g"),  # the decorator form fails at once too
+        lambda: running_bus.subscribe(pattern, handler, group="late"),
+    ):
+        with pytest.raises(ConfigurationError) as caught:
+            subscribe()
+        message = str(caught.value)
+        assert message.startswith(f"pattern {pattern!r}"), message
+        assert why in message and SYNTAX in message
+    assert running_bus.statistics() == before  # the running bus is left as it was
+    assert running_bus.running
+
+
+@pytest.mark.parametrize("topic", ["orders created", "orders.\ncreated", "orders\x7f", "\u2003"])
+async def test_a_topic_with_whitespace_or_a_control_character_is_refused_on_publish(
+    running_bus: Bus, topic: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"whitespace|control character"):
+        await running_bus.publish(topic, 1)
+    with pytest.raises(ConfigurationError, match=r"whitespace|control character"):
+        await running_bus.publish_many(topic, [1, 2])
+    with pytest.raises(ConfigurationError, match=r"whitespace|control character"):
+        running_bus.publish_nowait(topic, 1)
+    future = running_bus.publish_threadsafe(topic, 1)
+    await running_bus.drain()
+    assert isinstance(future.exception(timeout=0), ConfigurationError)
+    assert running_bus.statistics().published == 0
+    assert len(running_bus.dead_letters) == 0  # not even a no_subscribers letter
+
+
+async def test_topics_that_were_valid_stay_valid(assert_settled: Callable[[Bus], None]) -> None:
+    got: list[str] = []
+    bus = Bus()
+
+    @bus.subscribe(">", group="all")
+    async def everything(env: Envelope) -> None:
+        got.append(env.topic)
+
+    @bus.subscribe("$deadletter", group="watch")
+    async def watch(_: object) -> None:
+        pass
+
+    topics = ["orders.#", "c#.news", "café.commande", "a-b_c:d/e", "$deadletter.x", "x" * 300]
+    with anyio.fail_after(10):
+        async with bus:
+            for topic in topics:
+                await bus.publish(topic, 1)
+            await bus.drain()
+    assert got == topics
+    assert_settled(bus)
+
+
+async def test_publishing_before_the_start_says_how_to_start_the_bus() -> None:
+    """``async with bus`` for a script, ``lifespan=lifespan(bus)`` for a web app."""
+    bus = Bus()
+    bus.subscribe("jobs", handler, group="g")
+    wanted = [
+        "the bus has not started: publish inside `async with bus:`",
+        "`lifespan=lifespan(bus)`",
+    ]
+    errors: list[BaseException] = []
+    for attempt in (
+        lambda: bus.publish("jobs", 1),
+        lambda: bus.publish_many("jobs", [1]),
+        lambda: bus.request("jobs", 1),
+    ):
+        with pytest.raises(BusClosedError) as caught:
+            await attempt()
+        errors.append(caught.value)
+    with pytest.raises(BusClosedError) as caught:
+        bus.publish_nowait("jobs", 1)
+    errors.append(caught.value)
+    error = bus.publish_threadsafe("jobs", 1).exception(timeout=5)
+    assert error is not None
+    errors.append(error)
+    for error in errors:
+        assert all(part in str(error) for part in wanted), error
+    assert bus.statistics().published == 0
 
 
 async def test_a_bare_string_slip_is_one_hop(assert_settled: Callable[[Bus], None]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+import shlex
 import subprocess
 import sys
 import uuid
@@ -276,9 +277,7 @@ def test_the_checked_sections_are_in_the_readme() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    "section", [heading for heading, _ in BLOCKS if heading != BROKER_SECTION]
-)
+@pytest.mark.parametrize("section", [heading for heading, _ in BLOCKS if heading != BROKER_SECTION])
 def test_a_readme_block_runs_as_written(section: str, tmp_path: Path) -> None:
     CHECKED.get(section, check_script)(block(section), tmp_path)
 
@@ -296,3 +295,38 @@ def test_the_readme_broker_block_runs_on_each_broker(
 def test_a_guide_block_runs_as_written(section: str, tmp_path: Path) -> None:
     [code] = [code for heading, code in python_blocks(GUIDE) if heading == section]
     check_script(code, tmp_path)
+
+
+# -- the test step of the set-up ------------------------------------------------------
+
+
+def _setup_bash_blocks() -> list[str]:
+    """Every ```bash block under "## Set-up", in order (as .ci/run reads the first)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Set-up\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```bash\n(.*?)^```$", section, flags=re.MULTILINE | re.DOTALL)
+
+
+def test_the_setup_names_the_full_run_and_a_quick_subset_with_their_durations() -> None:
+    demo, full, quick = _setup_bash_blocks()
+    # .ci/run runs the first block as a new user's first command: it stays the demo.
+    assert demo == "pip install -e . && python -m asyncbus demo\n"
+    assert full == "pip install -e '.[test]' && pytest\n"
+    assert quick.startswith("pytest ")
+    text = README.read_text(encoding="utf-8")
+    assert "takes about ten minutes" in text
+    assert "takes about a minute and a half" in text
+    # The quick subset is what it says: the in-memory core, on asyncio, without brokers.
+    command = [sys.executable, "-m", *shlex.split(quick), "--collect-only", "-q"]
+    collected = subprocess.run(
+        [*command, "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    ids = [line for line in collected.splitlines() if "::" in line]
+    assert 800 <= len(ids) <= 1_400, len(ids)  # "about 1,000 tests"
+    assert not [i for i in ids if i.startswith(("tests/transports/", "tests/integrations/"))]
+    assert not [i for i in ids if "[trio" in i or "[uvloop" in i]

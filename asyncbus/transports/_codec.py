@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
+import enum
 import json
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +29,7 @@ __all__ = [
     "envelope_from_wire",
     "envelope_meta",
     "envelope_to_wire",
+    "wire_data",
 ]
 
 
@@ -55,14 +59,21 @@ class Codec(Protocol):
 
 
 class JsonCodec:
-    """JSON with the standard library: dicts, lists, strings, numbers, booleans, None."""
+    """JSON with the standard library; what it takes is :func:`wire_data`'s rule."""
 
     content_type = "application/json"
 
     def encode(self, value: Any) -> bytes:
-        """Serialise ``value`` as compact UTF-8 JSON."""
+        """Serialise ``value`` as compact UTF-8 JSON.
+
+        :raises EncodeError: for a value outside the rule of :func:`wire_data`, naming
+            where it is in the payload.
+        """
+        data = wire_data(value)
         try:
-            return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+            return json.dumps(
+                data, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            ).encode()
         except (TypeError, ValueError, RecursionError) as error:
             raise _encode_error(value, error) from error
 
@@ -75,7 +86,8 @@ class JsonCodec:
 
 
 class MsgspecCodec:
-    """JSON with msgspec: faster, and also encodes dataclasses, Structs, datetimes, UUIDs."""
+    """JSON with msgspec: faster; what it takes is :func:`wire_data`'s rule, as for
+    :class:`JsonCodec` (the same payloads, the same bytes)."""
 
     content_type = "application/json"
 
@@ -87,9 +99,14 @@ class MsgspecCodec:
         self._decoder = msgspec.json.Decoder()
 
     def encode(self, value: Any) -> bytes:
-        """Serialise ``value`` as JSON."""
+        """Serialise ``value`` as JSON.
+
+        :raises EncodeError: for a value outside the rule of :func:`wire_data`, naming
+            where it is in the payload.
+        """
+        data = wire_data(value)
         try:
-            return self._encoder.encode(value)
+            return self._encoder.encode(data)
         except (TypeError, ValueError, RecursionError, self._msgspec.EncodeError) as error:
             raise _encode_error(value, error) from error
 
@@ -105,6 +122,196 @@ def _encode_error(value: Any, error: BaseException) -> EncodeError:
     if isinstance(error, RecursionError):
         return EncodeError(f"cannot encode {type(value).__name__} as JSON: nested too deep")
     return EncodeError(f"cannot encode {type(value).__name__} as JSON: {error}")
+
+
+# -- the one rule of what a payload may be over a broker ------------------------------
+
+#: What each type that JSON lacks should be sent as instead.
+_TEXT = "send it as a string ({}) or as a field of that type in a msgspec Struct or pydantic model"
+_ADVICE: dict[str, str] = {
+    "datetime": _TEXT.format("`.isoformat()`"),
+    "date": _TEXT.format("`.isoformat()`"),
+    "time": _TEXT.format("`.isoformat()`"),
+    "timedelta": "send it as a number of seconds (`.total_seconds()`)",
+    "UUID": _TEXT.format("`str(...)`"),
+    "Decimal": _TEXT.format("`str(...)`"),
+    "set": "send a list (`sorted(...)` or `list(...)`)",
+    "frozenset": "send a list (`sorted(...)` or `list(...)`)",
+    "bytes": "send text, such as `base64.b64encode(...).decode()`",
+    "bytearray": "send text, such as `base64.b64encode(...).decode()`",
+    "memoryview": "send text, such as `base64.b64encode(...).decode()`",
+}
+_ANYTHING_ELSE = (
+    "convert it to JSON data (dict with str keys, list, str, int, float, bool, None), "
+    "or send a dataclass, msgspec Struct or pydantic model"
+)
+
+
+class _Refused(Exception):
+    """A value the rule refuses; ``where`` grows as the walk unwinds (innermost first)."""
+
+    def __init__(self, value: Any, advice: str, *, what: str | None = None) -> None:
+        super().__init__(advice)
+        self.value = value
+        self.advice = advice
+        #: How the value is named in the message (its type, by default).
+        self.what = what or type(value).__name__
+        self.where: list[str] = []
+        #: Said once after the advice (a dataclass's fields without msgspec).
+        self.note = ""
+
+
+def wire_data(value: Any) -> Any:
+    """``value`` as the JSON data the built-in codecs write: the one rule over a broker.
+
+    A payload is JSON data: ``dict`` with ``str`` keys, ``list``, ``tuple`` (it arrives
+    as a list), ``str``, ``int``, finite ``float``, ``bool`` and ``None``, at any
+    depth; or a dataclass, msgspec ``Struct`` or pydantic model, which travels as the
+    object of its fields (encoded by msgspec, or pydantic's JSON mode, so field types
+    such as ``datetime`` come back when the handler is annotated with the model; a
+    dataclass's fields without msgspec installed must be JSON data). Anything else
+    (``datetime``, ``set``, ``UUID``, ``Decimal``, ``bytes``, NaN, a non-string key,
+    an object) is refused: nothing converts it silently, so what the handler gets is
+    what was published, whatever the codec and whether msgspec is installed.
+
+    :raises EncodeError: naming the value's type, where it is (``payload["tags"][2]``)
+        and what to send instead.
+    """
+    try:
+        return _data(value)
+    except _Refused as refused:
+        where = "payload" + "".join(reversed(refused.where))
+        raise EncodeError(
+            f"cannot encode {refused.what} at {where} as JSON: {refused.advice}{refused.note}"
+        ) from None
+    except RecursionError as error:
+        raise EncodeError(f"cannot encode {type(value).__name__}: nested too deep") from error
+
+
+#: Types that are JSON as they are (checked by exact type: the hot path of every publish).
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
+def _data(value: Any) -> Any:
+    """``value`` as JSON data (the same object when it already is), or :class:`_Refused`."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is float:
+        if value - value == 0.0:  # finite (NaN and infinities give NaN)
+            return value
+        raise _Refused(value, "JSON has no NaN or infinity: send None or a string")
+    if kind is dict:
+        return _mapping(value)
+    if kind is list or kind is tuple:
+        return _sequence(value)
+    return _other(value)
+
+
+def _mapping(value: dict[Any, Any]) -> dict[str, Any]:
+    copy: dict[str, Any] | None = None
+    plain = _PLAIN
+    for key, item in value.items():
+        if type(key) is not str and not isinstance(key, str):
+            refused = _Refused(
+                key,
+                "JSON object keys are strings: convert the key with `str()`",
+                what=f"{type(key).__name__} key",
+            )
+            refused.where.append(f"[{key!r}]")
+            raise refused
+        if type(item) in plain:
+            continue
+        try:
+            data = _data(item)
+        except _Refused as refused:
+            refused.where.append(f"[{json.dumps(key, ensure_ascii=False)}]")
+            raise
+        if data is not item:
+            if copy is None:
+                copy = dict(value)
+            copy[key] = data
+    if copy is not None:
+        return copy
+    return value if type(value) is dict else dict(value)
+
+
+def _sequence(value: list[Any] | tuple[Any, ...]) -> Any:
+    copy: list[Any] | None = None
+    plain = _PLAIN
+    for index, item in enumerate(value):
+        if type(item) in plain:
+            continue
+        try:
+            data = _data(item)
+        except _Refused as refused:
+            refused.where.append(f"[{index}]")
+            raise
+        if data is not item:
+            if copy is None:
+                copy = list(value)
+            copy[index] = data
+    return copy if copy is not None else value
+
+
+def _other(value: Any) -> Any:
+    """Subclasses of the JSON types, models, and what the rule refuses."""
+    if isinstance(value, str | int):  # bool, IntEnum, StrEnum...: JSON writes their value
+        return value
+    if isinstance(value, float):
+        return _data(float(value))
+    if isinstance(value, dict):
+        return _mapping(value)
+    if isinstance(value, list | tuple):
+        return _sequence(value)
+    model = _model_data(value)
+    if model is not None:
+        return model
+    if isinstance(value, enum.Enum):
+        raise _Refused(value, "send its `.value`")
+    raise _Refused(value, _ADVICE.get(type(value).__name__, _ANYTHING_ELSE))
+
+
+def _model_data(value: Any) -> Any:
+    """A dataclass instance, msgspec Struct or pydantic model as JSON data; else None."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(value, pydantic.BaseModel):
+        try:
+            return _data(value.model_dump(mode="json"))
+        except _Refused:
+            raise
+        except Exception as error:  # pydantic's serialisation error, a validator's
+            raise _Refused(value, f"pydantic cannot dump it as JSON: {error}") from error
+    msgspec = sys.modules.get("msgspec")
+    struct = msgspec is not None and isinstance(value, msgspec.Struct)
+    if not struct and not (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return None
+    if not struct:
+        try:
+            import msgspec
+        except ImportError:  # field by field, by the rule itself
+            return _dataclass_fields(value)
+    assert msgspec is not None
+    try:
+        # msgspec writes what it decodes back into the annotated model (datetime as
+        # ISO 8601, a set as a list...).
+        return _data(msgspec.to_builtins(value))
+    except _Refused:
+        raise
+    except (TypeError, ValueError) as error:
+        raise _Refused(value, f"{error}; {_ANYTHING_ELSE}") from error
+
+
+def _dataclass_fields(value: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for field in dataclasses.fields(value):
+        try:
+            fields[field.name] = _data(getattr(value, field.name))
+        except _Refused as refused:
+            refused.where.append(f".{field.name}")
+            refused.note = " (without msgspec installed, a dataclass's fields are JSON data too)"
+            raise
+    return fields
 
 
 def _decode_error(error: BaseException) -> DecodeError:

@@ -57,19 +57,12 @@ def binding_key(pattern: str) -> str:
     ``*`` is one word in both; NATS's trailing ``>`` (one or more tokens) becomes
     ``*.#`` (one word, then zero or more).
 
-    :raises ConfigurationError: for an invalid pattern, a token AMQP reads as a
-        wildcard (``#``), or a key over 255 bytes.
+    :raises ConfigurationError: for an invalid pattern (a ``#`` token, AMQP's
+        multi-word wildcard, included: ``compile_pattern`` refuses it), or a key over
+        255 bytes.
     """
     compile_pattern(pattern)
-    words: list[str] = []
-    for token in pattern.split("."):
-        if token == "#":
-            raise ConfigurationError(
-                f"pattern {pattern!r}: a '#' token cannot be bound in RabbitMQ "
-                "(it is AMQP's multi-word wildcard)"
-            )
-        words.append("*.#" if token == ">" else token)
-    key = ".".join(words)
+    key = ".".join("*.#" if token == ">" else token for token in pattern.split("."))
     if len(key.encode()) > KEY_LIMIT:
         raise ConfigurationError(f"pattern {pattern!r} is longer than AMQP's 255-byte keys")
     return key

@@ -116,7 +116,7 @@ from ._codec import (
     dead_letter_to_wire,
     envelope_to_wire,
 )
-from ._kit import AckWriter, TaskOwner, redact, require_asyncio
+from ._kit import AckWriter, TaskOwner, check_url, redact, require_asyncio, require_extra
 from ._nats_consumer import (
     HEADER_META,
     HEADER_REPLAY_GROUP,
@@ -151,6 +151,10 @@ if TYPE_CHECKING:
 __all__ = ["HEADER_META", "HEADER_REPLAY_GROUP", "NatsTransport", "consumer_name"]
 
 logger = logging.getLogger("asyncbus.transport.nats")
+
+#: The URL schemes nats-py takes, and what a URL looks like (for errors).
+_SCHEMES = ("nats", "tls", "ws", "wss")
+_URL_FORM = "nats://[user:password@]host:port (tls://, ws:// or wss:// also)"
 
 #: Header of a dead-letter message telling how its body holds the payload.
 _HEADER_BODY = "asyncbus-body"
@@ -273,8 +277,12 @@ class NatsTransport(Transport):
     :param max_deliveries: deliveries of one message (``num_delivered``), none
         settled, after which the next one is handed over with ``error`` set (the bus
         dead-letters it ``rejected``).
-    :raises ConfigurationError: for a bad prefix, or a timeout, window or cap that is
-        not a positive number in range (NaN, infinities, bools, huge values included).
+    :raises ConfigurationError: for a URL without a scheme, with another broker's or
+        the web's (not ``nats``, ``tls``, ``ws``, ``wss``) or with a bad port, a bad
+        prefix, or a timeout, window or cap that is not a positive number in range
+        (NaN, infinities, bools, huge values included).
+    :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
+        nats-py is not installed: the message names the extra.
     """
 
     #: Seconds without a pull after which the server deletes a request inbox's
@@ -310,6 +318,8 @@ class NatsTransport(Transport):
         publish_timeout: float | None = None,
     ) -> None:
         super().__init__(codec=codec)
+        require_extra("NatsTransport", "nats", "nats")
+        check_url("NatsTransport", url, _SCHEMES, _URL_FORM)
         if publish_timeout is None:
             publish_timeout = request_timeout
         validate_topic(prefix)

@@ -133,7 +133,15 @@ from ._codec import (
     encode_payload,
     envelope_meta,
 )
-from ._kit import AckWriter, Backoff, TaskOwner, redact, require_asyncio
+from ._kit import (
+    AckWriter,
+    Backoff,
+    TaskOwner,
+    check_url,
+    redact,
+    require_asyncio,
+    require_extra,
+)
 from ._rabbit_consumer import (
     BACKOFF_MIN,
     LOST,
@@ -181,6 +189,10 @@ if TYPE_CHECKING:
 __all__ = ["META_HEADER", "RabbitTransport", "binding_key", "delay_bucket_ms"]
 
 logger = logging.getLogger("asyncbus.transport.rabbit")
+
+#: The URL schemes aiormq takes, and what a URL looks like (for errors).
+_SCHEMES = ("amqp", "amqps")
+_URL_FORM = "amqp://user:password@host:port/vhost (amqps:// for TLS)"
 
 T = TypeVar("T")
 
@@ -306,9 +318,12 @@ class RabbitTransport(Transport):
     :param max_deliveries: deliveries of one message (the quorum queue's
         ``x-delivery-count`` + 1), none settled, after which the next one is handed
         over with ``error`` set (the bus dead-letters it ``rejected``).
-    :raises ConfigurationError: for a timeout, size or cap that is not a positive
-        number in range (NaN, infinities, bools, huge values included), or an unusable
-        prefix.
+    :raises ConfigurationError: for a URL without a scheme, with another broker's or
+        the web's (not ``amqp``, ``amqps``) or with a bad port, a timeout, size or cap
+        that is not a positive number in range (NaN, infinities, bools, huge values
+        included), or an unusable prefix.
+    :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
+        aio-pika is not installed: the message names the extra.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -344,6 +359,8 @@ class RabbitTransport(Transport):
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     ) -> None:
         super().__init__(codec=codec)
+        require_extra("RabbitTransport", "rabbit", "aio_pika", "aiormq", "pamqp")
+        check_url("RabbitTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout, publish_timeout, connect_timeout, max_backoff = (
             checked_seconds(value, f"RabbitTransport: {label}")
             for label, value in (

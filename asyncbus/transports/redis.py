@@ -105,7 +105,16 @@ from ._codec import (
     envelope_meta,
     envelope_to_wire,
 )
-from ._kit import AckWriter, Backoff, TaskOwner, TopicMatches, redact, require_asyncio
+from ._kit import (
+    AckWriter,
+    Backoff,
+    TaskOwner,
+    TopicMatches,
+    check_url,
+    redact,
+    require_asyncio,
+    require_extra,
+)
 from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
 from ._wire_fields import group_from_wire
@@ -134,6 +143,10 @@ if TYPE_CHECKING:
 __all__ = ["RedisTransport"]
 
 logger = logging.getLogger("asyncbus.transport.redis")
+
+#: The URL schemes redis-py takes, and what a URL looks like (for errors).
+_SCHEMES = ("redis", "rediss", "unix")
+_URL_FORM = "redis://[[user]:password@]host[:port][/db] (rediss:// for TLS, unix:///path)"
 
 _EXTRA_MISSING = "RedisTransport needs the 'redis' extra: pip install 'asyncbus[redis]'"
 #: Why a delivery its subscription gave back cannot be settled.
@@ -358,8 +371,12 @@ class RedisTransport(Transport):
         behind other writes included) before raising :class:`TransportError`; it is
         also the socket timeout of every other call (at least ``block_ms`` plus a
         second), so a server that stops answering fails calls instead of hanging them.
-    :raises ConfigurationError: for a timeout, interval, size or cap that is not a
-        positive number in range (NaN, infinities, bools, huge values included).
+    :raises ConfigurationError: for a URL without a scheme, with another broker's or
+        the web's (not ``redis``, ``rediss``, ``unix``) or with a bad port, or a
+        timeout, interval, size or cap that is not a positive number in range (NaN,
+        infinities, bools, huge values included).
+    :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
+        redis-py is not installed: the message names the extra.
     """
 
     #: Seconds the inbox of a process that died stays in Redis (see the module docstring).
@@ -392,6 +409,8 @@ class RedisTransport(Transport):
         publish_timeout: float = 10.0,
     ) -> None:
         super().__init__(codec=codec)
+        require_extra("RedisTransport", "redis", "redis")
+        check_url("RedisTransport", url, _SCHEMES, _URL_FORM)
         ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
         publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")
         # A blocking read is one call: it must fit well within a socket timeout.
@@ -464,6 +483,7 @@ class RedisTransport(Transport):
 
         :raises ConnectError: when redis-py is missing, the server does not answer, or
             not running on asyncio.
+        :raises ConfigurationError: for a URL redis-py cannot read (an unknown scheme).
         """
         if self._client is not None:
             return
@@ -483,15 +503,20 @@ class RedisTransport(Transport):
         )
         # A blocking pool: a burst of concurrent publishes waits for a connection
         # instead of failing with "Too many connections".
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.url,
-            max_connections=256,
-            timeout=None,
-            socket_connect_timeout=min(5.0, self.publish_timeout),
-            # Every call is bounded; a blocking read waits block_ms, well within it.
-            socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
-            retry=retry,
-        )
+        try:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                self.url,
+                max_connections=256,
+                timeout=None,
+                socket_connect_timeout=min(5.0, self.publish_timeout),
+                # Every call is bounded; a blocking read waits block_ms, well within it.
+                socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
+                retry=retry,
+            )
+        except ValueError as error:  # a URL redis-py cannot read (an unknown scheme)
+            raise ConfigurationError(
+                f"RedisTransport: {error}, got {redact(self.url)!r}: write it like {_URL_FORM}"
+            ) from error
         pool.connection_class = _packing_by_hiredis(pool.connection_class)
         client = aioredis.Redis.from_pool(pool)
         # XREADGROUP's reply as it came (lists, or a map on RESP3), read by ``_fetch``

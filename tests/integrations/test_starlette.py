@@ -31,6 +31,7 @@ from starlette.routing import Route
 from asyncbus import (
     HEADER_REPLAYED,
     Bus,
+    BusClosedError,
     ConfigurationError,
     Envelope,
     Reject,
@@ -328,6 +329,29 @@ async def test_get_bus_serves_plain_starlette_endpoints_and_fails_clearly_withou
         get_bus(Request(scope))
     with pytest.raises(RuntimeError, match="no running bus on this app"):
         get_bus(Request({**scope, "app": Starlette()}))
+
+
+async def test_a_module_level_bus_the_app_does_not_run_says_how_to_start_it() -> None:
+    """A FastAPI app without ``lifespan=lifespan(bus)``: the publish names both ways."""
+    bus = Bus()
+    app = FastAPI()  # the lifespan forgotten
+
+    @app.post("/orders")
+    async def create(order: dict[str, Any]) -> dict[str, str]:
+        receipt = await bus.publish("orders.created", order)
+        return {"id": receipt.id}
+
+    with anyio.fail_after(10):
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://testserver"
+        ) as client:
+            with pytest.raises(BusClosedError) as caught:
+                await client.post("/orders", json={"id": 1})
+    message = str(caught.value)
+    assert "the bus has not started" in message
+    assert "`async with bus:`" in message
+    assert "`lifespan=lifespan(bus)`" in message
+    assert bus.statistics().published == 0
 
 
 def test_importing_asyncbus_does_not_import_starlette() -> None:

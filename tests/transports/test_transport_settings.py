@@ -8,6 +8,7 @@ before anything is declared.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import anyio
 import pytest
 from _kinds import make_transport  # type: ignore[import-not-found]
 
-from asyncbus import ConfigurationError
+from asyncbus import ConfigurationError, ConnectError
 from asyncbus.transports import Transport
 from asyncbus.transports.nats import NatsTransport
 from asyncbus.transports.rabbit import RabbitTransport
@@ -108,3 +109,110 @@ async def test_a_bad_prefetch_is_a_configuration_error(
         with anyio.fail_after(10), pytest.raises(ConfigurationError, match="prefetch"):
             async with transport.subscribe("settings.check", group="g", prefetch=value):
                 pass
+
+
+# -- the URL and the client library, at construction ------------------------------------
+
+BAD_URLS: dict[type[Transport], list[Any]] = {
+    RedisTransport: [
+        "127.0.0.1:6379",  # no scheme: redis-py raised its own ValueError at connect
+        "localhost:6379/0",
+        "app:s3cret@127.0.0.1:6379/0",
+        "http://127.0.0.1:6379/0",
+        "redis://127.0.0.1:port/0",
+        "redis://127.0.0.1:70000/0",
+        "redis://127.0.0.1:6379/0,127.0.0.1:6380",
+        "",
+        None,
+        6379,
+    ],
+    NatsTransport: [
+        "127.0.0.1:4222",
+        "amqp://127.0.0.1:4222",
+        "nats://127.0.0.1:42x2",
+        "nats://app:s3cret@127.0.0.1:4222,nats://127.0.0.1:99999",
+        " ",
+        b"nats://127.0.0.1:4222",
+    ],
+    RabbitTransport: [
+        "guest:guest@127.0.0.1:5672/",
+        "redis://127.0.0.1:5672/",
+        "amqp://guest:guest@127.0.0.1:-1/",
+        "",
+    ],
+}
+SCHEMES = {RedisTransport: "redis://", NatsTransport: "nats://", RabbitTransport: "amqp://"}
+
+
+@pytest.mark.parametrize(
+    ("transport", "url"), [(kind, url) for kind, urls in BAD_URLS.items() for url in urls]
+)
+def test_a_url_that_cannot_work_is_refused_when_the_transport_is_created(
+    transport: type[Transport], url: Any
+) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        transport(url)
+    message = str(caught.value)
+    assert message.startswith(f"{transport.__name__}: "), message
+    assert SCHEMES[transport] in message  # what a URL looks like
+    assert "s3cret" not in message  # credentials never shown
+
+
+@pytest.mark.parametrize(
+    ("transport", "url"),
+    [
+        (RedisTransport, "redis://127.0.0.1:6379/0"),
+        (RedisTransport, "rediss://app:s3cret@cache.example:6380/2"),
+        (RedisTransport, "unix:///run/redis.sock"),
+        (RedisTransport, "REDIS://127.0.0.1"),
+        (NatsTransport, "nats://127.0.0.1:4222"),
+        (NatsTransport, "tls://a.example:4222,nats://b.example:4222"),
+        (RabbitTransport, "amqp://guest:guest@127.0.0.1:5672/"),
+        (RabbitTransport, "amqps://app:s3cret@rabbit.example/vhost?heartbeat=10"),
+        # A scheme of no broker asyncbus knows: the client library judges it on connecting.
+        (RedisTransport, "unused://"),
+        (NatsTransport, "unused://"),
+        (RabbitTransport, "unused://"),
+    ],
+)
+def test_a_url_that_can_work_is_kept(transport: type[Transport], url: str) -> None:
+    assert transport(url).url == url  # type: ignore[attr-defined]
+
+
+EXTRAS = {
+    RedisTransport: ("redis", ["redis"]),
+    NatsTransport: ("nats", ["nats"]),
+    RabbitTransport: ("rabbit", ["aio_pika", "aiormq", "pamqp"]),
+}
+
+
+@pytest.mark.parametrize("transport", list(EXTRAS))
+def test_a_missing_client_library_is_refused_when_the_transport_is_created(
+    transport: type[Transport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the transport was made and ``async with bus`` failed later (ConnectError)."""
+    extra, packages = EXTRAS[transport]
+    for package in packages:
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, package, None)  # as if it were not installed
+            with pytest.raises(ImportError) as caught:
+                transport()
+        # An ImportError, as the integrations' extras; a ConfigurationError, as any
+        # setting that cannot work; and the ConnectError connect raised for it before.
+        assert isinstance(caught.value, ConfigurationError)
+        assert isinstance(caught.value, ConnectError)
+        assert str(caught.value) == (
+            f"{transport.__name__} needs the '{extra}' extra: pip install 'asyncbus[{extra}]'"
+        )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_url_redis_py_cannot_read_is_a_configuration_error_when_entered() -> None:
+    """A scheme of no broker asyncbus knows is left to the client, which refuses it
+    on connecting: a ConfigurationError, not redis-py's raw ValueError."""
+    transport = RedisTransport("unused://app:s3cret@127.0.0.1:6379/0")
+    with anyio.fail_after(10), pytest.raises(ConfigurationError) as caught:
+        async with transport:
+            pass
+    assert "redis://" in str(caught.value) and "s3cret" not in str(caught.value)

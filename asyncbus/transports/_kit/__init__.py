@@ -7,6 +7,8 @@
 * :func:`redact`: a broker URL fit for logs and errors (no credentials);
 * :class:`TaskOwner`: the one task group a transport owns from connect to close;
 * :func:`require_asyncio`: the one check (and error) of an asyncio-only client;
+* :func:`require_extra`, :func:`check_url`: what a transport checks as it is created
+  (its client library, :class:`MissingExtra` when absent; its URL);
 * :class:`TopicMatches`: which recorded groups a topic reaches, cached per topic.
 """
 
@@ -16,7 +18,20 @@ from .acks import AckWriter as AckWriter
 from .backoff import Backoff as Backoff
 from .matches import TopicMatches as TopicMatches
 from .redact import redact as redact
+from .runtime import MissingExtra as MissingExtra
+from .runtime import check_url as check_url
 from .runtime import require_asyncio as require_asyncio
+from .runtime import require_extra as require_extra
 from .tasks import TaskOwner as TaskOwner
 
-__all__ = ["AckWriter", "Backoff", "TaskOwner", "TopicMatches", "redact", "require_asyncio"]
+__all__ = [
+    "AckWriter",
+    "Backoff",
+    "MissingExtra",
+    "TaskOwner",
+    "TopicMatches",
+    "check_url",
+    "redact",
+    "require_asyncio",
+    "require_extra",
+]
