@@ -95,6 +95,7 @@ class BrokerMode:
         # One list for every process: this queue is its view, read now (``start``
         # waits for it) and kept up to date from the broker's changes until the close.
         dead_letters.share(port.dead_letters, BrokerStore(port.shared, port))
+        await dead_letters.refresh()  # the first read: its failure fails the start
         watchers = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(watchers.cancel_scope.cancel)  # (callbacks run first: LIFO)
         await watchers.start(watch, port.shared, dead_letters)

@@ -37,8 +37,10 @@ async def watch(
 ) -> None:
     """Keep ``queue`` the view of the broker's dead letters, until cancelled.
 
-    The first read's failure is the start's; later ones are logged and the watch
-    begins again (after a pause doubling up to 2 s), with a fresh read.
+    The caller read the store once already (that read's failure is the start's,
+    raised where the bus starts rather than out of a task group); a failure here is
+    logged and the watch begins again (after a pause doubling up to 2 s), with a fresh
+    read. Started once the watch is entered and read, or once it first failed.
     """
     started = False
     failing = False  # (a broker that stays down is logged once, not every pause)
@@ -62,7 +64,8 @@ async def watch(
                         queue.changed(change.added, change.removed)
         except Exception as error:  # deliberate: the watch goes on while the bus runs
             if not started:
-                raise
+                started = True
+                task_status.started()
             dead_letter_logger.log(
                 logging.DEBUG if failing else logging.WARNING,
                 "the broker's dead letters: watching them failed (the list may fall "
