@@ -110,12 +110,16 @@ def document(
     :raises ConfigurationError: for a title, version or description that is not a
         string, or a publication that is not a topic (or pattern).
     """
-    title = bus.name if title is None else title
+    title = (bus.name or "asyncbus") if title is None else title
     for name, value in (("title", title), ("version", version)):
         if not isinstance(value, str) or not value:
             raise ConfigurationError(f"document: {name} must be a non-empty string, got {value!r}")
     if description is not None and not isinstance(description, str):
         raise ConfigurationError(f"document: description must be a string, got {description!r}")
+    if publications is not None and not isinstance(publications, Mapping):
+        raise ConfigurationError(
+            f"document: publications must map topics to payload types, got {publications!r}"
+        )
     published = dict(publications or {})
     for topic in published:
         try:
@@ -328,14 +332,17 @@ def _servers(transport: object) -> dict[str, Any]:
         if not each:
             continue
         shown = redact(each if "://" in each else f"{_DEFAULT_SCHEMES.get(kind, kind)}://{each}")
-        parts = urlsplit(shown)
-        host = parts.netloc.rpartition("@")[2] or "localhost"
+        scheme, _, rest = shown.partition("://")
+        try:
+            netloc, path = urlsplit(shown)[1:3]
+        except ValueError:  # not a URL (an unbalanced "[" in the host): as written
+            netloc, path = rest.partition("/")[0], ""
         server: dict[str, Any] = {
-            "host": host,
-            "protocol": _PROTOCOLS.get(parts.scheme, parts.scheme),
+            "host": netloc.rpartition("@")[2] or "localhost",
+            "protocol": _PROTOCOLS.get(scheme, scheme),
         }
-        if parts.path:
-            server["pathname"] = parts.path
+        if path:
+            server["pathname"] = path
         prefix = getattr(transport, "prefix", None)
         about = f"{type(transport).__name__} at {shown}"
         server["description"] = about + (f", prefix {prefix!r}" if prefix else "")

@@ -170,6 +170,25 @@ def test_defaults_title_the_bus_and_the_document_needs_no_running_bus() -> None:
     assert spec["info"] == {"title": "billing", "version": "0.1.0"}
     assert (spec["channels"], spec["operations"]) == ({}, {})
     assert not bus.running
+    assert document(Bus(name=""))["info"]["title"] == "asyncbus"
+
+
+@pytest.mark.anyio
+async def test_a_document_made_in_a_handler_or_another_thread_sees_every_stage() -> None:
+    bus = Bus()
+    made: list[dict[str, Any]] = []
+
+    @bus.subscribe("describe", group="self")
+    async def describe(payload: None) -> None:
+        made.append(document(bus))
+
+    with anyio.fail_after(10):
+        async with bus:
+            await bus.publish("describe")
+            await bus.drain()
+            made.append(await anyio.to_thread.run_sync(document, bus))
+    assert made[0] == made[1] == document(bus)
+    assert list(made[0]["operations"]) == ["receive-describe-self"]
 
 
 # -- channels -------------------------------------------------------------------------
@@ -356,6 +375,8 @@ def test_publications_become_send_operations_and_share_channels() -> None:
         ({"description": b"x"}, "description must be a string"),
         ({"publications": {"orders..created": dict}}, "empty token"),
         ({"publications": {"orders.>.x": dict}}, "'>' may only be the last token"),
+        ({"publications": {3: dict}}, "pattern must be a non-empty string, got 3"),
+        ({"publications": ["orders.created"]}, "publications must map topics to payload types"),
     ],
 )
 def test_bad_arguments_are_configuration_errors(arguments: dict[str, Any], message: str) -> None:
@@ -865,6 +886,17 @@ def test_each_url_of_a_cluster_is_a_server(url: object) -> None:
     }
     assert spec["servers"]["nats-2"]["protocol"] == "nats"
     assert "pw" not in json.dumps(spec["servers"])
+
+
+def test_a_url_that_does_not_parse_is_shown_as_written_without_credentials() -> None:
+    bus = Bus(transport=RedisTransport("redis://app:hunter2@[::1:6379/0"))
+    assert document(bus)["servers"] == {
+        "redis": {
+            "host": "[::1:6379",
+            "protocol": "redis",
+            "description": "RedisTransport at redis://***@[::1:6379/0, prefix 'asyncbus'",
+        }
+    }
 
 
 @pytest.mark.parametrize("transport", [None, MemoryTransport(), MemoryTransport(direct=False)])
