@@ -30,6 +30,7 @@ What the document holds:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import typing
@@ -158,7 +159,7 @@ class _Builder:
 
     def __init__(self) -> None:
         self.schemas = Schemas()
-        self.headers = self.schemas.add("EnvelopeHeaders", _HEADERS)
+        self.headers = self.schemas.add("EnvelopeHeaders", copy.deepcopy(_HEADERS))
         self.channels: dict[str, dict[str, Any]] = {}
         self.operations: dict[str, dict[str, Any]] = {}
         self._channel_ids: dict[str, str] = {}
@@ -247,7 +248,7 @@ class _Builder:
             message = {"title": "any payload", "description": untyped, "payload": {}}
         else:
             message = {"title": _type_text(annotation), "payload": self.schemas.of(annotation)}
-        message["headers"] = self.headers
+        message["headers"] = dict(self.headers)
         key = json.dumps(message, sort_keys=True)
         known = self._messages[channel]
         name = known.get(key)

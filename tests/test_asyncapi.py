@@ -173,6 +173,20 @@ def test_defaults_title_the_bus_and_the_document_needs_no_running_bus() -> None:
     assert document(Bus(name=""))["info"]["title"] == "asyncbus"
 
 
+def test_changing_a_document_changes_no_other() -> None:
+    bus = Bus()
+    bus.subscribe("orders", lambda order: None, group="a")
+    bus.subscribe("refunds", lambda refund: None, group="b")
+    spec = document(bus)
+    headers = spec["components"]["schemas"]["EnvelopeHeaders"]
+    headers["properties"].clear()
+    spec["channels"]["orders"]["messages"]["any_payload"]["headers"]["$ref"] = "#/elsewhere"
+    again = document(bus)
+    assert len(again["components"]["schemas"]["EnvelopeHeaders"]["properties"]) == 3
+    assert again["channels"]["refunds"]["messages"]["any_payload"]["headers"] == HEADERS
+    assert spec["channels"]["refunds"]["messages"]["any_payload"]["headers"] == HEADERS
+
+
 @pytest.mark.anyio
 async def test_a_document_made_in_a_handler_or_another_thread_sees_every_stage() -> None:
     bus = Bus()

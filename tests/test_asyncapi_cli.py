@@ -92,11 +92,24 @@ def test_prints_the_document_of_module_bus_as_json(app: str, tmp_path: Path) -> 
 def test_writes_yaml_to_a_file(app: str, tmp_path: Path) -> None:
     yaml = pytest.importorskip("yaml")
     out = tmp_path / "asyncapi.yaml"
-    result = command(f"{app}:bus", "--format", "yaml", "--output", str(out), cwd=tmp_path)
+    result = command(
+        f"{app}:bus",
+        "--publications",
+        f"{app}:PUBLISHES",
+        "--format",
+        "yaml",
+        "--output",
+        str(out),
+        cwd=tmp_path,
+    )
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
     text = out.read_text(encoding="utf-8")
     assert text.startswith("asyncapi: 3.0.0\n")
-    assert yaml.safe_load(text) == expected(app)
+    module = importlib.import_module(app)
+    assert yaml.safe_load(text) == expected(app, publications=module.PUBLISHES)
+    # Written out in full: no YAML anchors and aliases for what repeats.
+    assert text.count("$ref: '#/components/schemas/EnvelopeHeaders'") == 2
+    assert "&id" not in text and "*id" not in text
 
 
 def test_a_function_may_make_the_bus_and_publications_name_a_mapping(

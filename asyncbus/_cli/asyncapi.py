@@ -94,8 +94,12 @@ def _yaml() -> Callable[[dict[str, Any]], str]:
     """
     import yaml  # type: ignore[import-untyped]
 
+    class Dumper(yaml.SafeDumper):  # type: ignore[misc]
+        def ignore_aliases(self, data: Any) -> bool:
+            return True  # the same schema twice is written twice, not as an anchor
+
     def dump(spec: dict[str, Any]) -> str:
-        text: str = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
+        text: str = yaml.dump(spec, Dumper=Dumper, sort_keys=False, allow_unicode=True)
         return text
 
     return dump
