@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
+from ._cli import asyncapi as asyncapi_command
 
 #: Said by ``bench`` where there is no checkout next to the package (an installed wheel).
 NO_SUITE = """\
@@ -95,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         "'bench rabbit' run the broker end-to-end benchmarks",
         add_help=False,
     )
+    asyncapi_command.add_command(commands)
     arguments, rest = parser.parse_known_args(argv)
     if arguments.command == "bench":
         return _bench(rest)
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    if arguments.command == "asyncapi":
+        return asyncapi_command.run(arguments)
     from functools import partial
 
     from ._demo import DemoError, run_demo

@@ -17,6 +17,7 @@ from ._bus import Bus
 from ._envelope import Envelope
 from ._instrument import Instrumentation, combine, parts_of
 from ._stats import LatencyHistogram
+from ._subscription import Subscription
 
 __all__ = [
     "attach",
@@ -27,6 +28,7 @@ __all__ = [
     "on_loop",
     "stage_timings",
     "stages_subscribed",
+    "subscriptions",
     "task_group",
 ]
 
@@ -72,6 +74,16 @@ def stages_subscribed(bus: Bus) -> bool:
     return all(
         stage.subscribed is None or stage.subscribed.is_set() for stage in bus._stages.values()
     )
+
+
+def subscriptions(bus: Bus) -> list[tuple[Subscription, ...]]:
+    """The subscriptions of each stage of ``bus``, stages in the order they were made.
+
+    The bus's own reply inbox (made for a request over a broker) is left out: it is
+    no subscription of the application's.
+    """
+    inbox = bus._replies.inbox
+    return [tuple(stage.subscriptions) for stage in bus._stages.values() if stage.group != inbox]
 
 
 def stage_timings(bus: Bus) -> dict[str, tuple[LatencyHistogram, LatencyHistogram]]:

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -34,20 +35,27 @@ def transport(prefix: str) -> RedisTransport:
     return RedisTransport(URL, prefix=prefix)
 
 
-async def worker(name: str, prefix: str) -> None:
+def worker_bus(name: str, prefix: str, stop: Callable[[], object]) -> Bus:
+    """The bus of the worker ``name``; it calls ``stop()`` when told to stop."""
     bus = Bus(transport=transport(prefix), name=name)
-    stop = anyio.Event()
 
     @bus.subscribe("orders.created", group="fulfilment", concurrency=4)
     async def fulfil(order: dict[str, Any]) -> None:
+        """Pack the order's parcel, then report it on orders.fulfilled."""
         await anyio.sleep(0.001)  # pack the parcel
         await bus.publish("orders.fulfilled", {"order": order["id"], "by": name})
 
     @bus.subscribe("control.stop", group=f"control-{name}")
     async def stop_now(_: Any) -> None:
-        stop.set()
+        """Stop this worker (each worker has a group of its own: all of them stop)."""
+        stop()
 
-    async with bus:
+    return bus
+
+
+async def worker(name: str, prefix: str) -> None:
+    stop = anyio.Event()
+    async with worker_bus(name, prefix, stop.set):
         print(f"{name} ready", flush=True)
         await stop.wait()
 

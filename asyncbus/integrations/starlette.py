@@ -31,7 +31,9 @@ The admin app is for operators: mount it behind your app's own authentication (o
 least give it a ``token``), and serve it on the event loop that runs the bus (mounting
 it in the app whose lifespan runs the bus does exactly that). Its ``/healthz`` and
 ``/readyz`` are the probes for an orchestrator (they answer without the token), and
-``admin_app(bus, metrics=True)`` also serves Prometheus metrics at ``/metrics``.
+``admin_app(bus, metrics=True)`` also serves Prometheus metrics at ``/metrics``. It
+also describes the bus: its AsyncAPI document at ``/asyncapi.json``, shown as a page at
+``/asyncapi`` (``asyncapi=False`` leaves both out).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import ConfigurationError, TransportError
 from .._observe import bus_state, stages_subscribed
+from ..asyncapi import document
 from ..transports.base import BacklogReader
 from ._json import json_safe
 
@@ -94,6 +97,10 @@ _BROKER_SILENT = "broker did not answer"
 _BROKER_FAILED = "broker failed"
 #: Key in the request's state: the probe's caller presented the token.
 _AUTHORISED = "asyncbus_authorised"
+#: Pages a browser opens: they also take the token as ``?token=`` (and send it on).
+_PAGES = frozenset({"", "/", "/asyncapi"})
+#: What ``admin_app(asyncapi={...})`` may pass on to :func:`asyncbus.asyncapi.document`.
+_DOCUMENT_OPTIONS = frozenset({"title", "version", "description", "publications"})
 
 
 # -- lifespan and dependency ------------------------------------------------------
@@ -271,10 +278,11 @@ def _ids(body: Mapping[str, Any]) -> list[str]:
 class _AdminApi:
     """The endpoints of :func:`admin_app`, bound to one bus."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, asyncapi: Mapping[str, Any]) -> None:
         self.bus = bus
         # The broker problem last logged by a health probe (None: none, or answering).
         self._logged: str | None = None
+        self.asyncapi = asyncapi
 
     async def _unknown(self, ids: list[str]) -> list[str]:
         """The ids the dead-letter queue does not list. Over a broker, one it does not
@@ -297,7 +305,14 @@ class _AdminApi:
             raise _unknown_ids(unknown)
 
     async def page(self, request: Request) -> Response:
-        return HTMLResponse(_DASHBOARD, headers=_PAGE_HEADERS)
+        return HTMLResponse(_DASHBOARD[0], headers=_DASHBOARD[1])
+
+    async def asyncapi_page(self, request: Request) -> Response:
+        return HTMLResponse(_ASYNCAPI_PAGE[0], headers=_ASYNCAPI_PAGE[1])
+
+    async def asyncapi_document(self, request: Request) -> Response:
+        spec = document(self.bus, **self.asyncapi)
+        return JSONResponse(spec, headers={"Cache-Control": "no-store"})
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse(json_safe(dataclasses.asdict(self.bus.statistics())))
@@ -462,8 +477,8 @@ async def _transport_problem(bus: Bus) -> tuple[str, str] | None:
 class _BearerAuth:
     """ASGI middleware: every request needs ``Authorization: Bearer <token>``.
 
-    The dashboard page alone also takes ``?token=``, so a browser can open it; its
-    script sends the token on as a header.
+    The pages (the dashboard, the AsyncAPI page) also take ``?token=``, so a browser can
+    open them; their scripts send the token on as a header. The probes answer anyone.
     """
 
     def __init__(self, app: ASGIApp, *, token: str) -> None:
@@ -484,7 +499,7 @@ class _BearerAuth:
             scope = {**scope, "state": {**scope.get("state", {}), _AUTHORISED: authorised}}
             await self.app(scope, receive, send)
             return
-        page = _route_path(scope) in ("", "/")
+        page = _route_path(scope) in _PAGES
         if presented is None and page:
             presented = connection.query_params.get("token")
         if presented is not None and self._matches(presented):
@@ -492,9 +507,9 @@ class _BearerAuth:
             return
         if page and "text/html" in connection.headers.get("accept", ""):
             # A person with a browser: a page that says what to do, not JSON.
-            await _locked_page(scope.get("root_path", "") + "/", bool(presented))(
-                scope, receive, send
-            )
+            await _locked_page(
+                scope.get("root_path", "") + (_route_path(scope) or "/"), bool(presented)
+            )(scope, receive, send)
             return
         message = "wrong bearer token" if presented else "missing bearer token"
         response = JSONResponse(
@@ -517,7 +532,13 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
-def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> Starlette:
+def admin_app(
+    bus: Bus,
+    *,
+    token: str | None = None,
+    metrics: bool = False,
+    asyncapi: bool | Mapping[str, Any] = True,
+) -> Starlette:
     """Return an ASGI app that shows and administers ``bus``; mount it anywhere.
 
     Routes (JSON unless said otherwise; errors are ``{"error": message}`` with a 4xx
@@ -535,6 +556,10 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
     * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
       409 when the bus is not running;
     * ``POST /dead-letters/purge`` with ``{"ids": [...]}`` or ``{"all": true}``;
+    * ``GET /asyncapi.json`` -- the bus's AsyncAPI 3.0 document
+      (:func:`asyncbus.asyncapi.document`), made anew for each request;
+    * ``GET /asyncapi`` -- a self-contained HTML page showing that document (its
+      operations, channels, messages and schemas; it loads nothing from elsewhere);
     * ``GET /metrics`` (with ``metrics=True``) -- Prometheus metrics in the text format
       (:class:`asyncbus.integrations.prometheus.BusCollector`; extra ``prometheus``);
     * ``GET /healthz`` -- liveness: 200 ``{"status": "ok"}`` while the bus runs (also
@@ -558,12 +583,17 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
     :param token: when given, every route but the probes needs ``Authorization: Bearer
         <token>`` (else 401); the page also accepts ``?token=<token>`` and passes it on.
     :param metrics: serve ``GET /metrics`` (needs ``prometheus-client``).
-    :raises ConfigurationError: when ``token`` is empty.
+    :param asyncapi: serve ``/asyncapi.json`` and ``/asyncapi`` (``False``: neither);
+        a mapping gives :func:`~asyncbus.asyncapi.document` its ``title``,
+        ``version``, ``description`` and ``publications``.
+    :raises ConfigurationError: when ``token`` is empty, or ``asyncapi`` holds
+        something :func:`~asyncbus.asyncapi.document` refuses.
     :raises ImportError: for ``metrics=True`` without ``prometheus-client``.
     """
     if token is not None and (not isinstance(token, str) or not token):
         raise ConfigurationError("admin_app: token must be a non-empty string or None")
-    api = _AdminApi(bus)
+    options = _document_options(bus, asyncapi)
+    api = _AdminApi(bus, options or {})
     routes = [
         Route("/", api.page, methods=["GET"]),
         Route("/stats", api.stats, methods=["GET"]),
@@ -576,6 +606,9 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
     ]
     if metrics:
         routes.append(Route("/metrics", _metrics_endpoint(bus), methods=["GET"]))
+    if options is not None:
+        routes.append(Route("/asyncapi", api.asyncapi_page, methods=["GET"]))
+        routes.append(Route("/asyncapi.json", api.asyncapi_document, methods=["GET"]))
     middleware = [Middleware(_BearerAuth, token=token)] if token is not None else []
     return Starlette(
         routes=routes,
@@ -586,6 +619,30 @@ def admin_app(bus: Bus, *, token: str | None = None, metrics: bool = False) -> S
             Exception: _on_server_error,
         },
     )
+
+
+def _document_options(bus: Bus, asyncapi: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``document``'s keyword arguments for ``admin_app(asyncapi=...)``; ``None``: off.
+
+    A mapping is checked here, by making the document once, so a mistake in it
+    fails when the app is made rather than on the first request.
+    """
+    if isinstance(asyncapi, bool):
+        return {} if asyncapi else None
+    if not isinstance(asyncapi, Mapping):
+        raise ConfigurationError(
+            f"admin_app: asyncapi must be a bool or a mapping of document() options, "
+            f"got {asyncapi!r}"
+        )
+    unknown = sorted(set(asyncapi) - _DOCUMENT_OPTIONS)
+    if unknown:
+        raise ConfigurationError(
+            f"admin_app: asyncapi: unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"expected some of {', '.join(sorted(_DOCUMENT_OPTIONS))}"
+        )
+    options = dict(asyncapi)
+    document(bus, **options)
+    return options
 
 
 def _metrics_endpoint(bus: Bus) -> Callable[[Request], Awaitable[Response]]:
@@ -600,7 +657,7 @@ def _metrics_endpoint(bus: Bus) -> Callable[[Request], Awaitable[Response]]:
     return metrics
 
 
-# -- the dashboard page -----------------------------------------------------------
+# -- the pages ----------------------------------------------------------------------
 
 
 def _page_headers(html: str) -> dict[str, str]:
@@ -627,15 +684,17 @@ def _page_headers(html: str) -> dict[str, str]:
     }
 
 
-def _load_dashboard() -> tuple[str, dict[str, str]]:
-    html = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+def _load_page(name: str) -> tuple[str, dict[str, str]]:
+    """The page ``name`` of this package: its HTML and the headers to serve it with."""
+    html = importlib.resources.files(__package__).joinpath(name).read_text("utf-8")
     for tag in ("script", "style"):
         if f"<{tag}>" not in html:  # pragma: no cover - the file ships with the package
-            raise RuntimeError(f"asyncbus dashboard.html has no <{tag}> element")
+            raise RuntimeError(f"asyncbus {name} has no <{tag}> element")
     return html, _page_headers(html)
 
 
-_DASHBOARD, _PAGE_HEADERS = _load_dashboard()
+_DASHBOARD = _load_page("dashboard.html")
+_ASYNCAPI_PAGE = _load_page("asyncapi.html")
 
 #: What a browser that opened the dashboard without the right token is shown.
 _LOCKED_PAGE = """<!doctype html>

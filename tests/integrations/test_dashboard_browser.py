@@ -8,6 +8,7 @@ Playwright downloads. Without it the test is skipped, unless the environment set
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -390,3 +391,84 @@ async def test_a_wrong_or_missing_token_gets_a_page_that_says_what_to_do(chromiu
                 assert answer.json() == {
                     "error": "wrong bearer token: send 'Authorization: Bearer <token>'"
                 }
+
+
+@dataclasses.dataclass
+class Parcel:
+    """A parcel to ship."""
+
+    id: int
+    weight: float
+
+
+@pytest.mark.timeout(120)
+async def test_asyncapi_page_shows_the_document_and_loads_nothing_from_elsewhere(
+    chromium: Path,
+) -> None:
+    from playwright.async_api import async_playwright, expect
+
+    bus = Bus(name="shop")
+
+    @bus.subscribe("parcels.*", group="audit")
+    async def audit(parcel: Parcel) -> None:
+        """Keep a record of every parcel."""
+
+    document = {"title": "Shop <b>", "version": "2.0.0", "publications": {"parcels.sent": Parcel}}
+    with anyio.fail_after(90):
+        async with (
+            bus,
+            serving(admin_app(bus, token=TOKEN, asyncapi=document)) as url,
+            async_playwright() as pw,
+        ):
+            browser = await pw.chromium.launch(
+                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=30_000
+            )
+            try:
+                page = await browser.new_page()
+                page.set_default_timeout(TIMEOUT_MS)
+                requests: list[str] = []
+                errors: list[str] = []
+                page.on("request", lambda request: requests.append(request.url))
+                page.on("pageerror", lambda error: errors.append(str(error)))
+                page.on(
+                    "console",
+                    lambda message: (
+                        errors.append(message.text) if message.type == "error" else None
+                    ),
+                )
+                await page.goto(f"{url}/asyncapi?token={TOKEN}")
+
+                # Text from the document is shown as text, never read as HTML.
+                await expect(page.locator("#title")).to_have_text("Shop <b>")
+                await expect(page.locator("#version")).to_have_text(
+                    "version 2.0.0 · AsyncAPI 3.0.0"
+                )
+                await expect(page.locator("#status")).to_have_text("")
+                receive = page.locator('[data-operation="receive-parcels.any-audit"]')
+                await expect(receive.locator(".badge")).to_have_text("receive")
+                await expect(receive.locator("h3 code")).to_have_text("parcels.{wildcard1}")
+                await expect(receive).to_contain_text("Keep a record of every parcel.")
+                payload = receive.locator('[data-message="Parcel"] .payload')
+                await expect(payload.locator("a").first).to_have_text("Parcel")
+                await expect(payload.locator('[data-property="id"]')).to_have_text("id *: integer")
+                send = page.locator('[data-operation="send-parcels.sent"]')
+                await expect(send.locator(".badge")).to_have_text("send")
+                channel = page.locator('[data-channel="parcels.any"]')
+                await expect(channel.locator('[data-parameter="wildcard1"]')).to_contain_text(
+                    "any one token"
+                )
+                parcel = page.locator('[data-schema="Parcel"]')
+                await expect(parcel).to_contain_text("A parcel to ship.")
+                await expect(parcel.locator('[data-property="weight"]')).to_have_text(
+                    "weight *: number"
+                )
+                await expect(parcel.locator('[data-property="id"]')).to_have_text("id *: integer")
+                headers = page.locator('[data-schema="EnvelopeHeaders"]')
+                await expect(
+                    headers.locator('[data-property="asyncbus-priority"]')
+                ).to_contain_text('one of "0", "1", "2"')
+                assert await page.locator("#servers-section").is_hidden()
+                assert requests == [f"{url}/asyncapi?token={TOKEN}", f"{url}/asyncapi.json"]
+                assert errors == []
+            finally:
+                await browser.close()

@@ -1,0 +1,1 @@
+"""The commands of ``python -m asyncbus``, one module each."""
