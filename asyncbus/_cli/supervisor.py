@@ -113,7 +113,7 @@ class Supervisor:
         if self.code is None:
             self.code = code
             logger.error("asyncbus run: %s", message)
-        self.stop(signal.SIGTERM, "giving up")
+        self.stop(signal.SIGTERM, "gave up")
 
     # -- the workers ------------------------------------------------------------
 
