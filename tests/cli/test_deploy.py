@@ -137,3 +137,25 @@ async def test_the_deployed_worker_runs_serves_its_probes_and_drains(
         await command.wait_for(lambda r: r.get("message") == "fulfilled order 7")
         assert await command.stop(signal.SIGTERM) == 0, command.text()
     assert command.report()["completed"] == 1
+
+
+def test_the_readme_and_the_guide_show_valid_commands() -> None:
+    readme = (DEPLOY.parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.partition("## Running it in production\n")[2].partition("\n## ")[0]
+    commands = [line for line in section.splitlines() if line.startswith("asyncbus run ")]
+    assert len(commands) == 1
+    for line in commands:
+        arguments = parse_run(shlex.split(line))
+        assert (arguments.admin, arguments.graceful_timeout) == ("0.0.0.0:8081", 25.0)
+    guide = (DEPLOY.parents[1] / "docs" / "guide.md").read_text(encoding="utf-8")
+    usage = guide.partition("### The worker command\n")[2].partition("```\n\n")[0]
+    documented = set(re.findall(r"--[a-z-]+", usage))
+    run_parser = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    offered = {
+        option
+        for action in run_parser._actions
+        if action.help != "==SUPPRESS==" and action.option_strings
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    }
+    assert documented == offered
