@@ -57,6 +57,11 @@ def _describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 class _Slot:
     """One worker's place: the process in it now, and its restarts."""
 
@@ -180,8 +185,14 @@ class Supervisor:
                 _describe_exit(code),
                 delay,
             )
-            with anyio.move_on_after(delay):
-                await self.stopping.wait()
+            await self._pause(slot, delay)
+
+    async def _pause(self, slot: _Slot, delay: float) -> None:
+        """Wait ``delay`` seconds, less if the supervisor stops or a file changes."""
+        with anyio.move_on_after(delay):
+            async with anyio.create_task_group() as waiting:
+                for event in (self.stopping, slot.restart_now):
+                    waiting.start_soon(_cancel_on, event, waiting.cancel_scope)
 
     async def _wait_for_change(self, slot: _Slot, why: str) -> bool:
         """With ``--reload``: wait for a file to change (True) or the stop (False)."""
@@ -189,14 +200,8 @@ class Supervisor:
             return False
         logger.error("worker %d %s: waiting for a file to change", slot.index, why)
         async with anyio.create_task_group() as waiting:
-
-            async def on_stop() -> None:
-                await self.stopping.wait()
-                waiting.cancel_scope.cancel()
-
-            waiting.start_soon(on_stop)
-            await slot.restart_now.wait()
-            waiting.cancel_scope.cancel()
+            for event in (self.stopping, slot.restart_now):
+                waiting.start_soon(_cancel_on, event, waiting.cancel_scope)
         slot.restart_now = anyio.Event()
         return not self.stopping.is_set()
 
@@ -215,10 +220,15 @@ class Supervisor:
         slot.process = process
         slot.restart_now = anyio.Event()
         logger.info("worker %d started (pid %d)", slot.index, process.pid)
+        if self.stopping.is_set():  # the stop was passed on while it started
+            slot.signal(signal.SIGTERM)
         async with anyio.create_task_group() as watching:
             watching.start_soon(self._kill_when_late, slot, process)
             code = await process.wait()
             watching.cancel_scope.cancel()
+        if code in (-signal.SIGTERM, -signal.SIGINT) and self.stopping.is_set():
+            # Stopped before its handlers were set: it had started nothing.
+            return Exit.OK
         return code
 
     async def _kill_when_late(self, slot: _Slot, process: Process) -> None:
