@@ -59,22 +59,11 @@ async def _serve_dashboard(
     bus: Bus, listener: socket.socket, task_group: TaskGroup, out: TextIO
 ) -> anyio.Event:
     """Serve ``admin_app(bus)`` on ``listener`` with uvicorn; the event fires when it stops."""
-    import uvicorn
-
+    from ._cli.admin import start_uvicorn
     from .integrations.starlette import admin_app
 
-    config = uvicorn.Config(admin_app(bus), log_level="warning")
-    server = uvicorn.Server(config)
-    # Ctrl-C is ours: it stops the server, then the demo finishes and reports (uvicorn's
-    # own handlers would raise KeyboardInterrupt again after its shutdown).
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    stopped = anyio.Event()
-
-    async def serve() -> None:
-        try:
-            await server.serve(sockets=[listener])
-        finally:
-            stopped.set()
+    # Ctrl-C is ours: it stops the server, then the demo finishes and reports.
+    server, stopped = start_uvicorn(admin_app(bus), listener, task_group)
 
     async def stop_on_signal() -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -82,7 +71,6 @@ async def _serve_dashboard(
                 server.should_exit = True
                 return
 
-    task_group.start_soon(serve)
     task_group.start_soon(stop_on_signal)
     while not server.started and not stopped.is_set():
         await anyio.sleep(0.01)

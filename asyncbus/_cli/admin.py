@@ -12,6 +12,7 @@ import importlib.util
 import os
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -19,7 +20,14 @@ from anyio.abc import TaskGroup
 from .._bus import Bus
 from . import CommandError, logger
 
-__all__ = ["TOKEN_VARIABLE", "check_extras", "listen", "parse_address", "serving"]
+__all__ = [
+    "TOKEN_VARIABLE",
+    "check_extras",
+    "listen",
+    "parse_address",
+    "serving",
+    "start_uvicorn",
+]
 
 
 #: The environment variable whose value, when set, is the admin app's bearer token.
@@ -89,22 +97,15 @@ def _where(listener: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-@contextlib.asynccontextmanager
-async def serving(
-    bus: Bus, listener: socket.socket, tasks: TaskGroup, *, metrics: bool
-) -> AsyncIterator[None]:
-    """Serve ``admin_app(bus)`` on ``listener`` (uvicorn) until the block ends.
+def start_uvicorn(app: Any, listener: socket.socket, tasks: TaskGroup) -> tuple[Any, anyio.Event]:
+    """Serve ``app`` on ``listener`` with uvicorn, in ``tasks``; signals are the caller's.
 
-    The server keeps answering while the bus drains (``/readyz`` then says 503, and
-    ``/healthz`` 200 "closing"); it stops when the block is left.
+    Returns the ``uvicorn.Server`` (set its ``should_exit`` to stop it) and an event set
+    once it has stopped. uvicorn leaves logging as it is (no ``log_config``), logs its
+    own warnings and errors only, and no access line per request.
     """
     import uvicorn
 
-    from ..integrations.starlette import admin_app
-
-    app = admin_app(bus, token=os.environ.get(TOKEN_VARIABLE) or None, metrics=metrics)
-    # uvicorn leaves logging as the command set it (no log_config), logs its own
-    # warnings and errors only, and no access line per probe.
     config = uvicorn.Config(
         app,
         log_config=None,
@@ -114,7 +115,8 @@ async def serving(
         timeout_graceful_shutdown=_CLOSE_CONNECTIONS,
     )
     server = uvicorn.Server(config)
-    # Signals are the worker's: uvicorn's own handlers would take them from it.
+    # uvicorn's own signal handlers would take SIGINT/SIGTERM from the caller (and raise
+    # them again once it has stopped).
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     stopped = anyio.Event()
 
@@ -125,10 +127,28 @@ async def serving(
             stopped.set()
 
     tasks.start_soon(serve, name="asyncbus admin server")
+    return server, stopped
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    bus: Bus, listener: socket.socket, tasks: TaskGroup, *, metrics: bool
+) -> AsyncIterator[None]:
+    """Serve ``admin_app(bus)`` on ``listener`` (uvicorn) until the block ends.
+
+    The server keeps answering while the bus drains (``/readyz`` then says 503, and
+    ``/healthz`` 200 "closing"); it stops when the block is left.
+    """
+    from ..integrations.starlette import admin_app
+
+    app = admin_app(bus, token=os.environ.get(TOKEN_VARIABLE) or None, metrics=metrics)
+    server, stopped = start_uvicorn(app, listener, tasks)
     logger.info("admin app, /healthz and /readyz on %s", _where(listener))
     try:
         yield
     finally:
         server.should_exit = True
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_CONNECTIONS + 1):
+            await stopped.wait()
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_CONNECTIONS + 1):
             await stopped.wait()
