@@ -41,13 +41,11 @@ def _listen(port: int) -> socket.socket:
             f"demo --serve needs {error.name or 'starlette'}: "
             "pip install 'asyncbus[starlette]' uvicorn"
         ) from None
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    from ._cli.admin import listening_socket
+
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(128)
+        listener = listening_socket("127.0.0.1", port)
     except OSError as error:
-        listener.close()
         raise DemoError(
             f"demo --serve cannot listen on 127.0.0.1:{port}: {error.strerror or error}"
         ) from None

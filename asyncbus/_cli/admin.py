@@ -24,6 +24,7 @@ __all__ = [
     "TOKEN_VARIABLE",
     "check_extras",
     "listen",
+    "listening_socket",
     "parse_address",
     "serving",
     "start_uvicorn",
@@ -76,19 +77,27 @@ def listen(address: str) -> socket.socket:
     """
     host, port = parse_address(address)
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        listener = socket.socket(family, socket.SOCK_STREAM)
+        return listening_socket(host, port)
     except OSError as error:
-        raise CommandError(f"--admin cannot listen on {address}: {error}") from None
+        raise CommandError(
+            f"--admin cannot listen on {address}: {error.strerror or error}"
+        ) from None
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (``SO_REUSEADDR``: a restart rebinds at once).
+
+    :raises OSError: when it cannot be bound.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
         listener.listen(128)
-    except OSError as error:
+    except BaseException:
         listener.close()
-        raise CommandError(
-            f"--admin cannot listen on {address}: {error.strerror or error}"
-        ) from None
+        raise
     return listener
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import textwrap
 from pathlib import Path
 
@@ -188,3 +189,19 @@ async def test_reload_restarts_the_workers_when_a_python_file_changes(tmp_path: 
         assert second["pid"] != first["pid"]
         assert command.matching(lambda r: "service.py changed" in r.get("message", ""))
         assert await command.stop(signal.SIGTERM) == 0, command.text()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_an_admin_port_in_use_exits_2_before_the_bus_starts(workers: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        arguments = (*target("bus"), "--admin", f"127.0.0.1:{port}", "--workers", workers)
+        async with run_command(*arguments) as command:
+            assert await command.exit_code() == 2
+    (error,) = command.matching(lambda r: r.get("level") == "ERROR")
+    assert error["message"] == (
+        f"asyncbus run: --admin cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert not command.matching(lambda r: r.get("asyncbus_event") == "running")
