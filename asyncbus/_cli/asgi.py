@@ -51,7 +51,12 @@ class _Lifespan:
         }
         try:
             await self.app(scope, self.receive, self.send)
-        except Exception as error:  # told by the context manager, not by the task group
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as error:
+            # Told by the context manager, in the task that runs it: not by the task
+            # group, and never out of this task (on asyncio a SystemExit or
+            # KeyboardInterrupt leaving a task stops the event loop itself).
             self.error = error
         finally:
             self.finished.set()

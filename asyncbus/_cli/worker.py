@@ -122,17 +122,23 @@ async def _run(target: object, settings: WorkerSettings, stop: Stop, tasks: Task
             return code
         logger.info("%s while the bus started: stopped", stop.reason)
         return Exit.OK
-    except CommandError as error:
-        return error.tell()
-    except ConfigurationError as error:
-        return CommandError(f"the bus refused its configuration: {error}").tell()
-    except Exception as error:
-        # (The bus's own log named each stage's abandoned envelopes, if any.)
-        logger.error("the bus crashed: %s: %s", type(error).__name__, error, exc_info=error)
-        return Exit.CRASHED
-    except (KeyboardInterrupt, SystemExit) as error:
-        logger.error("a handler raised %s: the bus stopped at once", type(error).__name__)
-        return Exit.CRASHED
+    except BaseException as caught:
+        error = caught
+        # An app's lifespan runs in a task group: one error comes wrapped in a group.
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        if isinstance(error, CommandError):
+            return error.tell()
+        if isinstance(error, ConfigurationError):
+            return CommandError(f"the bus refused its configuration: {error}").tell()
+        if isinstance(error, Exception):
+            # (The bus's own log named each stage's abandoned envelopes, if any.)
+            logger.error("the bus crashed: %s: %s", type(error).__name__, error, exc_info=error)
+            return Exit.CRASHED
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            logger.error("a handler raised %s: the bus stopped at once", type(error).__name__)
+            return Exit.CRASHED
+        raise
 
 
 def _admin(

@@ -58,6 +58,8 @@ async def _job(envelope: Envelope) -> None:
     if BLOCK and job.get("slow"):
         logger.info("blocking", extra={"cli_test": "blocking", "n": job["n"]})
         await anyio.sleep_forever()
+    if job.get("exit"):
+        raise SystemExit(0)  # not a failure: it stops the bus at once
     if CRASH and job.get("crash") and await _redis().set(f"{PREFIX}:crashed", 1, nx=True):
         os._exit(17)
     if PREFIX is not None:
@@ -104,7 +106,8 @@ def _fastapi_app() -> Any:
     return FastAPI(lifespan=own_lifespan)
 
 
-def _busy_app() -> Any:
+def _app_publishing(job: dict[str, Any]) -> Any:
+    """A Starlette app whose lifespan runs a bus and publishes ``job`` once it runs."""
     import contextlib
 
     from starlette.applications import Starlette
@@ -114,16 +117,17 @@ def _busy_app() -> Any:
     made = _make_bus("busy")
 
     @contextlib.asynccontextmanager
-    async def busy(app: Starlette) -> Any:  # starts with a slow job in flight
+    async def busy(app: Starlette) -> Any:
         async with lifespan(made)(app):
-            await made.publish("jobs", {"n": 0, "slow": True})
+            await made.publish("jobs", job)
             yield
 
     return Starlette(lifespan=busy)
 
 
 starlette_app = _starlette_app()
-busy_app = _busy_app()
+busy_app = _app_publishing({"n": 0, "slow": True})  # a slow job in flight from the start
+exiting_app = _app_publishing({"n": 0, "exit": True})
 fastapi_app = _fastapi_app()
 not_a_bus = 42
 

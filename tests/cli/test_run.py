@@ -103,6 +103,15 @@ async def test_a_bus_that_cannot_start_exits_1() -> None:
     assert error["message"] == "the bus crashed: RuntimeError: the factory cannot make a bus"
 
 
+async def test_a_handler_that_raises_system_exit_stops_the_bus_and_exits_1() -> None:
+    async with run_command(*target("exiting_app")) as command:
+        assert await command.exit_code() == 1, command.text()
+    (error,) = command.matching(
+        lambda r: r.get("logger") == "asyncbus.cli" and r["level"] == "ERROR"
+    )
+    assert error["message"] == "a handler raised SystemExit: the bus stopped at once"
+
+
 def admin_url(command: Running) -> str:
     (line,) = command.matching(lambda r: "/healthz and /readyz on" in r.get("message", ""))
     match = re.search(r"on (http://\S+)$", line["message"])
