@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import AsyncIterator, Sequence
 
@@ -19,8 +18,10 @@ _DEBOUNCE_MS = 300
 
 def check_available() -> None:
     """:raises CommandError: without watchfiles."""
-    if importlib.util.find_spec("watchfiles") is None:
-        raise CommandError("--reload needs watchfiles: pip install 'asyncbus[reload]'")
+    try:
+        import watchfiles  # noqa: F401
+    except ImportError:
+        raise CommandError("--reload needs watchfiles: pip install 'asyncbus[reload]'") from None
 
 
 async def changes(paths: Sequence[str], stop: anyio.Event) -> AsyncIterator[str]:

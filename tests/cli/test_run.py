@@ -214,3 +214,40 @@ async def test_an_admin_port_in_use_exits_2_before_the_bus_starts(workers: str) 
         f"asyncbus run: --admin cannot listen on 127.0.0.1:{port}: Address already in use"
     )
     assert not command.matching(lambda r: r.get("asyncbus_event") == "running")
+
+
+async def test_reload_without_watchfiles_says_which_extra_to_install(tmp_path: Path) -> None:
+    (tmp_path / "watchfiles.py").write_text("raise ImportError('No module named watchfiles')\n")
+    arguments = (*target("bus"), "--reload")
+    async with run_command(*arguments, env={"PYTHONPATH": str(tmp_path)}) as command:
+        assert await command.exit_code() == 2
+    (error,) = command.matching(lambda r: r.get("level") == "ERROR")
+    assert error["message"] == (
+        "asyncbus run: --reload needs watchfiles: pip install 'asyncbus[reload]'"
+    )
+
+
+async def test_a_sigterm_while_the_target_is_imported_never_starts_the_bus(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "slow.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import time
+
+            from asyncbus import Bus
+
+            print("importing", file=sys.stderr, flush=True)
+            time.sleep(1)
+            bus = Bus()
+            """
+        )
+    )
+    async with run_command("slow:bus", "--app-dir", str(tmp_path)) as command:
+        await command.wait_for(lambda r: r.get("raw") == "importing")
+        assert await command.stop(signal.SIGTERM) == 0, command.text()
+    assert command.matching(
+        lambda r: r.get("message") == "SIGTERM before the bus started: not starting it"
+    )
+    assert not command.matching(lambda r: r.get("asyncbus_event") == "running")
