@@ -177,6 +177,9 @@ def _check(arguments: argparse.Namespace) -> None:
         raise CommandError("--reload-dir is for --reload")
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _EarlySignals:
     """SIGTERM/SIGINT before the event loop takes over: noted, so the bus never starts.
 
@@ -185,7 +188,6 @@ class _EarlySignals:
 
     def __init__(self) -> None:
         self.arrived: str | None = None
-        self.previous = {number: signal.getsignal(number) for number in _SIGNALS}
         for number in _SIGNALS:
             signal.signal(number, self._note)
 
@@ -198,29 +200,26 @@ class _EarlySignals:
         return self.arrived
 
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 def _run_alone(arguments: argparse.Namespace) -> int:
     from .target import load
     from .worker import WorkerSettings, work
 
     early = _EarlySignals()
+    listener = _admin_socket(arguments)
     try:
-        listener = _admin_socket(arguments)
         target = load(arguments.target, arguments.app_dir)
-        settings = WorkerSettings(
-            name=arguments.target,
-            graceful_timeout=arguments.graceful_timeout,
-            admin=listener,
-            metrics=arguments.metrics,
-            index=arguments.worker_index,
-            supervisor=arguments.supervisor_pid,
-        )
-        return _on_loop(arguments.loop, partial(work, target, settings, early.take))
     except KeyboardInterrupt:
-        logger.info("interrupted before the bus started")
+        logger.info("interrupted while %s was imported: the bus never started", arguments.target)
         return Exit.OK
+    settings = WorkerSettings(
+        name=arguments.target,
+        graceful_timeout=arguments.graceful_timeout,
+        admin=listener,
+        metrics=arguments.metrics,
+        index=arguments.worker_index,
+        supervisor=arguments.supervisor_pid,
+    )
+    return _on_loop(arguments.loop, partial(work, target, settings, early.take))
 
 
 def _admin_socket(arguments: argparse.Namespace) -> socket.socket | None:
