@@ -1,15 +1,16 @@
-"""``python -m asyncbus demo|bench``, and ``--version``."""
+"""``python -m asyncbus run|asyncapi|demo|bench``, and ``--version``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from ._cli import asyncapi as asyncapi_command
+from ._cli import Command, int_in
+from ._cli.asyncapi import COMMAND as ASYNCAPI
+from ._cli.run import COMMAND as RUN
 
 #: Said by ``bench`` where there is no checkout next to the package (an installed wheel).
 NO_SUITE = """\
@@ -38,7 +39,7 @@ def _checkout_benchmarks() -> Path | None:
     return None
 
 
-def _bench(rest: list[str]) -> int:
+def _bench(arguments: argparse.Namespace, rest: list[str]) -> int:
     """Run the checkout's benchmark suite with ``rest``; without one, say where it is (2)."""
     home = _checkout_benchmarks()
     if home is None:
@@ -53,31 +54,10 @@ def _bench(rest: list[str]) -> int:
     return int(suite.main(rest))
 
 
-def _int_in(low: int, high: int | None) -> Callable[[str], int]:
-    """An argparse ``type``: an int from ``low`` to ``high`` (no bound when ``None``)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f"from {low} to {high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
-        return value
-
-    return parse
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the chosen command."""
-    parser = argparse.ArgumentParser(prog="python -m asyncbus")
-    parser.add_argument("--version", action="version", version=f"asyncbus {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run an orders pipeline and print its statistics")
+def _configure_demo(demo: argparse.ArgumentParser) -> None:
     demo.add_argument(
         "--orders",
-        type=_int_in(1, None),
+        type=int_in(1, None),
         default=2000,
         help="how many orders to publish (at least 1)",
     )
@@ -86,24 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument(
         "--port",
-        type=_int_in(0, 65535),
+        type=int_in(0, 65535),
         default=8000,
         help="the dashboard's port, 0 to 65535 (0: any)",
     )
-    commands.add_parser(
-        "bench",
-        help="run the benchmark suite of a checkout (see --help there); 'bench brokers' and "
-        "'bench rabbit' run the broker end-to-end benchmarks",
-        add_help=False,
-    )
-    asyncapi_command.add_command(commands)
-    arguments, rest = parser.parse_known_args(argv)
-    if arguments.command == "bench":
-        return _bench(rest)
-    if rest:
-        parser.error(f"unrecognised arguments: {' '.join(rest)}")
-    if arguments.command == "asyncapi":
-        return asyncapi_command.run(arguments)
+
+
+def _demo(arguments: argparse.Namespace, rest: list[str]) -> int:
     from functools import partial
 
     from ._demo import DemoError, run_demo
@@ -115,6 +84,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m asyncbus {error}", file=sys.stderr)
         return 2
     return 0
+
+
+#: The commands, by name. A new command is a module of ``asyncbus._cli`` exposing a
+#: :class:`~asyncbus._cli.Command`, and one row here.
+COMMANDS: dict[str, Command] = {
+    "run": RUN,
+    "asyncapi": ASYNCAPI,
+    "demo": Command(
+        help="run an orders pipeline and print its statistics",
+        configure=_configure_demo,
+        run=_demo,
+    ),
+    "bench": Command(
+        help="run the benchmark suite of a checkout (see --help there); 'bench brokers' and "
+        "'bench rabbit' run the broker end-to-end benchmarks",
+        configure=lambda parser: None,
+        run=_bench,
+        passthrough=True,
+    ),
+}
+
+
+def build_parser(prog: str = "python -m asyncbus") -> argparse.ArgumentParser:
+    """The command line's parser: one subparser per entry of :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--version", action="version", version=f"asyncbus {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, add_help=not command.passthrough)
+        command.configure(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen command; return its exit status."""
+    prog = "asyncbus" if Path(sys.argv[0]).name == "asyncbus" else "python -m asyncbus"
+    parser = build_parser(prog)
+    arguments, rest = parser.parse_known_args(argv)
+    command = COMMANDS[arguments.command]
+    if rest and not command.passthrough:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    return command.run(arguments, rest)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,11 @@ def _listen(port: int) -> socket.socket:
             f"demo --serve needs {error.name or 'starlette'}: "
             "pip install 'asyncbus[starlette]' uvicorn"
         ) from None
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    from ._cli.admin import listening_socket
+
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(128)
+        listener = listening_socket("127.0.0.1", port)
     except OSError as error:
-        listener.close()
         raise DemoError(
             f"demo --serve cannot listen on 127.0.0.1:{port}: {error.strerror or error}"
         ) from None
@@ -59,22 +57,11 @@ async def _serve_dashboard(
     bus: Bus, listener: socket.socket, task_group: TaskGroup, out: TextIO
 ) -> anyio.Event:
     """Serve ``admin_app(bus)`` on ``listener`` with uvicorn; the event fires when it stops."""
-    import uvicorn
-
+    from ._cli.admin import start_uvicorn
     from .integrations.starlette import admin_app
 
-    config = uvicorn.Config(admin_app(bus), log_level="warning")
-    server = uvicorn.Server(config)
-    # Ctrl-C is ours: it stops the server, then the demo finishes and reports (uvicorn's
-    # own handlers would raise KeyboardInterrupt again after its shutdown).
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-    stopped = anyio.Event()
-
-    async def serve() -> None:
-        try:
-            await server.serve(sockets=[listener])
-        finally:
-            stopped.set()
+    # Ctrl-C is ours: it stops the server, then the demo finishes and reports.
+    server, stopped = start_uvicorn(admin_app(bus), listener, task_group)
 
     async def stop_on_signal() -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -82,7 +69,6 @@ async def _serve_dashboard(
                 server.should_exit = True
                 return
 
-    task_group.start_soon(serve)
     task_group.start_soon(stop_on_signal)
     while not server.started and not stopped.is_set():
         await anyio.sleep(0.01)

@@ -7,7 +7,8 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -55,6 +56,38 @@ def _require_service(name: str, port: int) -> None:
         if os.environ.get("ASYNCBUS_REQUIRE_SERVICES") == "1":
             pytest.fail(f"{message}; ASYNCBUS_REQUIRE_SERVICES=1 requires it", pytrace=False)
         pytest.skip(message)
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of the local Redis server (skips when it is down; CI: fails)."""
+    _require_service("Redis", 6379)
+    return REDIS_URL
+
+
+@pytest.fixture
+def unique_prefix() -> str:
+    """A broker-name prefix unique to one test, so tests never see each other's data."""
+    return f"asyncbus-test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+async def redis_prefix(redis_url: str, unique_prefix: str) -> AsyncIterator[str]:
+    """``unique_prefix``; every Redis key under it is deleted after the test."""
+    yield unique_prefix
+    import redis.asyncio as aioredis
+
+    with anyio.CancelScope(shield=True):
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            keys = [key async for key in client.scan_iter(match=f"{unique_prefix}:*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(asyncbus.__file__).parent
 #: integrations may import lazily (what they import needs extras, or is slow to load).
 OUTSIDE_THE_CORE = (
     "asyncbus.__main__",
+    "asyncbus._cli",
     "asyncbus._demo",
     "asyncbus._bench",
     "asyncbus.integrations",

@@ -137,13 +137,17 @@ def test_without_pyyaml_yaml_is_refused_with_what_to_install(
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (["{app}"], "expected 'module:attribute' (such as 'myapp:bus'), got '{app}'"),
-        (["{app}:"], "expected 'module:attribute' (such as 'myapp:bus'), got '{app}:'"),
         (
-            ["no_such_module_here:bus"],
-            "no module named 'no_such_module_here' (in 'no_such_module_here:bus')",
+            ["{app}"],
+            "'{app}' is not module:attribute (for example 'shop.workers:bus', with "
+            "shop/workers.py defining bus = Bus(...))",
         ),
-        (["{app}:nothing"], "'{app}:nothing': {app} has no attribute 'nothing'"),
+        (
+            ["{app}:"],
+            "'{app}:' is not module:attribute (for example 'shop.workers:bus', with "
+            "shop/workers.py defining bus = Bus(...))",
+        ),
+        (["{app}:nothing"], "module '{app}' has no attribute 'nothing'"),
         (["{app}:NOT_A_BUS"], "'{app}:NOT_A_BUS' is a int, not an asyncbus Bus"),
         (["{app}:Order"], "'{app}:Order' is a type, not an asyncbus Bus"),
         (
@@ -164,14 +168,27 @@ def test_what_names_no_bus_is_an_error_on_stderr_with_status_2(
 
 
 def test_an_error_inside_the_module_is_not_taken_for_a_missing_module(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     name = f"broken_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text("import no_such_dependency_here\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_here"):
-        main(["asyncapi", f"{name}:bus"])
+    assert main(["asyncapi", f"{name}:bus"]) == 2
+    error = capsys.readouterr().err
+    assert f"importing {name!r} failed" in error and "no_such_dependency_here" in error, error
     sys.modules.pop(name, None)
+
+
+def test_a_module_that_does_not_exist_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["asyncapi", "no_such_module_here:bus"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(
+        "python -m asyncbus asyncapi: cannot import 'no_such_module_here': "
+        "No module named 'no_such_module_here'"
+    ), error
 
 
 def test_the_documents_of_the_examples_come_from_the_command(tmp_path: Path) -> None:

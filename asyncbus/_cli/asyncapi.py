@@ -9,21 +9,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._bus import Bus
 from .._exceptions import ConfigurationError
 from ..asyncapi import document
-from ._target import TargetError, load, load_bus
+from . import Command, CommandError
+from .target import import_object, kind_of
 
-__all__ = ["add_command", "run"]
+__all__ = ["COMMAND"]
 
 
-def add_command(commands: Any) -> None:
-    """Add the ``asyncapi`` command to ``commands`` (argparse's subparsers)."""
-    parser = commands.add_parser(
-        "asyncapi",
-        help="print the AsyncAPI 3.0 document of a bus, given as module:bus",
-        description="Print the AsyncAPI 3.0 document of the bus that module:bus names "
-        "(or that the function it names returns): channels, operations, message schemas "
-        "and servers.",
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Print the AsyncAPI 3.0 document of the bus that module:bus names (or that the "
+        "function it names returns): channels, operations, message schemas and servers."
     )
     parser.add_argument("target", metavar="module:bus", help="where the bus is, e.g. myapp:bus")
     parser.add_argument("--title", help="the document's title (default: the bus's name)")
@@ -45,7 +43,22 @@ def add_command(commands: Any) -> None:
     parser.add_argument("--output", "-o", metavar="FILE", help="write to FILE, not stdout")
 
 
-def run(arguments: argparse.Namespace) -> int:
+def _load_bus(spec: str) -> Bus:
+    """The bus ``spec`` names, or the one the function it names returns."""
+    found = import_object(spec)
+    if not isinstance(found, Bus) and callable(found):
+        try:
+            factory = kind_of(found, spec) == "factory"
+        except CommandError:
+            factory = False
+        if factory:
+            found = found()
+    if not isinstance(found, Bus):
+        raise CommandError(f"{spec!r} is a {type(found).__qualname__}, not an asyncbus Bus")
+    return found
+
+
+def _run(arguments: argparse.Namespace, rest: list[str]) -> int:
     """Print (or write) the document; 2 with a message on stderr when it cannot."""
     dump: Callable[[dict[str, Any]], str] = _json
     if arguments.format == "yaml":
@@ -54,12 +67,12 @@ def run(arguments: argparse.Namespace) -> int:
         except ImportError:
             return _fail("--format yaml needs PyYAML: pip install pyyaml")
     try:
-        bus = load_bus(arguments.target)
+        bus = _load_bus(arguments.target)
         publications = None
         if arguments.publications is not None:
-            found = load(arguments.publications)
+            found = import_object(arguments.publications)
             if not isinstance(found, Mapping):
-                raise TargetError(
+                raise CommandError(
                     f"{arguments.publications!r} is a {type(found).__qualname__}, "
                     "not a mapping of topics to payload types"
                 )
@@ -70,7 +83,7 @@ def run(arguments: argparse.Namespace) -> int:
             version=arguments.document_version,
             publications=publications,
         )
-    except (TargetError, ConfigurationError) as error:
+    except (CommandError, ConfigurationError) as error:
         return _fail(str(error))
     text = dump(spec)
     if arguments.output is None:
@@ -108,3 +121,11 @@ def _yaml() -> Callable[[dict[str, Any]], str]:
 def _fail(message: str) -> int:
     print(f"python -m asyncbus asyncapi: {message}", file=sys.stderr)
     return 2
+
+
+#: ``python -m asyncbus asyncapi``.
+COMMAND = Command(
+    help="print the AsyncAPI 3.0 document of a bus, given as module:bus",
+    configure=_configure,
+    run=_run,
+)

@@ -1,9 +1,11 @@
 """Fixtures for the transport tests: broker URLs that skip (or fail) when down.
 
-Each URL fixture checks that the broker's TCP port accepts a connection within a
-short timeout. When it does not, the test is skipped with a reason naming the
-broker, unless the environment variable ``ASYNCBUS_REQUIRE_SERVICES=1`` is set
-(CI): then the test fails, so a missing server can never pass silently.
+(``redis_url``, ``unique_prefix`` and ``redis_prefix`` are in the top-level conftest:
+the command line's tests use them too.) Each URL fixture checks that the broker's TCP
+port accepts a connection within a short timeout. When it does not, the test is
+skipped with a reason naming the broker, unless the environment variable
+``ASYNCBUS_REQUIRE_SERVICES=1`` is set (CI): then the test fails, so a missing server
+can never pass silently.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import contextlib
 import os
 import socket
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,7 +21,6 @@ from urllib.parse import urlsplit
 import anyio
 import pytest
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 NATS_URL = "nats://127.0.0.1:4222"
 RABBIT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -45,12 +45,6 @@ def _require(name: str, url: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    """URL of the local Redis server (skips when it is down)."""
-    return _require("Redis", REDIS_URL)
-
-
-@pytest.fixture(scope="session")
 def nats_url() -> str:
     """URL of the local NATS server with JetStream (skips when it is down)."""
     return _require("NATS", NATS_URL)
@@ -60,28 +54,6 @@ def nats_url() -> str:
 def rabbit_url() -> str:
     """URL of the local RabbitMQ server (skips when it is down)."""
     return _require("RabbitMQ", RABBIT_URL)
-
-
-@pytest.fixture
-def unique_prefix() -> str:
-    """A broker-name prefix unique to one test, so tests never see each other's data."""
-    return f"asyncbus-test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-async def redis_prefix(redis_url: str, unique_prefix: str) -> AsyncIterator[str]:
-    """``unique_prefix``; every Redis key under it is deleted after the test."""
-    yield unique_prefix
-    import redis.asyncio as aioredis
-
-    with anyio.CancelScope(shield=True):
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            keys = [key async for key in client.scan_iter(match=f"{unique_prefix}:*")]
-            if keys:
-                await client.delete(*keys)
-        finally:
-            await client.aclose()
 
 
 @pytest.fixture
