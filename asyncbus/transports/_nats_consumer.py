@@ -98,6 +98,14 @@ class PullHost(Protocol):
         """Make the streams and this transport's consumers again (``consumer`` first)."""
         ...
 
+    async def _confirm(self, nc: Client, reconnects: int, doing: str) -> None:
+        """Wait until the server has what was written on ``nc`` (a round trip).
+
+        :raises TransportError: when it did not answer, or the connection was lost
+            since nats-py counted ``reconnects``.
+        """
+        ...
+
 
 @contextmanager
 def broker_call(what: str) -> Iterator[None]:
@@ -153,19 +161,29 @@ class NatsDelivery(BaseDelivery):
         )
 
     async def _nack(self, delay: float | None) -> None:
-        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
+        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds.
+
+        Returns once the server has the ``-NAK`` (see :meth:`_confirm`).
+        """
+        consumer = self._consumer
+        reconnects = consumer.nc.stats["reconnects"]
         with broker_call(f"cannot nack {self.envelope.id}"):
             await self._msg.nak(delay=delay if delay is not None and delay > 0 else None)
+        await consumer.transport._confirm(consumer.nc, reconnects, f"nacking {self.envelope.id}")
 
     async def _reject(self, entry: DeadLetter) -> None:
         """Store a dead letter in the dead-letter stream, then terminate the message.
 
         When storing fails the message is left unsettled: the broker delivers it
-        again after ``ack_timeout`` rather than lose it.
+        again after ``ack_timeout`` rather than lose it. Returns once the server has
+        the ``+TERM``.
         """
-        await self._consumer.transport.add_dead_letter(entry)
+        consumer = self._consumer
+        await consumer.transport.add_dead_letter(entry)
+        reconnects = consumer.nc.stats["reconnects"]
         with broker_call(f"cannot settle {self.envelope.id}"):
             await self._msg.term()
+        await consumer.transport._confirm(consumer.nc, reconnects, f"settling {self.envelope.id}")
 
 
 class PullConsumer:

@@ -165,10 +165,21 @@ class ConsumerChannel:
     channel's prefetch: the broker is never kept from sending more while they linger).
     """
 
-    __slots__ = ("ack_batch", "channel", "consuming", "done", "lock", "next_tag", "tag")
+    __slots__ = (
+        "ack_batch",
+        "channel",
+        "consuming",
+        "done",
+        "lock",
+        "next_tag",
+        "prefetch",
+        "tag",
+    )
 
     def __init__(self, channel: AbstractChannel, prefetch: int = 0) -> None:
         self.channel = channel
+        #: The channel's ``basic.qos`` prefetch (what a round trip on it sets again).
+        self.prefetch = prefetch
         #: Acks waiting under this channel that make the writer write without lingering.
         self.ack_batch = max(1, prefetch // 2)
         self.tag = ""
@@ -181,7 +192,8 @@ class ConsumerChannel:
         self.lock = anyio.Lock()
 
     async def flush(self, acks: list[int]) -> bool:
-        """Write ``acks``: one ``multiple`` for the contiguous run, single ones after.
+        """Write ``acks``: one ``multiple`` for the contiguous run, single ones after;
+        then a round trip on the channel, so the broker is known to have them.
 
         Each tag is written at most once, however often it is asked for: a tag counts as
         written as soon as its frame is handed to the connection, so a write cut short
@@ -191,7 +203,13 @@ class ConsumerChannel:
         tag whose frame never left (cut short while the connection's frame queue was
         full) is delivered again when the channel closes, as at-least-once allows.
 
-        :returns: whether they were written (``False``: the channel is gone, and its
+        AMQP never answers an ack, and a frame handed to a connection nobody reads (a
+        black-holed broker) is not one the broker took: the round trip after them
+        (``basic.qos``, answered in order after every frame before it) is what says
+        it did. A flush cut short before its answer raises, and the writer asks again:
+        the tags are not written twice, the round trip is made again.
+
+        :returns: whether the broker has them (``False``: the channel is gone, and its
             deliveries with it: the broker returns them).
         """
         async with self.lock:
@@ -216,9 +234,11 @@ class ConsumerChannel:
                     await self.channel.basic_ack(last, multiple=True)
                 for single in singles:
                     await self.channel.basic_ack(single)
+                await self.channel.basic_qos(prefetch_count=self.prefetch)
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise
+                return False  # the client closed the channel under the call
             except Exception as error:
                 logger.debug("RabbitMQ: acks lost with their channel: %s", error)
                 return False

@@ -54,7 +54,9 @@ How it works:
   within 20 ms, or at once when half the prefetch waits (a busy consumer writes one
   ack per ~half its prefetch, and the broker never stops sending for want of acks):
   one ``multiple`` ack per contiguous run of settled delivery tags, single acks for
-  the rest, so a slow delivery never holds back the acks of later ones.
+  the rest, so a slow delivery never holds back the acks of later ones. AMQP never
+  answers an ack, so each write ends with a round trip on its channel: acks count as
+  taken once it is answered (a silent broker's are reported lost at close).
 * **nack** republishes the envelope with ``attempt + 1`` to the group's queue (or to a
   retry queue when delayed), waits for the confirm, then acks the original. **reject**
   publishes the dead letter, waits for the confirm, then acks. If the publish fails
@@ -195,8 +197,9 @@ _CATALOG_MAX = 100_000
 _INBOX_EXPIRES_MS = 5 * 60 * 1000
 #: The largest x-message-ttl RabbitMQ accepts (about 49 days).
 _TTL_MAX_MS = 2**32 - 1
-#: Seconds closing the connections gets at least, even past the close deadline.
-_CLOSE_MIN = 0.5
+#: Seconds a close whose deadline has passed still runs: enough for the client to
+#: begin it and then cut it short (a close never begun leaves its socket open).
+_CLOSE_CUT = 0.01
 
 
 def _failure(outcome: object) -> BaseException | None:
@@ -262,13 +265,27 @@ class _Link:
             self._on_lost(self)
 
     async def close(self, timeout: float = RELEASE_TIMEOUT) -> None:
-        """Close both connections (shielded, within ``timeout`` seconds)."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            for connection in (self.consumer, self.publisher):
-                try:
-                    await connection.close()
-                except Exception as error:  # closing what is already broken
-                    logger.debug("RabbitMQ: closing a connection failed: %s", error)
+        """Close both connections, together and shielded, within ``timeout`` seconds.
+
+        A broker that does not answer the close in time is not waited for: the client
+        cuts its close handshake short and closes the socket itself (which takes a
+        moment, not a round trip), so no socket outlives the call.
+        """
+        # The client's own timeout, not a cancel scope: cancelled from outside before it
+        # starts, a close would leave the connection open; timed out, it closes it.
+        timeout = max(timeout, _CLOSE_CUT)
+
+        async def close(connection: AbstractConnection) -> None:
+            try:
+                # (aiormq's Base.close takes the timeout; its abstract class omits it.)
+                await connection.close(timeout=timeout)  # type: ignore[call-arg]
+            except Exception as error:  # timed out, or closing what is already broken
+                logger.debug("RabbitMQ: closing a connection failed: %r", error)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as closing:
+                for connection in (self.consumer, self.publisher):
+                    closing.start_soon(close, connection)
 
 
 class RabbitTransport(Transport):
@@ -481,9 +498,10 @@ class RabbitTransport(Transport):
         await self._tasks.aclose()
         link, self._link = self._link, None
         if link is not None:
-            # By the close deadline, yet never less than a moment: the sockets must close.
+            # By the close deadline, however silent the broker: a close it does not
+            # answer in time is cut short, and the client closes the sockets itself.
             left = self.close_deadline - anyio.current_time()
-            await link.close(max(_CLOSE_MIN, min(RELEASE_TIMEOUT, left)))
+            await link.close(max(0.0, min(RELEASE_TIMEOUT, left)))
 
     async def _open_link(self) -> _Link:
         """Open both connections and the publishing channel; declare the fixed names."""
