@@ -29,6 +29,7 @@ from .base import Delivery as Delivery
 from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
 from .base import RoutedPublisher as RoutedPublisher
+from .base import SubscriptionControl as SubscriptionControl
 from .base import Transport as Transport
 from .base import TransportSettings as TransportSettings
 from .memory import MemoryTransport as MemoryTransport
@@ -56,6 +57,7 @@ __all__ = [
     "RabbitTransport",
     "RedisTransport",
     "RoutedPublisher",
+    "SubscriptionControl",
     "Transport",
     "TransportSettings",
     "default_codec",

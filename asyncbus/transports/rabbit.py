@@ -33,7 +33,9 @@ Broker names (all under ``prefix``, ``asyncbus`` by default):
 How it works:
 
 * **Messages.** Body = the codec's bytes; header ``asyncbus-meta`` = the envelope's
-  other fields as JSON; ``message_id`` = the envelope id; persistent. On delivery,
+  other fields as JSON; header ``asyncbus-queued`` = when it was published (ms since the
+  epoch: a controlled stage's wait counts from then); ``message_id`` = the envelope
+  id; persistent. On delivery,
   ``attempt`` = the stored attempt + the quorum queue's ``x-delivery-count`` (every
   return to the queue counts: a consumer that timed out or died). A message
   delivered more than ``max_deliveries`` times that way (plus the count a copy
@@ -50,7 +52,11 @@ How it works:
   connection is retried on the next one until ``publish_timeout``: one whose confirm
   was lost may arrive twice (at-least-once; ``deduplicate()`` handles it).
 * **Consuming.** A channel per subscription with ``basic.qos(prefetch)`` and manual
-  acks; consuming starts at the first iteration. Acks are written behind by one task,
+  acks; consuming starts at the first iteration. The broker keeps a consumer's prefetch
+  for its life, so a new prefetch (``set_prefetch``) is a new consumer on the channel,
+  begun once fewer than the new size are held (with the room left as its prefetch);
+  what the old one received beyond it and did not hand out goes back as copies, as at
+  leaving. Acks are written behind by one task,
   within 20 ms, or at once when half the prefetch waits (a busy consumer writes one
   ack per ~half its prefetch, and the broker never stops sending for want of acks):
   one ``multiple`` ack per contiguous run of settled delivery tags, single acks for
@@ -138,6 +144,8 @@ from ._rabbit_consumer import (
     BACKOFF_MIN,
     LOST,
     META_HEADER,
+    PREFETCH_MAX,
+    QUEUED_HEADER,
     RELEASE_TIMEOUT,
     ConsumerChannel,
     RabbitDelivery,
@@ -872,9 +880,11 @@ class RabbitTransport(Transport):
         attempt: int | None = None,
         body: bytes | None = None,
         deliveries: int | None = None,
+        queued_at: float | None = None,
     ) -> tuple[bytes, Basic.Properties]:
         """Body and properties of the message carrying ``envelope``; ``deliveries``:
-        the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`)."""
+        the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`);
+        ``queued_at``: when its original was queued (a copy keeps it; else now)."""
         meta = envelope_meta(envelope)
         if attempt is not None:
             meta["attempt"] = attempt
@@ -887,7 +897,10 @@ class RabbitTransport(Transport):
         if body is None:  # a publish (a retry re-sends a body that was accepted once)
             body = encode_payload(self.codec, envelope.payload)
             refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
-        headers: FieldTable = {META_HEADER: text}
+        headers: FieldTable = {
+            META_HEADER: text,
+            QUEUED_HEADER: int((time.time() if queued_at is None else queued_at) * 1000),
+        }
         if deliveries:
             headers[HEADER_DELIVERIES] = deliveries
         properties = self._properties_type()(
@@ -1151,7 +1164,7 @@ class RabbitTransport(Transport):
         checked_prefetch(prefetch)
         # AMQP's prefetch count is 16 bits; a bus stage still holds no more than its
         # capacity.
-        prefetch = min(prefetch, 65535)
+        prefetch = min(prefetch, PREFETCH_MAX)
         self._properties_type()
         # Counted before the first await: a publish made by this process right after
         # a subscription started (a bus's pump, started in the background) waits for
@@ -1219,21 +1232,27 @@ class RabbitTransport(Transport):
 
     async def _hand_back(
         self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
-    ) -> None:
+    ) -> list[RabbitDelivery]:
         """Put each delivery back in ``queue`` as a copy carrying its deliveries so far,
         and ack the original once the copy is confirmed (see ``Subscription.release``).
 
         The quorum queue counts a message returned by a leaving consumer as a
         delivery (``x-delivery-count``); a copy starts from zero and carries the count
-        of real deliveries instead, so ``max_deliveries`` counts only those. Unreadable
-        deliveries, and those whose copy was not confirmed, are left to go back as
-        they are (counted) when the channel closes.
+        of real deliveries instead, so ``max_deliveries`` counts only those.
+
+        :returns: the deliveries not copied (unreadable, or the copy was not
+            confirmed): they go back as they are (counted), when the channel closes or
+            the caller gives them back.
         """
+        kept = [delivery for delivery in deliveries if delivery.error is not None]
 
         async def copy(delivery: RabbitDelivery) -> None:
             try:
                 body, properties = self._outgoing(
-                    delivery.envelope, body=delivery._body, deliveries=delivery._before
+                    delivery.envelope,
+                    body=delivery._body,
+                    deliveries=delivery._before,
+                    queued_at=delivery.queued_at(),
                 )
                 await self._publish_one("", queue, body, properties)
             except Exception as error:  # deliberate: it goes back as it is instead
@@ -1242,6 +1261,7 @@ class RabbitTransport(Transport):
                     delivery.envelope.id,
                     error or type(error).__name__,
                 )
+                kept.append(delivery)
                 return
             self._ack(consumer, delivery._tag, delivery._subscription.name, None)
 
@@ -1249,6 +1269,7 @@ class RabbitTransport(Transport):
             for delivery in deliveries:
                 if delivery.error is None:
                     task_group.start_soon(copy, delivery)
+        return kept
 
     async def _bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
         """Publish ``entry`` (with the delivery's raw body) to the dead letters, then ack."""
