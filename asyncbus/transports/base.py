@@ -458,7 +458,8 @@ class SubscriptionControl(Protocol):
         """Return once the broker has every settle of this subscription made so far
         (acks written behind included).
 
-        :raises TransportError: when the broker did not take them.
+        :raises Exception: when the broker did not take them (what its client raised;
+            the settles stay queued, to be written again).
         """
 
 
