@@ -264,7 +264,7 @@ def _ack_behind(stage: Stage, acked: list[Envelope]) -> list[Envelope]:
         if not (isinstance(delivery, BaseDelivery) and delivery.acks_behind):
             awaited.append(envelope)
             continue
-        del deliveries[id(envelope)]
+        stage.take_delivery(envelope)
         try:
             delivery.ack_nowait()
         except Exception:

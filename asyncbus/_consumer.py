@@ -27,7 +27,7 @@ from . import _instrument
 from ._control import Crew
 from ._dead_letters import DeadLetter, DeadLetterReason
 from ._envelope import Envelope
-from ._exceptions import ConfigurationError
+from ._exceptions import BusClosedError, ConfigurationError
 from ._failures import describe_error, handler_failure, stray_cancellation
 from ._handling import Handling, HandlingHost
 from ._instrument import Instrumentation, Result
@@ -35,7 +35,7 @@ from ._stage import Stage, StageHost, tries_before
 from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
-from .transports.base import BaseDelivery, Delivery
+from .transports.base import BaseDelivery, Delivery, SubscriptionControl
 
 __all__ = [
     "PUMP_BACKOFF_MAX",
@@ -263,8 +263,9 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
             if stale:
                 shedder.note_shed(now)
                 await shed(stage, stale, host)
-                if not stage.queued:
-                    continue
+                # Looked at afresh: what was admitted meanwhile may have waited too
+                # (over a broker its wait began there).
+                continue
             newest_first = control.lifo
         admitted_at, envelope = lanes.take(newest_first)
         stage.queued -= 1
@@ -354,7 +355,7 @@ def conclude(
 async def _settle_delivery(
     stage: Stage, envelope: Envelope, dead: DeadLetter | None, host: ConsumerHost
 ) -> None:
-    delivery = stage.deliveries.pop(id(envelope), None)
+    delivery = stage.take_delivery(envelope)
     if delivery is None:
         return
     try:
@@ -392,7 +393,7 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     # The ledger moves for all of them before any await: queued -> dead_lettered.
     stage.queued -= len(stale)
     for envelope in stale:
-        delivery = stage.deliveries.pop(id(envelope), None)
+        delivery = stage.take_delivery(envelope)
         stage.ledger.dead(reason)
         host.dead_letter(
             envelope, reason, None, stage.name, tries_before(envelope), stored=delivery is not None
@@ -425,7 +426,8 @@ async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
     No delivery ends the pump: one that cannot be taken in (undecodable, delivered
     too often, or anything unexpected) is dead-lettered ``rejected`` and rejected.
     A controlled stage queues at most ``min(capacity, limit)`` of them (plus the
-    ones its consumers hold), so the rest stays in the broker for other replicas.
+    ones its consumers hold), and its subscription holds no more than that, so the
+    rest stays in the broker for other replicas (see :func:`_pump_once`).
 
     Nor does the broker: a subscription that cannot be made or that fails (the
     broker is down or refuses for a moment) is logged and made again, after a pause
@@ -457,26 +459,80 @@ async def pump(stage: Stage, transport: Any, host: ConsumerHost) -> None:
 
 
 async def _pump_once(stage: Stage, transport: Any, host: ConsumerHost) -> None:
-    """One subscription of ``stage``, until it ends."""
-    subscription = transport.subscribe(stage.pattern, group=stage.group, prefetch=stage.capacity)
-    bound = stage.control.local_bound if stage.control is not None else None
+    """One subscription of ``stage``, until it ends.
+
+    Its prefetch is what the stage should hold: ``capacity`` for a static stage, the
+    window of a controlled one (``min(capacity, limit)`` queued plus ``limit`` in its
+    consumers, followed as the limit moves). A *suspect* (a message whose consumer
+    died or hung with it: ``redeliveries``) is handled alone, so that if it kills this
+    process too, the broker counts that death for it and for nothing else: the
+    prefetch drops to 1 (what was received beside it goes back uncounted), the suspect
+    waits until the stage holds no other delivery and the broker has their settles,
+    and the prefetch comes back with the next delivery that is not one. (Only with a
+    subscription the bus can steer, :class:`~asyncbus.transports.SubscriptionControl`;
+    otherwise it keeps the prefetch it subscribed with.)
+
+    A controlled stage counts a delivery's wait from when the broker queued it
+    (``queued_at``): over a broker the queue that stands is the broker's, so that is
+    the wait admission control sheds by.
+    """
+    control = stage.control
+    bound = control.local_bound if control is not None else None
+    window = control.window if control is not None else None
+    prefetch = window() if window is not None else stage.capacity
+    subscription = transport.subscribe(stage.pattern, group=stage.group, prefetch=prefetch)
     async with subscription as deliveries:
         if stage.subscribed is not None:
             stage.subscribed.set()  # the group exists in the broker from here on
+        steered = deliveries if isinstance(deliveries, SubscriptionControl) else None
         async for delivery in deliveries:
             try:
                 envelope = delivery.envelope
                 # (A delivery written to the Delivery protocol alone is taken as decoded.)
                 refused = delivery.error if isinstance(delivery, BaseDelivery) else None
                 if refused is None:
+                    if steered is not None:
+                        suspect = isinstance(delivery, BaseDelivery) and delivery.redeliveries > 0
+                        if suspect:
+                            wanted = 1
+                        else:
+                            wanted = window() if window is not None else stage.capacity
+                        if wanted != prefetch:
+                            prefetch = wanted
+                            await steered.set_prefetch(wanted)
+                        if suspect:  # it runs with nothing held beside it
+                            await stage.wait_unheld()
+                            await _flush(stage, steered)
                     await stage.wait_for_room(bound)
                     stage.deliveries[id(envelope)] = delivery
-                    stage.admit(envelope)
+                    since = (
+                        delivery.queued_at()
+                        if control is not None and isinstance(delivery, BaseDelivery)
+                        else None
+                    )
+                    if since is None:
+                        stage.admit(envelope)
+                    else:  # its wait began in the broker (the wall clock: the broker's)
+                        stage.admit_waited(envelope, max(0.0, time.time() - since))
                     continue
+            except BusClosedError:
+                return  # the stage stopped: the subscription gives back what it holds
             except Exception as error:  # a broken delivery must not end the pump
                 logger.exception("stage %s could not take in a delivery", stage.name)
                 refused = f"the delivery could not be taken in: {describe_error(error)}"
             await _refuse(stage, delivery, str(refused), host)
+
+
+async def _flush(stage: Stage, subscription: SubscriptionControl) -> None:
+    """Have the broker take every settle of ``subscription`` made so far (a failure is
+    logged: what it did not take may come back, as at-least-once allows)."""
+    try:
+        with anyio.CancelScope(shield=True):
+            await subscription.flush()
+    except Exception as error:
+        logger.warning(
+            "stage %s: settles not written before a suspect: %s", stage.name, describe_error(error)
+        )
 
 
 async def _refuse(stage: Stage, delivery: Delivery, error: str, host: ConsumerHost) -> None:

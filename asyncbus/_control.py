@@ -138,6 +138,12 @@ class StageControl:
         """Most envelopes the broker pump keeps queued here: the limit, at most ``capacity``."""
         return max(1, min(self.stage.capacity, self.limit))
 
+    def window(self) -> int:
+        """Most deliveries the stage's broker subscription holds: what :meth:`local_bound`
+        lets it queue, plus one per consumer it should run (what they hold)."""
+        limit = self.limit
+        return max(1, min(self.stage.capacity, limit)) + limit
+
     # -- consumers -------------------------------------------------------------------
 
     def start(

@@ -51,6 +51,17 @@ class Lanes:
         self._lanes[priority_of(envelope)].append((self._clock(), envelope))
         self._size += 1
 
+    def push_waited(self, envelope: Envelope, waited: float) -> None:
+        """Enqueue ``envelope`` as if admitted ``waited`` seconds ago (it waited that long
+        in a broker), but never before the newest of its lane: each lane stays oldest
+        first."""
+        lane = self._lanes[priority_of(envelope)]
+        stamp = self._clock() - waited
+        if lane and lane[-1][0] > stamp:
+            stamp = lane[-1][0]
+        lane.append((stamp, envelope))
+        self._size += 1
+
     def take(self, newest_first: bool = False) -> Item:
         """Remove and return the item to serve next (``IndexError`` when empty)."""
         for lane in reversed(self._lanes):

@@ -208,6 +208,8 @@ class Stage:
         self.retrying: dict[int, Envelope] = {}
         #: Over a broker: id(envelope) -> the broker delivery to settle when it is done.
         self.deliveries: dict[int, Delivery] = {}
+        #: Set (then forgotten) once :attr:`deliveries` is empty, for a pump waiting for it.
+        self.unheld: anyio.Event | None = None
         #: The line for room, first first (see :class:`RoomWaiter`); its first
         #: :attr:`holding` were handed room they have not taken yet.
         self.room_waiters: deque[RoomWaiter] = deque()
@@ -280,6 +282,8 @@ class Stage:
         self.retrying.clear()
         # Unsettled broker deliveries are released by the transport's subscription.
         self.deliveries.clear()
+        if self.unheld is not None:
+            self.unheld.set()
         self.pumping = False
         self.ledger.abandoned += len(left)
         if log:
@@ -487,6 +491,30 @@ class Stage:
             self.hand_room()
         return sampled
 
+    def take_delivery(self, envelope: Envelope) -> Delivery | None:
+        """The broker delivery of ``envelope``, no longer held by the stage (to settle)."""
+        delivery = self.deliveries.pop(id(envelope), None)
+        if self.unheld is not None and not self.deliveries:
+            self.unheld.set()
+        return delivery
+
+    async def wait_unheld(self) -> None:
+        """Wait until the stage holds no broker delivery (each one settled or given up).
+
+        :raises BusClosedError: when the stage stops first.
+        """
+        while self.deliveries:
+            if self.closed:
+                raise BusClosedError(f"stage {self.name!r} stopped")
+            if self.unheld is None:
+                self.unheld = anyio.Event()
+            try:
+                await self.unheld.wait()
+            finally:
+                self.unheld = None
+        if self.closed:
+            raise BusClosedError(f"stage {self.name!r} stopped")
+
     def wake_consumer(self) -> None:
         """Wake one parked consumer for an envelope that arrived."""
         if self.consumer_waiters:
@@ -498,6 +526,17 @@ class Stage:
         ledger.published += 1
         # Timings are sampled at admission: the 1st, 9th, 17th, ... envelope.
         self.push((_clock() if ledger.published & 7 == 1 else 0.0, envelope))
+        self.queued += 1
+        if self.consumer_waiters:
+            self.consumer_waiters.popleft().set()
+
+    def admit_waited(self, envelope: Envelope, waited: float) -> None:
+        """:meth:`admit` on a controlled stage, for an envelope that already waited
+        ``waited`` seconds (in a broker): its controllers count that wait too."""
+        control = self.control
+        assert control is not None
+        self.ledger.published += 1
+        control.lanes.push_waited(envelope, waited)
         self.queued += 1
         if self.consumer_waiters:
             self.consumer_waiters.popleft().set()

@@ -1,7 +1,9 @@
 """Deduplication: effectively-once handling on top of at-least-once delivery.
 
 Without a ``store`` and on a bus in memory, each stage remembers the ids it handled
-(this process's handlings, which is all there is). Over a broker the default store
+(this process's handlings, which is all there is), and an id being handled is taken
+first: a copy that reaches another consumer meanwhile waits for that handling, then is
+skipped (it succeeded) or runs (it failed), never beside it. Over a broker the default store
 is the broker's (a :class:`~asyncbus.transports.DedupStoreProvider`), shared by every process of the
 group: an envelope is claimed before it is handled, so a redelivery to another
 process after a crash is skipped once the first handling succeeded, and handled
@@ -51,7 +53,8 @@ def deduplicate(
     """Ack without handling an envelope whose id this stage handled within ``window`` s.
 
     Only successful handling is remembered, so retries go through; replays (header
-    ``asyncbus-replayed``) always go through. A skipped duplicate is not forwarded
+    ``asyncbus-replayed``) always go through. A copy that arrives while its id is being
+    handled waits for that handling's outcome. A skipped duplicate is not forwarded
     along its routing slip again.
 
     :param window: seconds a handled id is remembered.
@@ -76,7 +79,15 @@ def deduplicate(
         # The store of this chain, found at its first envelope (the bus is known then).
         chosen: list[DedupStore | None] = [store] if store is not None else []
 
+        # Ids being handled now, each with the event its handling sets when it ends: a
+        # copy that arrives meanwhile waits for that outcome instead of running beside it.
+        handling_now: dict[str, anyio.Event] = {}
+
         async def in_memory(envelope: Envelope) -> Any:
+            key = envelope.id
+            replayed = HEADER_REPLAYED in envelope.headers  # a replay always runs
+            while not replayed and (running := handling_now.get(key)) is not None:
+                await running.wait()  # done: skipped below; failed: this one runs
             now = anyio.current_time()  # the loop's clock: a test's MockClock drives it
             horizon = now - window
             while seen:
@@ -84,14 +95,22 @@ def deduplicate(
                 if seen[oldest] > horizon:
                     break
                 del seen[oldest]
-            if envelope.id in seen and HEADER_REPLAYED not in envelope.headers:
+            if key in seen and not replayed:
                 return _SKIP
-            result = await call_next(envelope)
-            if not isinstance(result, Verdict):
-                seen[envelope.id] = now
-                seen.move_to_end(envelope.id)
-                if len(seen) > maxlen:
-                    seen.popitem(last=False)
+            ended: anyio.Event | None = None
+            if key not in handling_now:  # (a replay beside a running copy claims nothing)
+                ended = handling_now[key] = anyio.Event()
+            try:
+                result = await call_next(envelope)
+                if not isinstance(result, Verdict):
+                    seen[key] = now
+                    seen.move_to_end(key)
+                    if len(seen) > maxlen:
+                        seen.popitem(last=False)
+            finally:
+                if ended is not None:
+                    del handling_now[key]
+                    ended.set()
             return result
 
         async def handle(envelope: Envelope) -> Any:

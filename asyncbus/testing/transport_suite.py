@@ -76,6 +76,7 @@ from ..transports.base import (
     KeepAlive,
     RoutedPublisher,
     SharedDeadLetters,
+    SubscriptionControl,
     Transport,
     TransportSettings,
 )
@@ -630,6 +631,42 @@ class TransportSuite:
             await inbox.wait_for(len(sent) + 1, self.timeout)  # + 1: the nacked one again
             tg.cancel_scope.cancel()
         _check(sorted(set(_ids(d for _, d in inbox.items))), sorted(_ids(sent)), "ids delivered")
+
+    @pytest.mark.anyio
+    async def test_set_prefetch_gives_back_uncounted_what_it_received_beyond(
+        self, transport: Transport
+    ) -> None:
+        """A :class:`SubscriptionControl` subscription brought down to one while it holds
+        one delivery handed out gives back what it received beyond: a peer gets those, not
+        as redeliveries; the one handed out stays."""
+        async with transport.subscribe("resize", group="g", prefetch=4) as probe:
+            steered = isinstance(probe, SubscriptionControl)
+        if not steered:
+            pytest.skip(f"{type(transport).__name__}'s subscriptions keep their prefetch")
+        sent = _envelopes("resize", 4)
+        inbox = _Inbox()
+        async with transport.subscribe("resize", group="g", prefetch=4) as first:
+            assert isinstance(first, SubscriptionControl)
+            await transport.publish("resize", sent)
+            held = await _next(first, self.timeout, "a first delivery")
+            await first.set_prefetch(1)
+            async with (
+                transport.subscribe("resize", group="g", prefetch=4) as peer,
+                anyio.create_task_group() as tg,
+            ):
+                tg.start_soon(inbox.consume, peer, "peer")
+                await inbox.wait_for(len(sent) - 1, self.timeout, "peer")
+                await anyio.sleep(QUIET)
+                tg.cancel_scope.cancel()
+            await held.ack()
+            await first.flush()
+        got = inbox.of("peer")
+        _check(sorted([held.envelope.id, *_ids(got)]), sorted(_ids(sent)), "ids delivered")
+        _check(
+            [d.redeliveries for d in got if isinstance(d, BaseDelivery)],
+            [0] * (len(sent) - 1),
+            "redeliveries of what was given back",
+        )
 
     # -- settling -------------------------------------------------------------------
 

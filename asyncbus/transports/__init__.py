@@ -31,6 +31,7 @@ from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
 from .base import RoutedPublisher as RoutedPublisher
 from .base import SharedDeadLetters as SharedDeadLetters
+from .base import SubscriptionControl as SubscriptionControl
 from .base import TopicLimits as TopicLimits
 from .base import Transport as Transport
 from .base import TransportSettings as TransportSettings
@@ -61,6 +62,7 @@ __all__ = [
     "RedisTransport",
     "RoutedPublisher",
     "SharedDeadLetters",
+    "SubscriptionControl",
     "TopicLimits",
     "Transport",
     "TransportSettings",

@@ -6,6 +6,12 @@ private inbox, turns messages into :class:`NatsDelivery` objects and gives back 
 it held when the subscription ends. The broker calls that outlive it (making a
 vanished consumer again, writing acks behind, recording hand-backs) go through its
 transport (:mod:`asyncbus.transports.nats`), described by :class:`PullHost`.
+
+The bus steers it (``SubscriptionControl``): ``set_prefetch`` brings its room down or
+up (what was received beyond goes back, recorded as hand-backs, and waits
+``pull_expires`` so that an open pull request does not take it straight back), and
+``flush`` writes its acks. A delivery's ``redeliveries`` is ``num_delivered`` less its
+hand-backs, less one; its ``queued_at`` is the stream's stored time.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._exceptions import ConfigurationError, DecodeError, TransportError
 from ._codec import Codec, RawBody, envelope_from_wire
 from ._kit import AckWriter, Backoff
-from .base import BaseDelivery, Delivery
+from .base import BaseDelivery, Delivery, checked_prefetch
 from .base import over_max_deliveries as exceeded
 
 if TYPE_CHECKING:
@@ -98,6 +104,14 @@ class PullHost(Protocol):
         """Make the streams and this transport's consumers again (``consumer`` first)."""
         ...
 
+    async def _confirm(self, nc: Client, reconnects: int, doing: str) -> None:
+        """Wait until the server has what was written on ``nc`` (a round trip).
+
+        :raises TransportError: when it did not answer, or the connection was lost
+            since nats-py counted ``reconnects``.
+        """
+        ...
+
 
 @contextmanager
 def broker_call(what: str) -> Iterator[None]:
@@ -142,6 +156,17 @@ class NatsDelivery(BaseDelivery):
         self._consumer = consumer
         self._msg = msg
 
+    def queued_at(self) -> float | None:
+        """When the stream stored the message (the server's clock), from its reply
+        subject (``...<time in ns>.<pending>``)."""
+        tokens = self._msg.reply.split(".")
+        if len(tokens) == 9 and tokens[7].isdigit():
+            return int(tokens[7]) / 1e9
+        try:
+            return self._msg.metadata.timestamp.timestamp()
+        except Exception:  # not JetStream's form: cannot tell
+            return None
+
     def _settled(self) -> None:
         self._consumer.forget(self)
 
@@ -153,19 +178,29 @@ class NatsDelivery(BaseDelivery):
         )
 
     async def _nack(self, delay: float | None) -> None:
-        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds."""
+        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds.
+
+        Returns once the server has the ``-NAK`` (see :meth:`_confirm`).
+        """
+        consumer = self._consumer
+        reconnects = consumer.nc.stats["reconnects"]
         with broker_call(f"cannot nack {self.envelope.id}"):
             await self._msg.nak(delay=delay if delay is not None and delay > 0 else None)
+        await consumer.transport._confirm(consumer.nc, reconnects, f"nacking {self.envelope.id}")
 
     async def _reject(self, entry: DeadLetter) -> None:
         """Store a dead letter in the dead-letter stream, then terminate the message.
 
         When storing fails the message is left unsettled: the broker delivers it
-        again after ``ack_timeout`` rather than lose it.
+        again after ``ack_timeout`` rather than lose it. Returns once the server has
+        the ``+TERM``.
         """
-        await self._consumer.transport.add_dead_letter(entry)
+        consumer = self._consumer
+        await consumer.transport.add_dead_letter(entry)
+        reconnects = consumer.nc.stats["reconnects"]
         with broker_call(f"cannot settle {self.envelope.id}"):
             await self._msg.term()
+        await consumer.transport._confirm(consumer.nc, reconnects, f"settling {self.envelope.id}")
 
 
 class PullConsumer:
@@ -251,9 +286,36 @@ class PullConsumer:
                 self.request = None
         if self.closed:
             await self._give_back([msg])  # our request outlived the subscription
+        elif len(self.unsettled) + len(self.ready) >= self.prefetch:
+            # The prefetch came down while the request was open: not ours to hold.
+            await self._give_back([msg], self.transport.pull_expires)
         else:
             self.ready.append(msg)
         self.wake()
+
+    async def set_prefetch(self, prefetch: int) -> None:
+        """Hold at most ``prefetch`` unsettled messages (see ``SubscriptionControl``):
+        received ones beyond it go back, uncounted (the newest first), and so do those
+        an open pull request still brings beyond it.
+
+        A pull request cannot be taken back: what goes back waits ``pull_expires``
+        before it is delivered again, so that it does not come straight back into the
+        request that is still open (a message held here when the process dies counts
+        as a delivery).
+        """
+        self.prefetch = checked_prefetch(prefetch)
+        excess = min(len(self.unsettled) + len(self.ready) - self.prefetch, len(self.ready))
+        if excess > 0:
+            given = [self.ready.pop() for _ in range(excess)]
+            with self.transport.cleanup_scope(self.transport.request_timeout):
+                await self._give_back(given, self.transport.pull_expires)
+        self.wake()  # (room for a larger pull request, perhaps)
+
+    async def flush(self) -> None:
+        """Write (and have confirmed) the acks queued for this consumer (see
+        ``SubscriptionControl``)."""
+        with self.transport.cleanup_scope(self.transport.request_timeout):
+            await self.transport._acks.flush([self.name])
 
     async def request_more(self) -> None:
         """Open a pull request for as many messages as there is room for, unless one is open."""
@@ -325,8 +387,11 @@ class PullConsumer:
                 with broker_call("cannot skip a replay for another group"):
                     await msg.ack()
                 continue
-            if delivery.error is None and delivery.envelope.attempt > self.max_deliveries:
-                delivery.error = await self.over_max_deliveries(msg)
+            if delivery.envelope.attempt > 1:  # delivered before: by a hand-back, or lost
+                delivered = await self.counted_deliveries(msg)
+                delivery.redeliveries = delivered - 1
+                if delivery.error is None:
+                    delivery.error = exceeded(delivered, self.max_deliveries)
             self.unsettled[id(delivery)] = delivery
             return delivery
 
@@ -366,14 +431,14 @@ class PullConsumer:
             error = str(failure)
         return NatsDelivery(self, msg, envelope, error)
 
-    async def over_max_deliveries(self, msg: Msg) -> str | None:
-        """Why ``msg`` is not handled again: delivered more than ``max_deliveries``
-        times, not counting the deliveries consumers handed back unhandled."""
+    async def counted_deliveries(self, msg: Msg) -> int:
+        """How many times JetStream delivered ``msg``, this time included, not counting
+        the deliveries consumers handed back unhandled."""
         metadata = msg.metadata
         delivered = metadata.num_delivered or 1
-        if delivered > self.max_deliveries:
+        if delivered > 1:
             delivered -= await self.transport._handbacks.count(self.name, metadata.sequence.stream)
-        return exceeded(delivered, self.max_deliveries)
+        return max(delivered, 1)
 
     async def restore(self) -> None:
         """Make the stream and this consumer again (a server that lost its state, a
@@ -464,8 +529,9 @@ class PullConsumer:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 
-    async def _give_back(self, msgs: list[Msg]) -> None:
-        """Nak them, oldest first (ack the replays that were for another group).
+    async def _give_back(self, msgs: list[Msg], delay: float | None = None) -> None:
+        """Nak them, oldest first (ack the replays that were for another group), to be
+        delivered again at once or after ``delay`` seconds.
 
         Each one given back is recorded first (:mod:`._nats_handbacks`): handed back
         unhandled, it is no delivery toward ``max_deliveries``.
@@ -480,7 +546,7 @@ class PullConsumer:
         for msg in msgs:
             try:
                 if id(msg) in mine:
-                    await msg.nak()
+                    await msg.nak(delay=delay)
                 else:
                     await msg.ack()
             except Exception:  # redelivered after ack_wait instead

@@ -6,9 +6,10 @@ subscription ended). Those must not count toward ``max_deliveries``, or a servic
 restarted ten times would dead-letter healthy messages as poison. A ``nak`` cannot
 carry a mark, so before it the consumer records the hand-back in the KV bucket
 ``{stream}_HANDBACKS``: key ``{consumer}.{stream sequence}``, value the number of
-hand-backs of that message to that consumer. A delivery over the cap is checked
-against it: ``num_delivered`` minus the hand-backs is what counts. (Only then: a
-delivery within the cap costs no lookup.) Records expire after :data:`TTL`.
+hand-backs of that message to that consumer. A message delivered before is checked
+against it: ``num_delivered`` minus the hand-backs is what counts, toward the cap and
+to tell a suspect (a message a consumer died or hung with) from a message merely given
+back. (A first delivery costs no lookup.) Records expire after :data:`TTL`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from .base import (
     BaseDelivery,
     Delivery,
     carried_deliveries,
+    checked_prefetch,
     over_max_deliveries,
 )
 
@@ -47,6 +48,8 @@ __all__ = [
     "EXPIRED",
     "LOST",
     "META_HEADER",
+    "PREFETCH_MAX",
+    "QUEUED_HEADER",
     "RELEASED",
     "RELEASE_TIMEOUT",
     "RETURNED",
@@ -65,9 +68,14 @@ logger = logging.getLogger("asyncbus.transport.rabbit")
 META_HEADER = "asyncbus-meta"
 #: Quorum queues count the returns of a message in this header.
 _DELIVERY_COUNT = "x-delivery-count"
+#: Header carrying when the message was put in its queue (ms since the epoch, the
+#: publisher's clock): AMQP's own ``timestamp`` has whole seconds only.
+QUEUED_HEADER = "asyncbus-queued"
 BACKOFF_MIN = 0.05
 #: Seconds a leaving consumer, or one found stuck, may take to give its deliveries back.
 RELEASE_TIMEOUT = 5.0
+#: AMQP's prefetch count is 16 bits.
+PREFETCH_MAX = 65535
 
 # Why a delivery the transport took back cannot be settled (``BaseDelivery.take_back``).
 EXPIRED = "was not settled within ack_timeout and went back to the queue"
@@ -148,8 +156,9 @@ class RabbitHost(Protocol):
 
     async def _hand_back(
         self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
-    ) -> None:
-        """Put ``deliveries`` back in ``queue`` as copies carrying their count, then ack."""
+    ) -> list[RabbitDelivery]:
+        """Put ``deliveries`` back in ``queue`` as copies carrying their count, then ack;
+        return those that could not be copied."""
         ...
 
     async def _declare_queue(self, link: Any, pattern: str, group: str) -> str:
@@ -165,12 +174,21 @@ class ConsumerChannel:
     channel's prefetch: the broker is never kept from sending more while they linger).
     """
 
-    __slots__ = ("ack_batch", "channel", "consuming", "done", "lock", "next_tag", "tag")
+    __slots__ = (
+        "ack_batch",
+        "channel",
+        "consuming",
+        "done",
+        "lock",
+        "next_tag",
+        "prefetch",
+        "tag",
+    )
 
     def __init__(self, channel: AbstractChannel, prefetch: int = 0) -> None:
         self.channel = channel
-        #: Acks waiting under this channel that make the writer write without lingering.
-        self.ack_batch = max(1, prefetch // 2)
+        self.prefetch = self.ack_batch = 0
+        self.resize(prefetch)
         self.tag = ""
         self.consuming = False
         #: Every delivery tag below this one is settled and written.
@@ -180,8 +198,16 @@ class ConsumerChannel:
         self.done: set[int] = set()
         self.lock = anyio.Lock()
 
+    def resize(self, prefetch: int) -> None:
+        """The prefetch of the channel's next consumer (set with ``basic.qos``)."""
+        #: The channel's ``basic.qos`` prefetch (what a round trip on it sets again).
+        self.prefetch = prefetch
+        #: Acks waiting under this channel that make the writer write without lingering.
+        self.ack_batch = max(1, prefetch // 2)
+
     async def flush(self, acks: list[int]) -> bool:
-        """Write ``acks``: one ``multiple`` for the contiguous run, single ones after.
+        """Write ``acks``: one ``multiple`` for the contiguous run, single ones after;
+        then a round trip on the channel, so the broker is known to have them.
 
         Each tag is written at most once, however often it is asked for: a tag counts as
         written as soon as its frame is handed to the connection, so a write cut short
@@ -191,7 +217,13 @@ class ConsumerChannel:
         tag whose frame never left (cut short while the connection's frame queue was
         full) is delivered again when the channel closes, as at-least-once allows.
 
-        :returns: whether they were written (``False``: the channel is gone, and its
+        AMQP never answers an ack, and a frame handed to a connection nobody reads (a
+        black-holed broker) is not one the broker took: the round trip after them
+        (``basic.qos``, answered in order after every frame before it) is what says
+        it did. A flush cut short before its answer raises, and the writer asks again:
+        the tags are not written twice, the round trip is made again.
+
+        :returns: whether the broker has them (``False``: the channel is gone, and its
             deliveries with it: the broker returns them).
         """
         async with self.lock:
@@ -216,9 +248,11 @@ class ConsumerChannel:
                     await self.channel.basic_ack(last, multiple=True)
                 for single in singles:
                     await self.channel.basic_ack(single)
+                await self.channel.basic_qos(prefetch_count=self.prefetch)
             except asyncio.CancelledError:
                 if not spurious_cancel():
                     raise
+                return False  # the client closed the channel under the call
             except Exception as error:
                 logger.debug("RabbitMQ: acks lost with their channel: %s", error)
                 return False
@@ -252,7 +286,15 @@ class RabbitDelivery(BaseDelivery):
     redelivered, as at-least-once delivery allows.
     """
 
-    __slots__ = ("_before", "_body", "_consumer", "_deadline", "_subscription", "_tag")
+    __slots__ = (
+        "_before",
+        "_body",
+        "_consumer",
+        "_deadline",
+        "_queued",
+        "_subscription",
+        "_tag",
+    )
 
     acks_behind = True
 
@@ -265,8 +307,10 @@ class RabbitDelivery(BaseDelivery):
         body: bytes,
         error: str | None,
         before: int = 0,
+        queued: object = None,
     ) -> None:
         super().__init__(envelope, error)
+        self._queued = queued
         self._subscription = subscription
         self._consumer = consumer
         self._tag = tag
@@ -274,9 +318,18 @@ class RabbitDelivery(BaseDelivery):
         self._deadline = 0.0
         #: Deliveries of the message before this one (hand-backs not counted).
         self._before = before
+        self.redeliveries = before
+
+    def queued_at(self) -> float | None:
+        """When it was put in its queue (:data:`QUEUED_HEADER`, the publisher's clock)."""
+        queued = self._queued
+        return queued / 1000 if type(queued) is int and queued > 0 else None
 
     def _settled(self) -> None:
-        self._subscription.handed.pop(self._tag, None)
+        subscription = self._subscription
+        subscription.handed.pop(self._tag, None)
+        if subscription.suspended and not subscription.wake.is_set():
+            subscription.wake.set()  # room, perhaps, to consume again
 
     def _queue_ack(self) -> None:
         """Acked at the broker, written behind with other acks."""
@@ -336,10 +389,8 @@ class Subscription:
         while True:
             if self.closed:
                 raise StopAsyncIteration
-            if self.consumer is None or self.suspended:
-                await self._consume()
-                continue
-            if self.ready:
+            consumer = self.consumer
+            if consumer is not None and self.ready:
                 # Handed out without a yield each (the prefetch bounds how many are at
                 # hand; whoever takes them yields per envelope, as the bus's consumers do).
                 delivery = self.ready.popleft()
@@ -348,11 +399,64 @@ class Subscription:
                 delivery._deadline = time.monotonic() + self.transport.ack_timeout
                 self.handed[delivery._tag] = delivery
                 return delivery
+            if consumer is None or self.suspended:
+                await self._consume()
+                continue
             wake = self.wake = anyio.Event()
             await wake.wait()
 
+    async def set_prefetch(self, prefetch: int) -> None:
+        """Hold at most ``prefetch`` unsettled deliveries (see ``SubscriptionControl``).
+
+        The broker keeps a consumer's prefetch for the consumer's life, counting only
+        its own deliveries: a new size is a new consumer on the channel. The current one
+        is cancelled, what it received beyond the new size and did not hand out goes
+        back (as copies that carry their count, as at a release), and consuming begins
+        again at the next iteration once fewer than ``prefetch`` are held, with the
+        room left as its prefetch.
+        """
+        prefetch = min(checked_prefetch(prefetch), PREFETCH_MAX)
+        if prefetch == self.prefetch:
+            return
+        self.prefetch = prefetch
+        consumer = self.consumer
+        if consumer is None or self.suspended or not consumer.consuming:
+            return  # its next consumer takes the new size
+        transport = self.transport
+        self.suspended = True
+        with transport.cleanup_scope(RELEASE_TIMEOUT):
+            try:
+                consumer.consuming = False
+                await consumer.channel.basic_cancel(consumer.tag)
+            except asyncio.CancelledError:
+                if not spurious_cancel():
+                    raise
+            except Exception as error:  # the channel is going: losing it settles all
+                logger.debug("RabbitMQ: cancelling a consumer to resize it failed: %s", error)
+            await anyio.lowlevel.checkpoint()  # deliveries sent before the cancel land
+            excess = min(self.unsettled() - prefetch, len(self.ready))
+            if excess > 0 and consumer is self.consumer:
+                given = [self.ready.pop() for _ in range(excess)]
+                for delivery in given:
+                    delivery.take_back(RELEASED)
+                kept = await transport._hand_back(consumer, self.queue, given)
+                # What could not be copied goes back as it is (counted).
+                await consumer.give_back([delivery._tag for delivery in kept])
+        if not self.wake.is_set():
+            self.wake.set()
+
+    async def flush(self) -> None:
+        """Write (and have the broker answer after) the acks queued for this
+        subscription's channel (see ``SubscriptionControl``)."""
+        consumer = self.consumer
+        if consumer is not None:
+            with self.transport.cleanup_scope(RELEASE_TIMEOUT):
+                await self.transport._acks.flush([consumer])
+
     async def _consume(self) -> None:
-        """Open a consumer channel if there is none, and (re)start consuming on it."""
+        """Open a consumer channel if there is none, and (re)start consuming on it once
+        fewer than ``prefetch`` deliveries are held, with the room left as its prefetch
+        (the broker counts a consumer's own deliveries only)."""
         transport = self.transport
         backoff = Backoff(BACKOFF_MIN, transport.max_backoff, jitter=True)
         while True:
@@ -370,7 +474,15 @@ class Subscription:
                     cancelled = getattr(channel, "on_consumer_cancel_callbacks", None)
                     if cancelled is not None:
                         cancelled.add(partial(self._cancelled_by_broker, consumer))
-                    await channel.basic_qos(prefetch_count=self.prefetch)
+                while self.unsettled() >= self.prefetch and consumer is self.consumer:
+                    wake = self.wake = anyio.Event()
+                    await wake.wait()  # (a settle, or the channel lost)
+                if consumer is not self.consumer or self.closed:
+                    continue
+                room = self.prefetch - self.unsettled()
+                if room != consumer.prefetch or not consumer.tag:
+                    consumer.resize(room)
+                    await consumer.channel.basic_qos(prefetch_count=room)
                 consumer.tag = f"asyncbus.{transport._client_id}.{secrets.token_hex(4)}"
                 await consumer.channel.basic_consume(
                     self.queue, partial(self._on_message, consumer), consumer_tag=consumer.tag
@@ -456,7 +568,9 @@ class Subscription:
             return self._stand_in(consumer, message, str(problem), count)
         if error is None:
             error = over_max_deliveries(before + 1, transport.max_deliveries)
-        return RabbitDelivery(self, consumer, tag, envelope, body, error, before)
+        return RabbitDelivery(
+            self, consumer, tag, envelope, body, error, before, headers.get(QUEUED_HEADER)
+        )
 
     def _stand_in(
         self, consumer: ConsumerChannel, message: DeliveredMessage, error: str, count: int
@@ -558,7 +672,7 @@ class Subscription:
         if consumer is None or consumer.channel.is_closed:
             return
         try:
-            await consumer.channel.basic_qos(prefetch_count=self.prefetch)
+            await consumer.channel.basic_qos(prefetch_count=consumer.prefetch)
             await anyio.lowlevel.checkpoint()
         except asyncio.CancelledError:
             if not spurious_cancel():

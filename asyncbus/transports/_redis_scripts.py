@@ -11,6 +11,7 @@ __all__ = [
     "CLAIM",
     "CLEAR_DEAD",
     "COUNT_DELAYED",
+    "GIVE_BACK",
     "MOVE_DUE",
     "PUBLISH",
     "REAP",
@@ -113,20 +114,30 @@ end
 return touched
 """
 
-#: Hand every entry a consumer holds to a sentinel consumer, idle enough to be
-#: claimed at once, with its delivery count put back (the hand-back is no attempt);
-#: then delete the consumer. KEYS[1] stream; ARGV group, consumer, sentinel, idle ms.
-RELEASE = """
+#: Lua: hand the pending entry ``entry`` (an XPENDING row) to the sentinel consumer
+#: ARGV[3], idle ARGV[4] ms (claimed at once by the group's next claim round), with its
+#: delivery count put back: the hand-back is no delivery. KEYS[1] stream, ARGV[1] group.
+_HAND_BACK = """
+local function hand_back(entry)
+  local count = entry[4] - 1
+  if count < 0 then count = 0 end
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, entry[1],
+             'IDLE', ARGV[4], 'RETRYCOUNT', count, 'JUSTID')
+end
+"""
+
+#: Hand every entry a consumer holds back (see ``_HAND_BACK``), then delete the
+#: consumer. KEYS[1] stream; ARGV group, consumer, sentinel, idle ms.
+RELEASE = (
+    _HAND_BACK
+    + """
 local released = 0
 local start = '-'
 while true do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], start, '+', 100, ARGV[2])
   if #pending == 0 then break end
   for _, entry in ipairs(pending) do
-    local count = entry[4] - 1
-    if count < 0 then count = 0 end
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, entry[1],
-               'IDLE', ARGV[4], 'RETRYCOUNT', count, 'JUSTID')
+    hand_back(entry)
     released = released + 1
   end
   start = '(' .. pending[#pending][1]
@@ -134,6 +145,24 @@ end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return released
 """
+)
+
+#: Hand back the entries ARGV[5..] that consumer ARGV[2] still holds (see
+#: ``_HAND_BACK``). KEYS[1] stream; ARGV group, consumer, sentinel, idle ms, ids.
+GIVE_BACK = (
+    _HAND_BACK
+    + """
+local given = 0
+for i = 5, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if pending[1] then
+    hand_back(pending[1])
+    given = given + 1
+  end
+end
+return given
+"""
+)
 
 #: Delete consumers that hold nothing and were idle ARGV[2] ms (dead processes).
 #: A consumer that reads again is re-created by XREADGROUP, so this is always safe.

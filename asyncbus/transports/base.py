@@ -54,6 +54,7 @@ __all__ = [
     "KeepAlive",
     "RoutedPublisher",
     "SharedDeadLetters",
+    "SubscriptionControl",
     "TopicLimits",
     "Transport",
     "TransportSettings",
@@ -563,6 +564,37 @@ class AcksWrittenBehind(Protocol):
         """``(stage name, envelope id)`` of each queued ack the transport closed without
         writing, or lost with its connection (the broker delivers those again); each
         is reported once."""
+
+
+@runtime_checkable
+class SubscriptionControl(Protocol):
+    """What a transport's ``subscribe`` yields, when the bus can steer it while it runs.
+
+    The bus sizes its prefetch to what a stage should hold (a controlled stage's window:
+    ``min(capacity, limit)`` queued plus ``limit`` in its consumers, as the limit moves),
+    and handles a *suspect* (a delivery with :attr:`BaseDelivery.redeliveries`: a
+    consumer died or hung with it) alone: prefetch 1, every other delivery settled and
+    written first, so that if it kills this process too the broker counts that death
+    for it and for nothing else. Without it, the prefetch given to ``subscribe`` stays
+    and suspects are handled as any delivery.
+    """
+
+    async def set_prefetch(self, prefetch: int) -> None:
+        """Hold at most ``prefetch`` unsettled deliveries from now on.
+
+        Deliveries received and not yet handed out beyond that are given back to the
+        broker at once, unhandled and not counted as a delivery (as when a subscription
+        ends); nothing more is received while ``prefetch`` or more are held. What was
+        handed out stays until it is settled.
+        """
+
+    async def flush(self) -> None:
+        """Return once the broker has every settle of this subscription made so far
+        (acks written behind included).
+
+        :raises Exception: when the broker did not take them (what its client raised;
+            the settles stay queued, to be written again).
+        """
 
 
 @runtime_checkable

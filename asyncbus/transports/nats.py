@@ -76,7 +76,10 @@ Worth knowing:
   them all. Acks of deliveries are written behind (``ack_nowait``): queued, and
   written together within a moment by one task (:class:`~._kit.AckWriter`), before
   the subscription or the transport closes; a process that dies first gets those
-  messages again after ``ack_timeout``.
+  messages again after ``ack_timeout``. A write of acks (and every nak and term)
+  counts once the server answered a ``PING`` sent after it: nats-py buffers what it
+  cannot send, so acks written while the server is down or silent are not taken
+  for written, and are reported lost when the transport closes without them.
 * Order: one subscription receives a topic's envelopes in stream (publish) order;
   ``nack`` and redeliveries after ``ack_timeout`` come back later, out of order.
 * Retention is by interest and new groups start with what is published after they
@@ -665,6 +668,7 @@ class NatsTransport(Transport):
         if nc is None or nc.is_closed:
             return list(batch)
         publish = nc.publish
+        reconnects = nc.stats["reconnects"]
         written: list[str] = []
         try:
             for name, acks in batch.items():
@@ -675,7 +679,27 @@ class NatsTransport(Transport):
             # Closed meanwhile: the rest is lost (written again, an ack is harmless).
             logger.debug("NATS: writing acks failed: %s", error)
             return [name for name in batch if name not in written]
+        await self._confirm(nc, reconnects, "writing acks")
         return []
+
+    async def _confirm(self, nc: Client, reconnects: int, doing: str) -> None:
+        """Wait until the server has what was written on ``nc`` so far (one round trip).
+
+        nats-py returns from a publish once the bytes are buffered, and buffers them
+        while it is disconnected: without this, an ack, nak or term written to a broker
+        that is down or silent would count as taken. Written before a reconnect
+        (``reconnects``, nats-py's count then), the bytes may have died with the old
+        socket, so they are not confirmed either.
+
+        :raises TransportError: when the server did not answer within
+            ``request_timeout`` (an ack is harmless to write again), or the connection
+            was lost meanwhile.
+        """
+        if nc.is_connected:  # (while reconnecting, nats-py's flush sends no ping)
+            with broker_call(f"NATS: {doing}: the server did not confirm"):
+                await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
+        if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+            raise TransportError(f"NATS: {doing}: the connection was lost before it was confirmed")
 
     def unsettled_acks(self) -> list[tuple[str, str]]:
         """(stage name, envelope id) of the acks the transport closed without writing."""

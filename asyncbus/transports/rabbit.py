@@ -35,7 +35,9 @@ Broker names (all under ``prefix``, ``asyncbus`` by default):
 How it works:
 
 * **Messages.** Body = the codec's bytes; header ``asyncbus-meta`` = the envelope's
-  other fields as JSON; ``message_id`` = the envelope id; persistent. On delivery,
+  other fields as JSON; header ``asyncbus-queued`` = when it was published (ms since the
+  epoch: a controlled stage's wait counts from then); ``message_id`` = the envelope
+  id; persistent. On delivery,
   ``attempt`` = the stored attempt + the quorum queue's ``x-delivery-count`` (every
   return to the queue counts: a consumer that timed out or died). A message
   delivered more than ``max_deliveries`` times that way (plus the count a copy
@@ -52,11 +54,17 @@ How it works:
   connection is retried on the next one until ``publish_timeout``: one whose confirm
   was lost may arrive twice (at-least-once; ``deduplicate()`` handles it).
 * **Consuming.** A channel per subscription with ``basic.qos(prefetch)`` and manual
-  acks; consuming starts at the first iteration. Acks are written behind by one task,
+  acks; consuming starts at the first iteration. The broker keeps a consumer's prefetch
+  for its life, so a new prefetch (``set_prefetch``) is a new consumer on the channel,
+  begun once fewer than the new size are held (with the room left as its prefetch);
+  what the old one received beyond it and did not hand out goes back as copies, as at
+  leaving. Acks are written behind by one task,
   within 20 ms, or at once when half the prefetch waits (a busy consumer writes one
   ack per ~half its prefetch, and the broker never stops sending for want of acks):
   one ``multiple`` ack per contiguous run of settled delivery tags, single acks for
-  the rest, so a slow delivery never holds back the acks of later ones.
+  the rest, so a slow delivery never holds back the acks of later ones. AMQP never
+  answers an ack, so each write ends with a round trip on its channel: acks count as
+  taken once it is answered (a silent broker's are reported lost at close).
 * **nack** republishes the envelope with ``attempt + 1`` to the group's queue (or to a
   retry queue when delayed), waits for the confirm, then acks the original. **reject**
   publishes the dead letter, waits for the confirm, then acks. If the publish fails
@@ -146,6 +154,8 @@ from ._rabbit_consumer import (
     BACKOFF_MIN,
     LOST,
     META_HEADER,
+    PREFETCH_MAX,
+    QUEUED_HEADER,
     RELEASE_TIMEOUT,
     ConsumerChannel,
     RabbitDelivery,
@@ -211,8 +221,9 @@ _CATALOG_MAX = 100_000
 _INBOX_EXPIRES_MS = 5 * 60 * 1000
 #: The largest x-message-ttl RabbitMQ accepts (about 49 days).
 _TTL_MAX_MS = 2**32 - 1
-#: Seconds closing the connections gets at least, even past the close deadline.
-_CLOSE_MIN = 0.5
+#: Seconds a close whose deadline has passed still runs: enough for the client to
+#: begin it and then cut it short (a close never begun leaves its socket open).
+_CLOSE_CUT = 0.01
 
 
 def _failure(outcome: object) -> BaseException | None:
@@ -278,13 +289,27 @@ class _Link:
             self._on_lost(self)
 
     async def close(self, timeout: float = RELEASE_TIMEOUT) -> None:
-        """Close both connections (shielded, within ``timeout`` seconds)."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
-            for connection in (self.consumer, self.publisher):
-                try:
-                    await connection.close()
-                except Exception as error:  # closing what is already broken
-                    logger.debug("RabbitMQ: closing a connection failed: %s", error)
+        """Close both connections, together and shielded, within ``timeout`` seconds.
+
+        A broker that does not answer the close in time is not waited for: the client
+        cuts its close handshake short and closes the socket itself (which takes a
+        moment, not a round trip), so no socket outlives the call.
+        """
+        # The client's own timeout, not a cancel scope: cancelled from outside before it
+        # starts, a close would leave the connection open; timed out, it closes it.
+        timeout = max(timeout, _CLOSE_CUT)
+
+        async def close(connection: AbstractConnection) -> None:
+            try:
+                # (aiormq's Base.close takes the timeout; its abstract class omits it.)
+                await connection.close(timeout=timeout)  # type: ignore[call-arg]
+            except Exception as error:  # timed out, or closing what is already broken
+                logger.debug("RabbitMQ: closing a connection failed: %r", error)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as closing:
+                for connection in (self.consumer, self.publisher):
+                    closing.start_soon(close, connection)
 
 
 class RabbitTransport(Transport):
@@ -511,9 +536,10 @@ class RabbitTransport(Transport):
         await self._tasks.aclose()
         link, self._link = self._link, None
         if link is not None:
-            # By the close deadline, yet never less than a moment: the sockets must close.
+            # By the close deadline, however silent the broker: a close it does not
+            # answer in time is cut short, and the client closes the sockets itself.
             left = self.close_deadline - anyio.current_time()
-            await link.close(max(_CLOSE_MIN, min(RELEASE_TIMEOUT, left)))
+            await link.close(max(0.0, min(RELEASE_TIMEOUT, left)))
 
     async def _open_link(self) -> _Link:
         """Open both connections and the publishing channel; declare the fixed names."""
@@ -900,9 +926,11 @@ class RabbitTransport(Transport):
         attempt: int | None = None,
         body: bytes | None = None,
         deliveries: int | None = None,
+        queued_at: float | None = None,
     ) -> tuple[bytes, Basic.Properties]:
         """Body and properties of the message carrying ``envelope``; ``deliveries``:
-        the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`)."""
+        the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`);
+        ``queued_at``: when its original was queued (a copy keeps it; else now)."""
         meta = envelope_meta(envelope)
         if attempt is not None:
             meta["attempt"] = attempt
@@ -915,7 +943,10 @@ class RabbitTransport(Transport):
         if body is None:  # a publish (a retry re-sends a body that was accepted once)
             body = encode_payload(self.codec, envelope.payload)
             refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
-        headers: FieldTable = {META_HEADER: text}
+        headers: FieldTable = {
+            META_HEADER: text,
+            QUEUED_HEADER: int((time.time() if queued_at is None else queued_at) * 1000),
+        }
         if deliveries:
             headers[HEADER_DELIVERIES] = deliveries
         properties = self._properties_type()(
@@ -1177,7 +1208,7 @@ class RabbitTransport(Transport):
         checked_prefetch(prefetch)
         # AMQP's prefetch count is 16 bits; a bus stage still holds no more than its
         # capacity.
-        prefetch = min(prefetch, 65535)
+        prefetch = min(prefetch, PREFETCH_MAX)
         self._properties_type()
         # Counted before the first await: a publish made by this process right after
         # a subscription started (a bus's pump, started in the background) waits for
@@ -1245,21 +1276,27 @@ class RabbitTransport(Transport):
 
     async def _hand_back(
         self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
-    ) -> None:
+    ) -> list[RabbitDelivery]:
         """Put each delivery back in ``queue`` as a copy carrying its deliveries so far,
         and ack the original once the copy is confirmed (see ``Subscription.release``).
 
         The quorum queue counts a message returned by a leaving consumer as a
         delivery (``x-delivery-count``); a copy starts from zero and carries the count
-        of real deliveries instead, so ``max_deliveries`` counts only those. Unreadable
-        deliveries, and those whose copy was not confirmed, are left to go back as
-        they are (counted) when the channel closes.
+        of real deliveries instead, so ``max_deliveries`` counts only those.
+
+        :returns: the deliveries not copied (unreadable, or the copy was not
+            confirmed): they go back as they are (counted), when the channel closes or
+            the caller gives them back.
         """
+        kept = [delivery for delivery in deliveries if delivery.error is not None]
 
         async def copy(delivery: RabbitDelivery) -> None:
             try:
                 body, properties = self._outgoing(
-                    delivery.envelope, body=delivery._body, deliveries=delivery._before
+                    delivery.envelope,
+                    body=delivery._body,
+                    deliveries=delivery._before,
+                    queued_at=delivery.queued_at(),
                 )
                 await self._publish_one("", queue, body, properties)
             except Exception as error:  # deliberate: it goes back as it is instead
@@ -1268,6 +1305,7 @@ class RabbitTransport(Transport):
                     delivery.envelope.id,
                     error or type(error).__name__,
                 )
+                kept.append(delivery)
                 return
             self._ack(consumer, delivery._tag, delivery._subscription.name, None)
 
@@ -1275,6 +1313,7 @@ class RabbitTransport(Transport):
             for delivery in deliveries:
                 if delivery.error is None:
                     task_group.start_soon(copy, delivery)
+        return kept
 
     async def _bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
         """Publish ``entry`` (with the delivery's raw body) to the dead letters, then ack."""

@@ -66,7 +66,12 @@ How it works:
 * **Hand-back.** Leaving ``subscribe`` gives every entry the consumer holds to a
   sentinel consumer, idle enough to be claimed at once and with its delivery count put
   back, then deletes the consumer (one Lua script, shielded). The group's next claim
-  round takes them, oldest first, before new entries.
+  round takes them, oldest first, before new entries. A subscription whose prefetch
+  comes down (``set_prefetch``) gives back the same way the entries it fetched beyond
+  it and did not hand out yet.
+* **Suspects and waits.** A reclaimed entry's delivery count less one is its
+  ``redeliveries`` (deliveries to consumers that died or hung with it); its id's
+  milliseconds are when it was queued (``queued_at``).
 """
 
 from __future__ import annotations
@@ -284,6 +289,11 @@ class _RedisDelivery(BaseDelivery):
         self._entry = entry
         self._body = body
 
+    def queued_at(self) -> float | None:
+        """When Redis added the entry: the milliseconds of its id (Redis's clock)."""
+        head = self._entry.split(b"-", 1)[0]
+        return int(head) / 1000 if head.isdigit() else None
+
     def _settled(self) -> None:
         consumer = self._consumer
         # Room is made at once; if the settle fails, the entry stays pending and the
@@ -321,7 +331,11 @@ class _RedisDelivery(BaseDelivery):
 
 
 class _Consumer:
-    """One subscription: a named consumer of a binding's group, and what it holds."""
+    """One subscription: a named consumer of a binding's group, and what it holds.
+
+    It is what ``subscribe`` yields: an iterator of deliveries whose prefetch can
+    change (:class:`~asyncbus.transports.SubscriptionControl`).
+    """
 
     def __init__(
         self, transport: RedisTransport, pattern: str, group: str, stream: str, prefetch: int
@@ -343,6 +357,23 @@ class _Consumer:
         self.claim_cursor: bytes | str = "0-0"
         self.next_claim = 0.0
         self.claim_rounds = 0
+        self.backoff = Backoff(0.05, _BACKOFF_MAX)
+
+    def __aiter__(self) -> _Consumer:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        """The next delivery: what is fetched, then (room permitting) a new fetch."""
+        return await self.transport._next(self)
+
+    async def set_prefetch(self, prefetch: int) -> None:
+        """Hold at most ``prefetch`` unsettled entries (see ``SubscriptionControl``)."""
+        await self.transport._resize(self, checked_prefetch(prefetch))
+
+    async def flush(self) -> None:
+        """Write the acks queued for this consumer's entries (see ``SubscriptionControl``)."""
+        with self.transport.cleanup_scope(_RELEASE_TIMEOUT):
+            await self.transport._acks.flush([self.ack_key])
 
 
 class RedisTransport(Transport):
@@ -813,46 +844,81 @@ class RedisTransport(Transport):
         self._consumers.add(consumer)
         if self.keep_alive and self._tasks.running:
             self._tasks.start_soon(self._keep_alive, consumer)
-
-        async def deliveries() -> AsyncIterator[Delivery]:
-            backoff = Backoff(0.05, _BACKOFF_MAX)
-            while True:
-                if not consumer.ready:
-                    while len(consumer.held) >= consumer.prefetch:
-                        consumer.room = anyio.Event()
-                        await consumer.room.wait()
-                    try:
-                        await self._fetch(consumer)
-                    except self._errors.RedisError as error:
-                        # Lost connections, a server loading or out of memory, a
-                        # stream made again meanwhile: none ends the subscription.
-                        pause = backoff.next()
-                        logger.warning(
-                            "Redis at %s: reading %s@%s failed, retrying in %.2f s: %s",
-                            redact(self.url),
-                            pattern,
-                            group,
-                            pause,
-                            error,
-                        )
-                        await anyio.sleep(pause)
-                        continue
-                    backoff.reset()
-                    if not consumer.ready:
-                        continue
-                # No yield per delivery: a fetched batch is handed over in one go (the
-                # read above is the yield; the stage's room bounds the batch).
-                delivery = consumer.ready.popleft()
-                if delivery.settleable:
-                    yield delivery
-
-        iterator = deliveries()
         try:
-            yield iterator
+            yield consumer
         finally:
             with self.cleanup_scope():
-                await iterator.aclose()  # type: ignore[attr-defined]
                 await self._release(consumer)
+
+    async def _next(self, consumer: _Consumer) -> Delivery:
+        """``consumer``'s next delivery (its ``__anext__``)."""
+        while True:
+            if not consumer.ready:
+                while len(consumer.held) >= consumer.prefetch:
+                    consumer.room = anyio.Event()
+                    await consumer.room.wait()
+                try:
+                    await self._fetch(consumer)
+                except self._errors.RedisError as error:
+                    # Lost connections, a server loading or out of memory, a stream
+                    # made again meanwhile: none ends the subscription.
+                    pause = consumer.backoff.next()
+                    logger.warning(
+                        "Redis at %s: reading %s@%s failed, retrying in %.2f s: %s",
+                        redact(self.url),
+                        consumer.pattern,
+                        consumer.group,
+                        pause,
+                        error,
+                    )
+                    await anyio.sleep(pause)
+                    continue
+                consumer.backoff.reset()
+                if not consumer.ready:
+                    continue
+            # No yield per delivery: a fetched batch is handed over in one go (the read
+            # above is the yield; the stage's room bounds the batch).
+            delivery = consumer.ready.popleft()
+            if delivery.settleable:
+                return delivery
+
+    async def _resize(self, consumer: _Consumer, prefetch: int) -> None:
+        """Set ``consumer``'s prefetch; give back, uncounted, the entries fetched beyond
+        it that were not handed out yet (the newest first)."""
+        consumer.prefetch = prefetch
+        excess = min(len(consumer.held) - prefetch, len(consumer.ready))
+        if excess <= 0:
+            consumer.room.set()  # (room to fetch more, perhaps)
+            return
+        given = [consumer.ready.pop() for _ in range(excess)]
+        for delivery in given:
+            delivery.take_back(_RELEASED)
+            del consumer.held[delivery._entry]
+        with self.cleanup_scope(_RELEASE_TIMEOUT):
+            try:
+                await self._scripts["GIVE_BACK"](
+                    keys=[consumer.stream],
+                    args=[
+                        consumer.group,
+                        consumer.name,
+                        _SENTINEL,
+                        _RELEASED_IDLE_MS,
+                        *(delivery._entry for delivery in given),
+                    ],
+                )
+            except self._errors.RedisError as error:
+                logger.warning(
+                    "Redis: giving back %d entries of %s@%s failed (they return after "
+                    "ack_timeout): %s",
+                    len(given),
+                    consumer.pattern,
+                    consumer.group,
+                    error,
+                )
+                return
+        for other in self._consumers:
+            if other.stream == consumer.stream:
+                other.next_claim = 0.0
 
     async def _fetch(self, consumer: _Consumer) -> None:
         """Fill ``consumer.ready`` with up to its room: reclaimed entries, else new ones."""
@@ -971,6 +1037,7 @@ class RedisTransport(Transport):
         if error is None and count > 1:  # a first delivery is never one too many
             error = over_max_deliveries(count, self.max_deliveries)
         delivery = _RedisDelivery(consumer, entry, envelope, body, error)
+        delivery.redeliveries = count - 1  # (a hand-back's count was put back)
         consumer.held[entry] = delivery
         consumer.ready.append(delivery)
 

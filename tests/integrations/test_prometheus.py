@@ -363,8 +363,7 @@ async def test_one_collector_reports_several_buses_and_a_registry_takes_one() ->
             await billing.drain()
             samples = parse(generate_latest(registry).decode())
     acked = {
-        (s.labels["bus"], s.labels["stage"]): s.value
-        for s in samples["asyncbus_stage_acked_total"]
+        (s.labels["bus"], s.labels["stage"]): s.value for s in samples["asyncbus_stage_acked_total"]
     }
     assert acked == {("orders", "orders.created@audit"): 3, ("billing", "invoices@mailer"): 1}
     assert {s.labels["bus"]: s.value for s in samples["asyncbus_bus_running"]} == {

@@ -10,7 +10,7 @@ import sniffio
 import trio
 import trio.testing
 
-from asyncbus import Bus, ConfigurationError, Envelope, Retry, StageStatistics
+from asyncbus import Bus, ConfigurationError, Envelope, Handler, Retry, StageStatistics, middleware
 from asyncbus.middleware import deduplicate
 from asyncbus.middleware.deduplicate import Claim, DedupStore, MemoryDedupStore
 
@@ -372,3 +372,53 @@ async def test_an_explicit_memory_store_measures_its_window_on_the_loop_clock() 
             await bus.drain()
     assert handled == [1, 3]
     assert stage_stats(bus, "t@g").acked == 3
+
+
+def _counting_entries() -> tuple[Any, anyio.Event]:
+    """A middleware to list before ``deduplicate()``, and the event it sets once two
+    envelopes entered the chain (each copy is held by a consumer of its own)."""
+    both_in = anyio.Event()
+    entered: list[str] = []
+
+    @middleware
+    async def count_entries(env: Envelope, call_next: Handler) -> Any:
+        entered.append(env.id)
+        if len(entered) == 2:
+            both_in.set()
+        return await call_next(env)
+
+    return count_entries, both_in
+
+
+@pytest.mark.parametrize("outcome", ["succeeds", "fails"])
+async def test_a_copy_that_arrives_while_the_first_is_handled_waits_for_its_outcome(
+    outcome: str,
+) -> None:
+    """Without a store: the copy is not run beside the first. It waits, then is skipped
+    when the first succeeded, or runs when the first failed."""
+    handled: list[str] = []
+    gate = anyio.Event()
+    count_entries, both_in = _counting_entries()
+    bus = Bus(middleware=[count_entries, deduplicate()])
+
+    async def slow(env: Envelope) -> None:
+        handled.append(env.payload)
+        await gate.wait()
+        if env.payload == "first" and outcome == "fails":
+            raise RuntimeError("the first copy failed")
+
+    bus.subscribe("t", slow, group="g", concurrency=2)
+    with anyio.fail_after(5):
+        async with bus:
+            await bus.publish("t", "first", id="x")
+            await bus.publish("t", "copy", id="x")
+            await both_in.wait()
+            gate.set()
+            await bus.drain()
+            stats = stage_stats(bus, "t@g")
+    if outcome == "succeeds":
+        assert handled == ["first"]
+        assert (stats.published, stats.acked, stats.dead_lettered) == (2, 2, 0)
+    else:
+        assert handled == ["first", "copy"]
+        assert (stats.published, stats.acked, stats.dead_lettered) == (2, 1, 1)

@@ -23,7 +23,7 @@ timeout = 30
 
 AUTO_INI = STRICT_INI.replace("asyncio_mode = strict", "asyncio_mode = auto")
 
-ANYIO_TESTS = '''
+ANYIO_TESTS = """
 import anyio
 import pytest
 
@@ -78,9 +78,9 @@ def test_every_bus_was_closed_after_its_test() -> None:
     assert len(seen_buses) == 6
     assert not any(bus.running for bus in seen_buses)
     assert sorted(finished) == [0, 0, 1, 1, 2, 2, 3, 3]
-'''
+"""
 
-ASYNCIO_STRICT_TESTS = '''
+ASYNCIO_STRICT_TESTS = """
 import asyncio
 
 import pytest
@@ -145,9 +145,9 @@ def test_every_bus_was_closed_after_its_test() -> None:
     assert len(seen_buses) == 5
     assert len(set(map(id, seen_buses))) == 5
     assert not any(bus.running for bus in seen_buses)
-'''
+"""
 
-ASYNCIO_AUTO_TESTS = '''
+ASYNCIO_AUTO_TESTS = """
 from asyncbus import Bus
 
 
@@ -157,7 +157,7 @@ async def test_no_marker_needed_in_auto_mode(bus: Bus) -> None:
     await bus.publish("greetings", "hello")
     await bus.drain(timeout=5)
     assert received == ["hello"]
-'''
+"""
 
 
 def test_bus_fixture_in_anyio_tests(pytester: pytest.Pytester) -> None:

@@ -1,12 +1,15 @@
 """A worker process whose handler kills it: the poison that crashes its consumer.
 
-    python _poison_worker.py KIND URL PREFIX MAX_DELIVERIES
+    python _poison_worker.py KIND URL PREFIX MAX_DELIVERIES [UNLUCKY [CAPACITY]]
 
 Runs one Bus over the broker ``KIND`` with ``max_deliveries=MAX_DELIVERIES`` and a
 short ack timeout. Prints JSON lines: ``{"ready": true}`` once subscribed,
 ``{"handling": attempt}`` just before its handler ends the process (``os._exit``, as
 a segfault or an OOM kill would), and ``{"dead": reason, "error": ...}`` for each
-envelope the bus dead-letters. Killed by the test when no longer needed.
+envelope the bus dead-letters. With ``UNLUCKY`` (an int), only that payload kills
+the process (``{"handling": attempt, "payload": UNLUCKY}``); any other is handled,
+``{"handled": payload, "attempt": attempt}``, by a stage of ``CAPACITY`` (8 unless
+given). Killed by the test when no longer needed.
 """
 
 from __future__ import annotations
@@ -51,12 +54,20 @@ def make_transport(kind: str, url: str, prefix: str, max_deliveries: int) -> Tra
     raise SystemExit(f"unknown transport {kind!r}")
 
 
-async def main(kind: str, url: str, prefix: str, max_deliveries: int) -> None:
+async def main(
+    kind: str, url: str, prefix: str, max_deliveries: int, unlucky: int | None, capacity: int
+) -> None:
     bus = Bus(transport=make_transport(kind, url, prefix, max_deliveries))
 
-    @bus.subscribe("poison.*", group="g")
+    @bus.subscribe("poison.*", group="g", capacity=capacity)
     async def crash(envelope: Envelope) -> None:
-        _say({"handling": envelope.attempt})
+        if unlucky is not None and envelope.payload != unlucky:
+            _say({"handled": envelope.payload, "attempt": envelope.attempt})
+            return
+        if unlucky is None:
+            _say({"handling": envelope.attempt})
+        else:
+            _say({"handling": envelope.attempt, "payload": unlucky})
         os._exit(3)
 
     @bus.subscribe("$deadletter")
@@ -70,4 +81,6 @@ async def main(kind: str, url: str, prefix: str, max_deliveries: int) -> None:
 
 if __name__ == "__main__":
     kind, url, prefix, max_deliveries = sys.argv[1:5]
-    anyio.run(main, kind, url, prefix, int(max_deliveries))
+    unlucky = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    capacity = int(sys.argv[6]) if len(sys.argv) > 6 else 8
+    anyio.run(main, kind, url, prefix, int(max_deliveries), unlucky, capacity)

@@ -18,12 +18,14 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from _kinds import make_transport  # type: ignore[import-not-found]
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -335,6 +337,75 @@ async def test_rabbit_poison_that_kills_its_process_is_dead_lettered_after_max_d
     async with RabbitTransport(rabbit_url, prefix=rabbit_prefix) as transport:
         await _check_poison_that_kills_its_process(
             "rabbit", rabbit_url, rabbit_prefix, transport, workers
+        )
+
+
+#: The neighbours' case: the unlucky payload kills its process, the others are fine.
+UNLUCKY, NEIGHBOURS, NEIGHBOURS_MAX = 13, (1, 2, 3, 4, 5), 2
+
+
+async def _check_a_death_counts_only_for_the_message_being_handled(
+    kind: str, url: str, prefix: str, transport: Transport, workers: list[_Worker]
+) -> None:
+    """Workers of capacity 8 hold the unlucky message and its neighbours when it kills
+    them: each death counts for it alone. It is dead-lettered after exactly
+    ``NEIGHBOURS_MAX`` deaths; each neighbour is handled, once."""
+
+    async def start() -> _Worker:
+        process = await anyio.open_process(
+            [sys.executable, str(WORKER), kind, url, prefix, str(NEIGHBOURS_MAX), str(UNLUCKY)],
+            stdout=subprocess.PIPE,
+            stderr=None,
+        )
+        workers.append(_Worker(process))
+        return workers[-1]
+
+    worker = await start()
+    assert await worker.line() == {"ready": True}  # subscribed: the group exists
+    await transport.publish(
+        "poison.kill",
+        [Envelope(topic="poison.kill", payload=n) for n in (UNLUCKY, *NEIGHBOURS)],
+    )
+    handled: Counter[int] = Counter()
+    deaths: list[dict[str, Any]] = []
+    dead: list[dict[str, Any]] = []
+    with anyio.fail_after(90):
+        while len(set(handled)) + len(dead) < 1 + len(NEIGHBOURS):  # each one's end
+            try:
+                event = await worker.line()
+            except (anyio.EndOfStream, anyio.IncompleteRead):  # it died: the next one
+                assert await worker.process.wait() == 3
+                worker = await start()
+                continue
+            if "handled" in event:
+                handled[event["handled"]] += 1
+            elif "handling" in event:
+                deaths.append(event)
+            elif "dead" in event:
+                dead.append(event)
+        # Settled in the broker: nothing is left to come back.
+        while await transport.backlog(PATTERN, GROUP):
+            await anyio.sleep(0.05)
+    assert deaths == [{"handling": 1, "payload": UNLUCKY}, {"handling": 2, "payload": UNLUCKY}]
+    assert handled == Counter(NEIGHBOURS)  # each once: a neighbour's death never counted
+    assert dead == [
+        {
+            "dead": "rejected",
+            "error": f"delivered {NEIGHBOURS_MAX + 1} times without being settled "
+            f"(max_deliveries={NEIGHBOURS_MAX}): its consumer may crash on it",
+        }
+    ]
+    assert worker.process.returncode is None
+    [entry] = await transport.dead_letters()
+    assert (entry.envelope.payload, entry.reason) == (UNLUCKY, DeadLetterReason.REJECTED)
+
+
+async def test_a_message_that_kills_its_process_is_dead_lettered_alone_and_its_neighbours_run(
+    kind: str, url: str, unique_prefix: str, workers: list[_Worker]
+) -> None:
+    async with make_transport(kind, url, unique_prefix) as transport:
+        await _check_a_death_counts_only_for_the_message_being_handled(
+            kind, url, unique_prefix, transport, workers
         )
 
 

@@ -106,8 +106,7 @@ async def test_one_trace_crosses_processes_over_the_broker(
     assert spans_module.tree(spans) == "\n".join(
         [
             "publish orders.created [PRODUCER]",
-            "  process orders.created [CONSUMER] group=workers attempt=1 outcome=retry"
-            " event=retry",
+            "  process orders.created [CONSUMER] group=workers attempt=1 outcome=retry event=retry",
             "  process orders.created [CONSUMER] group=workers attempt=2 outcome=acked"
             " link=process orders.created#1",
             "    forward orders.audit [PRODUCER]",

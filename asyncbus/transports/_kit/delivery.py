@@ -60,9 +60,13 @@ class BaseDelivery:
     :ivar error: why the body could not be decoded (or why the transport will not
         have it handled, e.g. delivered too often), else ``None``: the bus
         dead-letters such a delivery ``rejected`` without handling it.
+    :ivar redeliveries: how many times the broker delivered the message before this
+        one without it being settled (a consumer that died or hung with it); hand-backs
+        (a subscription giving back what it held, unhandled) do not count. A delivery
+        with any is a *suspect*: the bus handles it alone (see ``pump``).
     """
 
-    __slots__ = ("_gone", "envelope", "error")
+    __slots__ = ("_gone", "envelope", "error", "redeliveries")
 
     #: Whether :meth:`ack_nowait` queues the ack for a writer (else it raises).
     acks_behind: ClassVar[bool] = False
@@ -70,6 +74,7 @@ class BaseDelivery:
     def __init__(self, envelope: Envelope, error: str | None = None) -> None:
         self.envelope = envelope
         self.error = error
+        self.redeliveries = 0
         #: Why it can no longer be settled (``None``: it can).
         self._gone: str | None = None
 
@@ -138,6 +143,15 @@ class BaseDelivery:
         entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
         self._claim()
         await self._reject(entry)
+
+    def queued_at(self) -> float | None:
+        """When the broker queued the message for its group (epoch seconds, the broker's
+        clock where it has one), or ``None`` when the transport cannot tell.
+
+        A stage with admission control counts a delivery's wait from then: over a
+        broker the queue that stands is the broker's.
+        """
+        return None
 
     def _settled(self) -> None:
         """Marked settled (by any verb): a hook for the transport's bookkeeping."""
