@@ -35,12 +35,12 @@ from ._consumer import (
     _cancelled_from_outside,
     _result,
     _run,
-    _settle_delivery,
     conclude,
     logger,
 )
 from ._consumer import start_consumers as start_message_consumers
 from ._dead_letters import DeadLetterReason
+from ._delivering import settle_delivery
 from ._envelope import Envelope
 from ._failures import handler_failure, stray_cancellation
 from ._handling import Handling
@@ -218,7 +218,7 @@ async def _run_fast(
         if deliveries:
             awaited = _ack_behind(stage, [envelopes[position] for position in members])
             for envelope in awaited:
-                await _settle_delivery(stage, envelope, None, host)
+                await settle_delivery(stage, envelope, None, host)
         if host.idle_waiters:
             host.settled(stage)
         return
@@ -329,7 +329,7 @@ async def _conclude(
     held[position] = None
     retrying, dead = conclude(stage, handling, envelope, verdict, host)
     if stage.deliveries and not retrying:
-        await _settle_delivery(stage, envelope, dead, host)
+        await settle_delivery(stage, envelope, dead, host)
 
 
 async def _run_each(
@@ -414,4 +414,4 @@ async def _member(
     if instrumentation is not None:
         _instrument.exit(instrumentation, token, _result(result))
     if stage.deliveries and not retrying:
-        await _settle_delivery(stage, envelope, dead, host)
+        await settle_delivery(stage, envelope, dead, host)

@@ -186,6 +186,7 @@ def test_the_message_path_depends_one_way() -> None:
         "asyncbus._replies",
         "asyncbus._modes",
         "asyncbus._consumer",
+        "asyncbus._delivering",
         "asyncbus._stage",
         "asyncbus._chain",
         "asyncbus.middleware",

@@ -12,9 +12,9 @@ from typing import cast
 import anyio
 import anyio.lowlevel
 
-from .._consumer import pump
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
+from .._delivering import pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import ConfigurationError, EncodeError
 from .._routing import compile_pattern

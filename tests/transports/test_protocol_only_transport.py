@@ -146,7 +146,7 @@ class DetailedDelivery(BaseDelivery):
 
 
 async def test_reject_gives_the_details_to_a_base_delivery_and_the_reason_to_others() -> None:
-    from asyncbus._consumer import reject_delivery
+    from asyncbus._delivering import reject_delivery
 
     settled: list[tuple[str, str, object]] = []
     envelope = Envelope(topic="jobs")
