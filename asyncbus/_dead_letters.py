@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
@@ -60,6 +61,7 @@ class DeadLetterQueue:
     When full, the oldest entry is evicted (counted in :attr:`evicted`); entries
     expire ``ttl`` seconds after they died. One envelope id may have several
     entries (a fan-out that failed in two stages); id-based methods act on all of them.
+    Its methods may be called from any thread (``replay`` on the bus's event loop).
     """
 
     def __init__(
@@ -80,6 +82,10 @@ class DeadLetterQueue:
         self._on_add = on_add
         self._on_remove = on_remove
         self._clock = clock
+        # The loop adds entries while any thread may read or purge them; even a read
+        # expires entries. Every change of the indexes below happens under the lock,
+        # and the callbacks (which publish or reach a broker) run after it is released.
+        self._lock = threading.Lock()
         self._entries: OrderedDict[int, DeadLetter] = OrderedDict()
         # When each entry died, on ``_clock`` (``dead_at`` is the wall clock's, for
         # people and other processes; the TTL is a duration, measured on the loop's).
@@ -93,22 +99,24 @@ class DeadLetterQueue:
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Measure the TTL on ``clock`` from now on (the bus's loop clock, at start)."""
-        if clock is self._clock:
-            return
-        offset = clock() - self._clock()
-        self._died = {key: died + offset for key, died in self._died.items()}
-        self._clock = clock
+        with self._lock:
+            if clock is self._clock:
+                return
+            offset = clock() - self._clock()
+            self._died = {key: died + offset for key, died in self._died.items()}
+            self._clock = clock
 
     def add(self, dead_letter: DeadLetter) -> None:
         """Store ``dead_letter``, evicting the oldest entry when the queue is full."""
-        self._expire()
-        while len(self._entries) >= self.maxlen > 0:
-            self._pop_key(next(iter(self._entries)))
-            self.evicted += 1
-        if self.maxlen > 0:
-            self._store(dead_letter, self._clock())
-        else:
-            self.evicted += 1
+        with self._lock:
+            self._expire()
+            while len(self._entries) >= self.maxlen > 0:
+                self._pop_key(next(iter(self._entries)))
+                self.evicted += 1
+            if self.maxlen > 0:
+                self._store(dead_letter, self._clock())
+            else:
+                self.evicted += 1
         if self._on_add is not None:
             self._on_add(dead_letter)
 
@@ -117,9 +125,10 @@ class DeadLetterQueue:
         age = max(time.time() - dead_letter.dead_at, 0.0)
         if self.maxlen <= 0 or age >= self.ttl:
             return
-        while len(self._entries) >= self.maxlen:
-            self._pop_key(next(iter(self._entries)))
-        self._store(dead_letter, self._clock() - age)
+        with self._lock:
+            while len(self._entries) >= self.maxlen:
+                self._pop_key(next(iter(self._entries)))
+            self._store(dead_letter, self._clock() - age)
 
     def _store(self, dead_letter: DeadLetter, died: float) -> None:
         key = self._next_key
@@ -130,8 +139,9 @@ class DeadLetterQueue:
         self._tally[dead_letter.stage, dead_letter.reason] += 1
 
     def __len__(self) -> int:
-        self._expire()
-        return len(self._entries)
+        with self._lock:
+            self._expire()
+            return len(self._entries)
 
     def len(self) -> int:
         """Return how many entries are stored (same as ``len(queue)``)."""
@@ -139,19 +149,22 @@ class DeadLetterQueue:
 
     def list(self, reason: str | None = None, topic: str | None = None) -> list[DeadLetter]:
         """Return the entries, oldest first, optionally only those of one reason or topic."""
-        self._expire()
+        with self._lock:
+            self._expire()
+            entries = builtins.list(self._entries.values())
         return [
             entry
-            for entry in self._entries.values()
+            for entry in entries
             if (reason is None or entry.reason == reason)
             and (topic is None or entry.envelope.topic == topic)
         ]
 
     def get(self, id: str) -> DeadLetter | None:
         """Return the oldest entry for envelope ``id``, or ``None``."""
-        self._expire()
-        keys = self._by_id.get(id) if isinstance(id, str) else None
-        return self._entries[keys[0]] if keys else None
+        with self._lock:
+            self._expire()
+            keys = self._by_id.get(id) if isinstance(id, str) else None
+            return self._entries[keys[0]] if keys else None
 
     async def replay(self, *ids: str | DeadLetter) -> builtins.list[Receipt]:
         """Re-send the envelopes ``ids`` to the stage that dead-lettered them.
@@ -166,14 +179,15 @@ class DeadLetterQueue:
             replay is re-sending right now; nothing is replayed then.
         """
         ids = _ids(ids, "replay")
-        self._expire()
-        missing = [id for id in ids if not self._free_keys(id)]
-        if missing:
-            raise KeyError(f"not in the dead-letter queue: {', '.join(missing)}")
-        keys = builtins.list(dict.fromkeys(key for id in ids for key in self._free_keys(id)))
-        # Claimed at once, before the first await: a concurrent replay of the same ids
-        # gets KeyError instead of sending them a second time.
-        self._replaying.update(keys)
+        with self._lock:
+            self._expire()
+            missing = [id for id in ids if not self._free_keys(id)]
+            if missing:
+                raise KeyError(f"not in the dead-letter queue: {', '.join(missing)}")
+            keys = builtins.list(dict.fromkeys(key for id in ids for key in self._free_keys(id)))
+            # Claimed at once, before the first await: a concurrent replay of the same
+            # ids gets KeyError instead of sending them a second time.
+            self._replaying.update(keys)
         receipts: builtins.list[Receipt] = []
         try:
             for key in keys:
@@ -182,11 +196,13 @@ class DeadLetterQueue:
                     continue  # purged or expired meanwhile
                 # Re-send first: an entry leaves the queue only once it is on its way.
                 receipts.append(await self._resend(entry))
-                self._replaying.discard(key)
-                if key in self._entries:
-                    self._pop_key(key)
+                with self._lock:
+                    self._replaying.discard(key)
+                    if key in self._entries:
+                        self._pop_key(key)
         finally:
-            self._replaying.difference_update(keys)
+            with self._lock:
+                self._replaying.difference_update(keys)
         return receipts
 
     def _free_keys(self, id: str) -> builtins.list[int]:
@@ -198,31 +214,35 @@ class DeadLetterQueue:
         Like :meth:`replay`, an entry itself stands for its envelope's id.
         """
         ids = _ids(ids, "purge")
-        if not ids:
-            removed = len(self._entries)
-            gone = builtins.list(self._by_id)
-            self._entries.clear()
-            self._died.clear()
-            self._by_id.clear()
-            self._tally.clear()
-        else:
-            removed = 0
-            gone = []
-            for id in ids:
-                keys = self._by_id.get(id, [])[:]
-                for key in keys:
-                    self._pop_key(key)
-                    removed += 1
-                if keys:
-                    gone.append(id)
+        with self._lock:
+            if not ids:
+                removed = len(self._entries)
+                gone = builtins.list(self._by_id)
+                self._entries.clear()
+                self._died.clear()
+                self._by_id.clear()
+                self._tally.clear()
+            else:
+                removed = 0
+                gone = []
+                for id in ids:
+                    keys = self._by_id.get(id, [])[:]
+                    for key in keys:
+                        self._pop_key(key)
+                        removed += 1
+                    if keys:
+                        gone.append(id)
         if gone and self._on_remove is not None:
             self._on_remove(gone)
         return removed
 
     def _counts(self) -> dict[tuple[str | None, DeadLetterReason], int]:
         """Entries stored now per (stage, reason), without scanning the queue (metrics)."""
-        self._expire()
-        return {key: count for key, count in self._tally.items() if count}
+        with self._lock:
+            self._expire()
+            return {key: count for key, count in self._tally.items() if count}
+
+    # (The helpers below are called with the lock held.)
 
     def _pop_key(self, key: int) -> None:
         entry = self._entries.pop(key)
