@@ -241,10 +241,11 @@ if _ReceiptSlots.__slots__ != Receipt.__slots__:  # pragma: no cover
 _new = object.__new__
 
 #: On a free-threaded build (CPython 3.13t) every ``__class__`` assignment stops all the
-#: interpreter's threads until it is done: with worker threads busy, each publish would
-#: pause every one of them (measured: 60x the overhead per message, and 2 workers
-#: slower than 1). There each field is stored by its slot's own setter instead: a
-#: third slower on one thread, and nothing stops.
+#: interpreter's threads until it is done: each publish paused every busy worker, and
+#: waited for each one the OS had descheduled (measured on 2 cores: the overhead per
+#: message 1.7-2x, and 17x while other processes kept the cores busy). There each field
+#: is stored by its slot's own setter instead: a third slower on one thread, and
+#: nothing stops.
 CLASS_ASSIGNMENT_STOPS_THE_WORLD = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 (
