@@ -511,10 +511,10 @@ started = threading.Event()
 async def main():
     bus = Bus(workers=1)
 
-    @bus.subscribe("slow", group="g", timeout=0.05)
+    @bus.subscribe("slow", group="g", timeout=0.5)  # time for the thread to start, when busy
     def slow(_):
         started.set()
-        time.sleep(1.0)  # still running when the bus has closed
+        time.sleep(2.0)  # still running when the bus has closed
 
     async with bus:
         await bus.publish("slow")
