@@ -20,10 +20,11 @@ From there:
     pip install -e '.[bench]'
     python -m asyncbus bench --quick    (the same as: python benchmarks/run.py --quick)
     python -m asyncbus bench brokers    (Redis Streams and NATS JetStream end to end)
-    python -m asyncbus bench rabbit     (RabbitMQ end to end)"""
+    python -m asyncbus bench rabbit     (RabbitMQ end to end)
+    python -m asyncbus bench cpu        (CPU-bound stages: thread and process offload)"""
 
 #: The suite's module behind each ``bench`` subcommand; any other arguments go to ``suite``.
-_BENCH_MODULES = {"brokers": "suite._brokers", "rabbit": "suite._rabbit"}
+_BENCH_MODULES = {"brokers": "suite._brokers", "rabbit": "suite._rabbit", "cpu": "cpu_stages"}
 
 
 def _checkout_benchmarks() -> Path | None:
@@ -98,7 +99,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         help="run the benchmark suite of a checkout (see --help there); 'bench brokers' and "
-        "'bench rabbit' run the broker end-to-end benchmarks",
+        "'bench rabbit' run the broker end-to-end benchmarks, 'bench cpu' the CPU-bound "
+        "stages (benchmarks/cpu_stages.py)",
         configure=lambda parser: None,
         run=_bench,
         passthrough=True,

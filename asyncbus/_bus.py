@@ -51,6 +51,7 @@ from ._offload import (
     WorkerPool,
     hold_switch_interval,
     release_switch_interval,
+    thread_pool_reason,
 )
 from ._publishing import Publisher
 from ._replies import Replies
@@ -70,6 +71,7 @@ logger = logging.getLogger("asyncbus.bus")
 _now = time.time
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 _State = Literal["new", "starting", "running", "closing", "closed"]
 
 
@@ -153,11 +155,21 @@ class _Services:
         self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any
     ) -> None:
         """Run ``function(*args)`` in the bus's task group, counted until it ends
-        (``drain()`` waits for it); nothing when the bus is not running."""
-        task_group = self._bus._task_group
+        (``drain()`` waits for it); nothing when the bus is not running.
+
+        From another thread (dead letters purged there), it is started on the loop.
+        """
+        bus = self._bus
+        task_group = bus._task_group
         if task_group is None:
             return
-        self._bus._background += 1
+        if threading.get_ident() != bus._loop_thread:
+            portal = bus._portal
+            with contextlib.suppress(RuntimeError):  # the portal stopped: the bus did
+                if portal is not None:
+                    portal.start_task_soon(self.start_background, function, *args)
+            return
+        bus._background += 1
         task_group.start_soon(self._background, function, args)
 
     async def _background(
@@ -279,6 +291,8 @@ class Bus:
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
         self._holds_switch_interval = False
+        #: Whether this run of the bus said which pool its sync handlers run on.
+        self._told_pool = False
         self._host: TaskGroup | None = None
         self._runner: int | None = None
         self._started: anyio.Event | None = None
@@ -369,6 +383,7 @@ class Bus:
             self._state = previous
             raise
         self._pool = pool
+        self._told_pool = False
         self._loop_thread = threading.get_ident()
         self._services.yield_now = fast_checkpoint()
         self._services.publish_yield = self._mode.publish_yield(self._services.yield_now)
@@ -989,13 +1004,21 @@ class Bus:
         return build_chain(subscription, handler, self._middleware)
 
     def _start(self, stage: Stage, subscription: Subscription, chain: Handler) -> None:
-        if (
-            subscription.offload == "thread"
-            and self._switch_interval is not None
-            and not self._holds_switch_interval
-        ):
-            self._holds_switch_interval = True
-            hold_switch_interval(self._switch_interval)
+        if subscription.offload == "thread":
+            if not self._told_pool:
+                self._told_pool = True
+                logger.info(
+                    "bus %r: sync handlers (stage %r first) run on the worker thread pool, "
+                    "%d at a time (workers=%d): %s",
+                    self.name,
+                    stage.name,
+                    self.workers,
+                    self.workers,
+                    thread_pool_reason(),
+                )
+            if self._switch_interval is not None and not self._holds_switch_interval:
+                self._holds_switch_interval = True
+                hold_switch_interval(self._switch_interval)
         start_consumers(stage, subscription, chain, self._services)
         self._mode.start(stage)
 
@@ -1174,7 +1197,28 @@ class Bus:
     # -- statistics -------------------------------------------------------------
 
     def statistics(self) -> BusStatistics:
-        """Snapshot every stage's ledger and the bus-wide totals."""
+        """Snapshot every stage's ledger and the bus-wide totals.
+
+        Safe from any thread: from another thread while the bus runs, the snapshot is
+        taken on the event loop (where the counters change), so its ledgers balance.
+        """
+        return self._on_loop(self._statistics)
+
+    def _on_loop(self, read: Callable[[], T]) -> T:
+        """``read()`` on the thread that runs the bus (where its state lives), from any thread.
+
+        From another thread it waits for the loop to run it; on the loop's thread, or
+        when the bus is not running, it runs here.
+        """
+        portal = self._portal
+        if portal is None or threading.get_ident() == self._loop_thread:
+            return read()
+        try:
+            return portal.call(read)
+        except (RuntimeError, concurrent.futures.CancelledError):
+            return read()  # the portal stopped meanwhile: the bus is closing, nothing moves
+
+    def _statistics(self) -> BusStatistics:
         stages = tuple(stage.statistics() for stage in self._stages.values())
 
         def total(field: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -119,6 +120,8 @@ class DeadLetterQueue:
     or removed by any process, :meth:`refresh` reads the broker again, and
     :meth:`replay` and :meth:`purge` act on the broker's entries, whichever process
     stored them (a replay claims them there first, so it happens once).
+
+    Its methods may be called from any thread (``replay`` on the bus's event loop).
     """
 
     def __init__(
@@ -141,6 +144,11 @@ class DeadLetterQueue:
         self._on_remove = on_remove
         self._before_replay = before_replay
         self._clock = clock
+        # The loop adds entries while any thread may read or purge them; even a read
+        # expires entries. Every change of the indexes below happens under the lock
+        # (re-entrant: a change the broker told of merges entry by entry), and the
+        # callbacks (which publish or reach a broker) run after it is released.
+        self._lock = threading.RLock()
         self._entries: OrderedDict[int, DeadLetter] = OrderedDict()
         # When each entry died, on ``_clock`` (``dead_at`` is the wall clock's, for
         # people and other processes; the TTL is a duration, measured on the loop's).
@@ -171,28 +179,30 @@ class DeadLetterQueue:
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         """Measure the TTL on ``clock`` from now on (the bus's loop clock, at start)."""
-        if clock is self._clock:
-            return
-        offset = clock() - self._clock()
-        self._died = {key: died + offset for key, died in self._died.items()}
-        self._clock = clock
+        with self._lock:
+            if clock is self._clock:
+                return
+            offset = clock() - self._clock()
+            self._died = {key: died + offset for key, died in self._died.items()}
+            self._clock = clock
 
     def add(self, dead_letter: DeadLetter) -> None:
         """Store ``dead_letter``, evicting the oldest entry when the queue is full."""
-        self._expire()
-        self._journal("merge", [dead_letter])
-        # Over a broker, the broker may have told of it first (its copy): this one,
-        # which may know more, takes its place. (In memory, every entry is one.)
-        known = self._by_key.get(dead_letter_key(dead_letter)) if self._load else None
-        if known is not None:
-            self._entries[known] = dead_letter
-        elif self.maxlen > 0:
-            while len(self._entries) >= self.maxlen:
-                self._pop_key(next(iter(self._entries)))
+        with self._lock:
+            self._expire()
+            self._journal("merge", [dead_letter])
+            # Over a broker, the broker may have told of it first (its copy): this one,
+            # which may know more, takes its place. (In memory, every entry is one.)
+            known = self._by_key.get(dead_letter_key(dead_letter)) if self._load else None
+            if known is not None:
+                self._entries[known] = dead_letter
+            elif self.maxlen > 0:
+                while len(self._entries) >= self.maxlen:
+                    self._pop_key(next(iter(self._entries)))
+                    self.evicted += 1
+                self._store(dead_letter, self._clock())
+            else:
                 self.evicted += 1
-            self._store(dead_letter, self._clock())
-        else:
-            self.evicted += 1
         if self._on_add is not None:
             self._on_add(dead_letter)
 
@@ -202,27 +212,29 @@ class DeadLetterQueue:
         self._merge(dead_letter)
 
     def _merge(self, dead_letter: DeadLetter) -> None:
-        if dead_letter_key(dead_letter) in self._by_key:
-            return
         age = max(time.time() - dead_letter.dead_at, 0.0)
         if self.maxlen <= 0 or age >= self.ttl:
             return
-        while len(self._entries) >= self.maxlen:
-            self._pop_key(next(iter(self._entries)))
-        self._store(dead_letter, self._clock() - age)
+        with self._lock:
+            if dead_letter_key(dead_letter) in self._by_key:
+                return
+            while len(self._entries) >= self.maxlen:
+                self._pop_key(next(iter(self._entries)))
+            self._store(dead_letter, self._clock() - age)
 
     def changed(
         self, added: Sequence[DeadLetter] = (), removed: Sequence[DeadLetterKey] = ()
     ) -> None:
         """The broker told of entries ``added`` and removed (their keys) by any process."""
-        self._expire()
-        if added:
-            self._journal("merge", added)
-            for entry in added:
-                self._merge(entry)
-        if removed:
-            self._journal("drop", removed)
-            self._drop_keys(removed)
+        with self._lock:
+            self._expire()
+            if added:
+                self._journal("merge", added)
+                for entry in added:
+                    self._merge(entry)
+            if removed:
+                self._journal("drop", removed)
+                self._drop_keys(removed)
 
     async def refresh(self) -> None:
         """Read the broker's dead letters again, so the queue lists exactly what every
@@ -235,17 +247,21 @@ class DeadLetterQueue:
         :raises TransportError: when the broker cannot be read (the list stays as it was).
         """
         if self._load is None:
-            self._expire()
+            with self._lock:
+                self._expire()
             return
         journal: builtins.list[_Change] = []
-        self._journals.append(journal)
+        with self._lock:
+            self._journals.append(journal)
         try:
             entries = await self._load()
         finally:
-            self._journals.remove(journal)
-        self._reset(entries)
-        for change in journal:
-            self._replay_change(change)
+            with self._lock:
+                self._journals.remove(journal)
+        with self._lock:
+            self._reset(entries)
+            for change in journal:
+                self._replay_change(change)
 
     def _reset(self, entries: Sequence[DeadLetter]) -> None:
         """Hold ``entries`` (the broker's listing) and nothing else."""
@@ -287,8 +303,9 @@ class DeadLetterQueue:
         self._tally[dead_letter.stage, dead_letter.reason] += 1
 
     def __len__(self) -> int:
-        self._expire()
-        return len(self._entries)
+        with self._lock:
+            self._expire()
+            return len(self._entries)
 
     def len(self) -> int:
         """Return how many entries are stored (same as ``len(queue)``)."""
@@ -296,19 +313,22 @@ class DeadLetterQueue:
 
     def list(self, reason: str | None = None, topic: str | None = None) -> list[DeadLetter]:
         """Return the entries, oldest first, optionally only those of one reason or topic."""
-        self._expire()
+        with self._lock:
+            self._expire()
+            entries = builtins.list(self._entries.values())
         return [
             entry
-            for entry in self._entries.values()
+            for entry in entries
             if (reason is None or entry.reason == reason)
             and (topic is None or entry.envelope.topic == topic)
         ]
 
     def get(self, id: str) -> DeadLetter | None:
         """Return the oldest entry for envelope ``id``, or ``None``."""
-        self._expire()
-        keys = self._by_id.get(id) if isinstance(id, str) else None
-        return self._entries[keys[0]] if keys else None
+        with self._lock:
+            self._expire()
+            keys = self._by_id.get(id) if isinstance(id, str) else None
+            return self._entries[keys[0]] if keys else None
 
     async def replay(self, *ids: str | DeadLetter) -> builtins.list[Receipt]:
         """Re-send the envelopes ``ids`` to the stage that dead-lettered them.
@@ -329,14 +349,15 @@ class DeadLetterQueue:
         ids = _ids(ids, "replay")
         if self._shared is not None:
             return await self._replay_shared(self._shared, tuple(dict.fromkeys(ids)))
-        self._expire()
-        missing = [id for id in ids if not self._free_keys(id)]
-        if missing:
-            raise _NotQueued(missing)
-        keys = builtins.list(dict.fromkeys(key for id in ids for key in self._free_keys(id)))
-        # Claimed at once, before the first await: a concurrent replay of the same ids
-        # gets KeyError instead of sending them a second time.
-        self._replaying.update(keys)
+        with self._lock:
+            self._expire()
+            missing = [id for id in ids if not self._free_keys(id)]
+            if missing:
+                raise _NotQueued(missing)
+            keys = builtins.list(dict.fromkeys(key for id in ids for key in self._free_keys(id)))
+            # Claimed at once, before the first await: a concurrent replay of the same
+            # ids gets KeyError instead of sending them a second time.
+            self._replaying.update(keys)
         receipts: builtins.list[Receipt] = []
         try:
             for key in keys:
@@ -345,11 +366,13 @@ class DeadLetterQueue:
                     continue  # purged or expired meanwhile
                 # Re-send first: an entry leaves the queue only once it is on its way.
                 receipts.append(await self._resend(entry))
-                self._replaying.discard(key)
-                if key in self._entries:
-                    self._pop_key(key)
+                with self._lock:
+                    self._replaying.discard(key)
+                    if key in self._entries:
+                        self._pop_key(key)
         finally:
-            self._replaying.difference_update(keys)
+            with self._lock:
+                self._replaying.difference_update(keys)
         return receipts
 
     async def _replay_shared(
@@ -368,15 +391,16 @@ class DeadLetterQueue:
                 if taken:
                     await shared.put_back(taken)
                 raise _NotQueued(missing)
-            self._expire()
             # In the order asked for (as in memory); this process's own entry where it
             # has one: it may know more (a traceback, the payload as it was).
             order = {id: position for position, id in enumerate(ids)}
             taken.sort(key=lambda entry: order[entry.envelope.id])
-            entries = [self._own(entry) for entry in taken]
-            keys = [dead_letter_key(entry) for entry in entries]
-            self._journal("drop", keys)
-            self._drop_keys(keys)
+            with self._lock:
+                self._expire()
+                entries = [self._own(entry) for entry in taken]
+                keys = [dead_letter_key(entry) for entry in entries]
+                self._journal("drop", keys)
+                self._drop_keys(keys)
             receipts: builtins.list[Receipt] = []
             for position, entry in enumerate(entries):
                 try:
@@ -403,21 +427,22 @@ class DeadLetterQueue:
         is of the entries this queue listed.
         """
         ids = _ids(ids, "purge")
-        if not ids:
-            removed = len(self._entries)
-            gone = builtins.list(self._by_id)
-            self._journal("clear", None)
-            self._clear()
-            everything = True
-        else:
-            removed = 0
-            gone = builtins.list(dict.fromkeys(ids))
-            self._journal("drop_ids", gone)
-            for id in gone:
-                for key in self._by_id.get(id, [])[:]:
-                    self._pop_key(key)
-                    removed += 1
-            everything = False
+        with self._lock:
+            if not ids:
+                removed = len(self._entries)
+                gone = builtins.list(self._by_id)
+                self._journal("clear", None)
+                self._clear()
+                everything = True
+            else:
+                removed = 0
+                gone = builtins.list(dict.fromkeys(ids))
+                self._journal("drop_ids", gone)
+                for id in gone:
+                    for key in self._by_id.get(id, [])[:]:
+                        self._pop_key(key)
+                        removed += 1
+                everything = False
         if (gone or everything) and self._on_remove is not None:
             self._on_remove(gone, everything)
         return removed
@@ -431,8 +456,11 @@ class DeadLetterQueue:
 
     def _counts(self) -> dict[tuple[str | None, DeadLetterReason], int]:
         """Entries stored now per (stage, reason), without scanning the queue (metrics)."""
-        self._expire()
-        return {key: count for key, count in self._tally.items() if count}
+        with self._lock:
+            self._expire()
+            return {key: count for key, count in self._tally.items() if count}
+
+    # (The helpers below are called with the lock held.)
 
     def _pop_key(self, key: int) -> None:
         entry = self._entries.pop(key)

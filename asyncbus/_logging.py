@@ -25,6 +25,7 @@ untold. Nothing here runs for an envelope that is acked.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -97,6 +98,10 @@ class FailureLog:
     def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self.interval = interval
         self.clock = clock
+        # The bus calls it on its event loop; the lock keeps each window's count exact
+        # should two threads ever write at once. Records are written outside it: a
+        # window taken out of the dict is no one else's.
+        self._lock = threading.Lock()
         self._windows: dict[tuple[str, str | None, str | None], _Window] = {}
 
     def _admit(
@@ -104,26 +109,33 @@ class FailureLog:
     ) -> int | None:
         """How many records were suppressed before this one, or ``None`` to suppress it."""
         key = (reason, stage, topic if stage is None else None)
-        now = self.clock()
-        window = self._windows.get(key)
-        if window is not None and now - window.opened < self.interval:
-            window.suppressed += 1
-            return None
-        if window is None:
-            if len(self._windows) >= _MAX_KEYS:
-                self._forget_closed(now)
-            window = self._windows[key] = _Window(logger, now, reason, stage, key[2])
-            return 0
-        suppressed, window.suppressed, window.opened = window.suppressed, 0, now
+        closed: list[_Window] = []
+        with self._lock:
+            now = self.clock()
+            window = self._windows.get(key)
+            if window is not None and now - window.opened < self.interval:
+                window.suppressed += 1
+                return None
+            if window is None:
+                if len(self._windows) >= _MAX_KEYS:
+                    closed = self._forget_closed(now)
+                self._windows[key] = _Window(logger, now, reason, stage, key[2])
+                suppressed = 0
+            else:
+                suppressed, window.suppressed, window.opened = window.suppressed, 0, now
+        for window in closed:
+            self._tell_suppressed(window)
         return suppressed
 
-    def _forget_closed(self, now: float) -> None:
-        # A flood over many distinct topics: tell what each closed window suppressed,
-        # then forget it, so the limiter's memory stays bounded.
+    def _forget_closed(self, now: float) -> list[_Window]:
+        # A flood over many distinct topics: forget each closed window (told by the
+        # caller what it suppressed), so the limiter's memory stays bounded.
+        closed = []
         for key, window in list(self._windows.items()):
             if now - window.opened >= self.interval:
-                self._tell_suppressed(window)
+                closed.append(window)
                 del self._windows[key]
+        return closed
 
     def _write(
         self,
@@ -268,9 +280,11 @@ class FailureLog:
 
     def flush(self) -> None:
         """Write what the rate limiter still holds back (when the bus closes)."""
-        for window in self._windows.values():
+        with self._lock:
+            windows = list(self._windows.values())
+            self._windows.clear()
+        for window in windows:
             self._tell_suppressed(window)
-        self._windows.clear()
 
     def _tell_suppressed(self, window: _Window) -> None:
         if not window.suppressed:

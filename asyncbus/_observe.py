@@ -7,7 +7,6 @@ reads them, so the integrations (tracing, metrics, the admin app) and
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -102,10 +101,4 @@ def on_loop(bus: Bus, read: Callable[[], T]) -> T:
     A scrape made from another thread (a metrics server thread) waits for the loop to
     run it; on the loop thread, or when the bus is not running, it runs here.
     """
-    portal = bus._portal
-    if portal is None or threading.get_ident() == bus._loop_thread:
-        return read()
-    try:
-        return portal.call(read)
-    except RuntimeError:  # the portal stopped meanwhile: the bus is closing, nothing moves
-        return read()
+    return bus._on_loop(read)

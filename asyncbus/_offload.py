@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -27,6 +28,7 @@ __all__ = [
     "offloaded_envelope",
     "release_switch_interval",
     "run_niced",
+    "thread_pool_reason",
 ]
 
 # Set in a worker thread's own context (a copy of the consumer's) to the envelope its
@@ -176,6 +178,9 @@ def _loop_call_soon() -> Callable[..., None]:
 
 #: A GIL hand-over interval that keeps the loop's lag low beside busy worker threads.
 SWITCH_INTERVAL = 0.0005
+# Process-wide, and two buses may start or stop at once on two threads (each on its
+# own event loop): the count and the saved value change together, under the lock.
+_switch_lock = threading.Lock()
 _switch_holders = 0
 _switch_saved: float | None = None
 
@@ -193,22 +198,43 @@ def hold_switch_interval(seconds: float) -> None:
     global _switch_holders, _switch_saved
     if _free_threaded():
         return
-    if _switch_holders == 0:
-        _switch_saved = sys.getswitchinterval()
-    if sys.getswitchinterval() > seconds:
-        sys.setswitchinterval(seconds)
-    _switch_holders += 1
+    with _switch_lock:
+        if _switch_holders == 0:
+            _switch_saved = sys.getswitchinterval()
+        if sys.getswitchinterval() > seconds:
+            sys.setswitchinterval(seconds)
+        _switch_holders += 1
 
 
 def release_switch_interval() -> None:
     """Undo one :func:`hold_switch_interval`."""
     global _switch_holders, _switch_saved
-    if _free_threaded() or _switch_holders == 0:
+    if _free_threaded():
         return
-    _switch_holders -= 1
-    if _switch_holders == 0 and _switch_saved is not None:
-        sys.setswitchinterval(_switch_saved)
-        _switch_saved = None
+    with _switch_lock:
+        if _switch_holders == 0:
+            return
+        _switch_holders -= 1
+        if _switch_holders == 0 and _switch_saved is not None:
+            sys.setswitchinterval(_switch_saved)
+            _switch_saved = None
+
+
+def thread_pool_reason() -> str:
+    """Why sync handlers on the worker thread pool do or do not run in parallel here."""
+    if _free_threaded():
+        return "this is a free-threaded build with the GIL off, so they run in parallel"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return (
+            "this is a free-threaded build but the GIL is on (PYTHON_GIL=1, or an extension "
+            "module without free-threading support turned it on), so CPU-bound ones take "
+            "turns; offload='process' runs them in parallel"
+        )
+    return (
+        "this build has the GIL, so CPU-bound ones take turns (blocking I/O still "
+        "overlaps); offload='process' runs them in parallel, as does a free-threaded "
+        "build (3.13t)"
+    )
 
 
 def _free_threaded() -> bool:

@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import cpu_stages
 import pytest
 
 import asyncbus
@@ -101,6 +103,17 @@ def test_the_bench_help_names_the_broker_benchmarks(capsys: pytest.CaptureFixtur
     assert text.startswith("usage: python -m asyncbus bench [-h] [--quick]")
     assert "'python -m asyncbus bench brokers' (Redis Streams and NATS JetStream vs" in text
     assert "'python -m asyncbus bench rabbit' (RabbitMQ vs hand-written aio-pika)" in text
+
+
+def test_the_cpu_stages_benchmark_is_a_bench_subcommand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        asyncbus_main(["bench", "cpu", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: python -m asyncbus bench cpu [-h]")
+    assert "--scaling" in text and "--free-threaded PYTHON" in text
 
 
 def test_the_rabbit_benchmark_is_a_bench_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -275,3 +288,63 @@ def test_hot_path_costs_replaces_each_piece_of_a_publish_and_reports_it() -> Non
     assert done.returncode == 0, done.stderr
     for variant in ("as it is", "id constant", "envelope constant", "receipt constant"):
         assert re.search(rf"^  {variant} +[\d.]+", done.stdout, re.M), done.stdout
+
+
+def _scaling_results(free_threaded: bool, ft_wall_2: float, ft_overhead: float) -> tuple[Any, Any]:
+    gil = {
+        "walls": {"serial": 1.0, "thread/2": 1.0, "process/2": 0.55},
+        "overhead_us": {"thread": 100.0, "process": 300.0},
+    }
+    free = {
+        "free_threaded": free_threaded,
+        "gil": "off" if free_threaded else "on",
+        "walls": {"serial": 1.0, "thread/2": ft_wall_2},
+        "overhead_us": {"thread": ft_overhead},
+    }
+    return gil, free
+
+
+@pytest.mark.parametrize(
+    ("free_threaded", "wall_2", "overhead", "passed", "fails"),
+    [
+        (True, 0.5, 140.0, True, 0),  # 2.0x serial; 1.4x the GIL build's overhead
+        (True, 0.6, 140.0, False, 1),  # 1.67x serial
+        (True, 0.5, 160.0, False, 1),  # 1.6x the GIL build's overhead
+        (False, 0.5, 140.0, False, 1),  # not free-threaded at all
+    ],
+)
+def test_the_cpu_scaling_check_judges_both_targets(
+    free_threaded: bool,
+    wall_2: float,
+    overhead: float,
+    passed: bool,
+    fails: int,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gil, free = _scaling_results(free_threaded, wall_2, overhead)
+    assert cpu_stages.check_scaling(gil, free) is passed
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == fails
+    assert "INFO  GIL build, process offload, 2 workers: 1.82x serial" in out
+
+
+def test_the_cpu_scaling_check_fails_without_a_free_threaded_interpreter(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gil, _ = _scaling_results(True, 0.5, 100.0)
+    assert cpu_stages.check_scaling(gil, None) is False
+    assert "FAIL  no free-threaded interpreter was measured" in capsys.readouterr().out
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(300)
+def test_the_cpu_scaling_run_measures_each_interpreter_in_a_process_of_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # This interpreter stands in for both builds: the table comes out, the check fails
+    # (unless this interpreter is free-threaded and the machine fast enough).
+    argv = ["--scaling", "--quick", "--repeats", "3", "--free-threaded", sys.executable]
+    status = cpu_stages.main(argv)
+    out = capsys.readouterr().out
+    assert "interpreter" in out and "vs serial" in out and "overhead µs/msg" in out
+    assert status == 0  # without --check, only reported

@@ -128,7 +128,7 @@ async def test_a_topic_nobody_subscribes_to_is_logged_once_per_interval_with_a_c
     bus = Bus()
     clock = FakeClock()
     bus._services.failure_log.clock = clock
-    bus.subscribe("orders.created", lambda order: None, group="audit")
+    bus.subscribe("orders.created", lambda order: None, group="audit", offload="inline")
 
     with anyio.fail_after(10):
         async with bus:

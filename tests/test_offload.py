@@ -21,7 +21,7 @@ import pytest
 from anyio.abc import TaskStatus
 
 import asyncbus
-from asyncbus import Bus, DeadLetterReason, Envelope, Handler, Receipt, middleware
+from asyncbus import Bus, DeadLetterReason, Envelope, Receipt
 
 pytestmark = pytest.mark.anyio
 
@@ -32,6 +32,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.append(_TESTS_DIR)
 process_handlers = importlib.import_module("_process_handlers")
+cancel_once_the_slot_is_taken = importlib.import_module("_cancelling").cancel_once_the_slot_is_taken
 
 
 class ConcurrencyGauge:
@@ -426,23 +427,6 @@ def test_process_settings_are_checked() -> None:
         Bus(worker_niceness=1.5)  # type: ignore[arg-type]
 
 
-@middleware
-async def cancel_once_the_slot_is_taken(env: Envelope, call_next: Handler) -> Any:
-    """Cancel the handler at its first yield: just after it took a worker slot.
-
-    The pool takes the slot, then yields once before it hands the call to a thread;
-    a helper task started here runs at that yield and cancels, so the cancellation
-    lands after the slot is taken and before any thread started.
-    """
-
-    async def cancel(scope: anyio.CancelScope) -> None:
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(cancel, tg.cancel_scope)
-        return await call_next(env)
-
-
 async def test_a_cancellation_before_the_thread_starts_hands_the_slot_back(
     anyio_backend: tuple[str, dict[str, Any]],
 ) -> None:
@@ -527,10 +511,10 @@ started = threading.Event()
 async def main():
     bus = Bus(workers=1)
 
-    @bus.subscribe("slow", group="g", timeout=0.05)
+    @bus.subscribe("slow", group="g", timeout=0.5)  # time for the thread to start, when busy
     def slow(_):
         started.set()
-        time.sleep(1.0)  # still running when the bus has closed
+        time.sleep(2.0)  # still running when the bus has closed
 
     async with bus:
         await bus.publish("slow")

@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
             "The brokers end to end, on local servers (see --help there): "
             "'python -m asyncbus bench brokers' (Redis Streams and NATS JetStream vs "
             "hand-written clients and FastStream) and 'python -m asyncbus bench rabbit' "
-            "(RabbitMQ vs hand-written aio-pika)."
+            "(RabbitMQ vs hand-written aio-pika). CPU-bound stages, thread and process "
+            "offload, on this interpreter and a free-threaded one: 'python -m asyncbus "
+            "bench cpu'."
         ),
     )
     parser.add_argument("--quick", action="store_true", help="small counts, 3 rounds (< 1 min)")
