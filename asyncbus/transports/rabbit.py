@@ -127,6 +127,7 @@ import anyio.lowlevel
 
 from .._dead_letters import DeadLetter, dead_letter_key
 from .._envelope import Envelope
+from .._groups import GroupInfo
 from .._exceptions import (
     ConfigurationError,
     ConnectError,
@@ -164,6 +165,7 @@ from ._rabbit_consumer import (
     spurious_cancel,
 )
 from ._rabbit_dead_letters import STALE, DeadLetterNews, DeadLetterScan
+from . import _rabbit_groups
 from ._rabbit_groups import GroupRegister
 from ._rabbit_names import (
     KEY_LIMIT,
@@ -1344,6 +1346,18 @@ class RabbitTransport(Transport):
                 else:
                     wait = min(wait, first._deadline - now)
             await anyio.sleep(max(wait, 0.001))
+
+    # -- groups ---------------------------------------------------------------
+
+    async def groups(self) -> list[GroupInfo]:
+        """The groups recorded in the broker's register whose queue exists (request
+        inboxes aside), with the messages ready in it and its consumers."""
+        return await _rabbit_groups.list_groups(self)
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the group's queue (binding and messages), tell every process, and
+        drop it from the register (see :mod:`._rabbit_groups`)."""
+        return await _rabbit_groups.delete_group(self, pattern, group)
 
     # -- backlog --------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Layout of the keys (all under ``prefix``):
   one consumer group (``group``) on it. Pattern and group are percent-escaped (``@``,
   ``%``, spaces, braces...), so two bindings never share a key.
 * ``{prefix}:bindings``: hash of binding stream key to ``[pattern, group]``, written by
-  ``subscribe``; ``{prefix}:bindings:version`` changes on every registration.
+  ``subscribe``; ``{prefix}:bindings:version`` changes on every registration and
+  deletion (listing and deleting groups: :mod:`._redis_groups`).
 * ``{prefix}:delayed``: sorted set of delayed retries by due time (ms), each one a hash
   ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
   counts them per stream (for :meth:`RedisTransport.backlog`).
@@ -29,9 +30,10 @@ How it works:
   is that one call. Publishes from concurrent tasks share it (a group commit,
   :mod:`._coalesce`): one writer task writes all that arrived during its last write,
   and each publish returns once the write holding it succeeded (``publish_timeout``
-  bounds each batch, queued time included). When the version moved
-  (a binding was added anywhere), the bindings are read again and the streams missed
-  are written too, so a binding registered before a publish always receives it. A
+  bounds each batch, queued time included). The script writes only if the version is
+  the one the routes were made from; when it moved (a binding was added or deleted
+  anywhere), the bindings are read again and the batch routed anew, so a binding
+  registered before a publish always receives it and one deleted never does. A
   publish through :meth:`RedisTransport.publish_routed` (the bus's) that no binding
   matched is stored as a ``no_subscribers`` dead letter instead.
 * **Reading.** A consumer reads with ``XREADGROUP COUNT <room>`` (its free prefetch),
@@ -97,6 +99,7 @@ from .._checks import check_count
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, TransportError
+from .._groups import GroupInfo
 from .._routing import compile_pattern, validate_topic
 from . import _redis_scripts
 from ._coalesce import Coalescer
@@ -122,6 +125,7 @@ from ._kit import (
 )
 from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
+from ._redis_groups import RedisGroups
 from ._wire_fields import group_from_wire
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -468,6 +472,7 @@ class RedisTransport(Transport):
         self._delayed_counts_key = f"{prefix}:delayed:counts"
         self._dead_key = f"{prefix}:deadletters"
         self._shared_dead = RedisDeadLetters(self, self._dead_key)
+        self._groups = RedisGroups(self, _SENTINEL)
         self._inboxes_key = f"{prefix}:inboxes"
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
@@ -766,8 +771,8 @@ class RedisTransport(Transport):
     async def _write_publishes(self, batch: list[_Publish]) -> None:
         """Write a batch of publishes with one script that also reads the bindings' version.
 
-        When the version moved (a binding was added anywhere), the bindings are read
-        again and the streams missed are written too. The coalescer bounds it by the
+        When the version moved (a binding was added or deleted anywhere), nothing is
+        written: the bindings are read again and the batch routed anew. The coalescer bounds it by the
         batch's ``publish_timeout``: a writer stuck on a silent server would hold up
         every publish.
         """
@@ -805,10 +810,12 @@ class RedisTransport(Transport):
                 args[count_at] = grouped
                 for meta, body in wire:
                     args += (meta, body)
-            version = await self._scripts["PUBLISH"](keys=keys, args=args)
-            for done, streams in zip(written, targets, strict=True):
-                done.update(streams)
-            if version == self._version:
+            # Written only if the bindings are still those of the routes (a group
+            # deleted since must not be written to, nor named).
+            reply = await self._scripts["PUBLISH"](keys=keys, args=[self._version or b"", *args])
+            if int(reply[0]):
+                for done, streams in zip(written, targets, strict=True):
+                    done.update(streams)
                 return
             await self._load_bindings()
 
@@ -1230,7 +1237,7 @@ class RedisTransport(Transport):
             self._delay_wake = anyio.Event()
             try:
                 reply = await self._scripts["MOVE_DUE"](
-                    keys=[self._delayed_key, self._delayed_counts_key],
+                    keys=[self._delayed_key, self._delayed_counts_key, self._bindings_key],
                     args=[int(time.time() * 1000), _DELAY_BATCH],
                 )
             except Exception as error:  # keep moving whatever went wrong once
@@ -1273,6 +1280,18 @@ class RedisTransport(Transport):
             )
             waiting = 0
         return int(length) + max(waiting, 0)
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every binding under the prefix (request inboxes aside), with its backlog, its
+        consumers (idle less than twice ``ack_timeout``) and their last activity."""
+        try:
+            return await self._groups.groups()
+        except self._errors.RedisError as error:
+            raise self._failed("listing the groups", error) from error
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the binding (``pattern``, ``group``), its stream and delayed retries."""
+        return await self._groups.delete_group(pattern, group)
 
     def _queue_dead_letter(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
         if self.settings.dead_letter_maxlen <= 0:
