@@ -44,6 +44,14 @@ from ._exceptions import (
     not_started,
 )
 from ._failures import describe_error, loop_closing, stray_cancellation
+from ._groups import (
+    GroupInfo,
+    delete_group,
+    list_groups,
+    local_groups,
+    no_admin,
+    subscribed_here,
+)
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
@@ -62,7 +70,7 @@ from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
-from .transports.base import Transport
+from .transports.base import GroupAdmin, Transport
 
 __all__ = ["DEADLETTER_TOPIC", "Bus"]
 
@@ -1240,6 +1248,60 @@ class Bus:
             dead_letter_queue=len(self.dead_letters),
             free_threaded=FREE_THREADED,
         )
+
+    # -- groups -----------------------------------------------------------------
+
+    async def groups(self) -> list[GroupInfo]:
+        """The groups bound per topic pattern, with their backlog and consumers.
+
+        In memory, this bus's stages. Over a broker, every group the broker keeps under
+        the transport's prefix, every process's (read from the broker now, as
+        ``drain()`` reads backlogs), ``local`` for those this process subscribes to.
+        Sorted by pattern, then group.
+
+        :raises BusClosedError: over a broker, when the bus is not running.
+        :raises TransportError: when the transport cannot list groups, or the broker fails.
+        """
+        admin = self._group_admin()
+        if admin is None:
+            await checkpoint()
+            return local_groups(self._stages.values())
+        return list_groups(await admin.groups(), self._stages)
+
+    async def delete_group(self, pattern: str, group: str, *, force: bool = False) -> bool:
+        """Delete the group (``pattern``, ``group``) and its backlog from the broker.
+
+        For a group nothing reads any more (its handler was renamed, its service
+        retired): later publishes neither reach it nor name it in their receipts, and
+        nothing accumulates for it. A process that still subscribes to it binds it
+        again, so stop those first.
+
+        :param force: delete it although the broker counts consumers reading it.
+        :returns: whether the group existed.
+        :raises ConfigurationError: when this bus subscribes to it, or (unless
+            ``force``) other processes' consumers read it.
+        :raises BusClosedError: over a broker, when the bus is not running.
+        :raises TransportError: when the transport cannot delete groups, or the broker fails.
+        """
+        mine = (pattern, group) in self._stages
+        admin = self._group_admin()
+        if admin is None:
+            await checkpoint()
+            if mine:
+                raise subscribed_here(pattern, group)
+            return False  # in memory a group is a stage of this bus
+        return await delete_group(admin, pattern, group, force=force, mine=mine)
+
+    def _group_admin(self) -> GroupAdmin | None:
+        """The transport's :class:`GroupAdmin` side over a broker (``None`` in memory)."""
+        transport = self.transport
+        if transport is None or transport.direct:
+            return None
+        if not isinstance(transport, GroupAdmin):
+            raise no_admin(transport.name)
+        if not self.running and self._state != "closing":
+            raise BusClosedError("the bus is not running: use `async with bus:` first")
+        return transport
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"

@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     from ._stage import Stage
     from .transports.base import GroupAdmin
 
-__all__ = ["GroupInfo", "delete_group", "list_groups", "local_groups"]
+__all__ = [
+    "GroupInfo",
+    "delete_group",
+    "list_groups",
+    "local_groups",
+    "no_admin",
+    "since",
+    "subscribed_here",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +103,7 @@ async def delete_group(
         ``force``) the broker counts consumers reading it.
     """
     if mine:
-        raise ConfigurationError(
-            f"group {group!r} on {pattern!r} is subscribed in this process: it cannot be "
-            "deleted while its subscription runs (delete it from a process that does not "
-            "subscribe to it, e.g. `python -m asyncbus groups delete`)"
-        )
+        raise subscribed_here(pattern, group)
     if not force:
         for info in await admin.groups():
             if (info.pattern, info.group) == (pattern, group) and info.consumers:
@@ -109,6 +113,15 @@ async def delete_group(
                     "or pass force=True"
                 )
     return await admin.delete_group(pattern, group)
+
+
+def subscribed_here(pattern: str, group: str) -> ConfigurationError:
+    """The error of deleting a group this process subscribes to."""
+    return ConfigurationError(
+        f"group {group!r} on {pattern!r} is subscribed in this process: it cannot be "
+        "deleted while its subscription runs (delete it from a process that does not "
+        "subscribe to it, e.g. `python -m asyncbus groups delete`)"
+    )
 
 
 def no_admin(name: str) -> TransportError:
