@@ -127,14 +127,15 @@ import anyio.lowlevel
 
 from .._dead_letters import DeadLetter, dead_letter_key
 from .._envelope import Envelope
-from .._groups import GroupInfo
 from .._exceptions import (
     ConfigurationError,
     ConnectError,
     EncodeError,
     TransportError,
 )
+from .._groups import GroupInfo
 from .._routing import validate_topic
+from . import _rabbit_groups
 from ._codec import (
     Codec,
     dead_letter_to_wire,
@@ -165,7 +166,6 @@ from ._rabbit_consumer import (
     spurious_cancel,
 )
 from ._rabbit_dead_letters import STALE, DeadLetterNews, DeadLetterScan
-from . import _rabbit_groups
 from ._rabbit_groups import GroupRegister
 from ._rabbit_names import (
     KEY_LIMIT,

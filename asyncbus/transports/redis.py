@@ -8,6 +8,8 @@ Layout of the keys (all under ``prefix``):
 * ``{prefix}:bindings``: hash of binding stream key to ``[pattern, group]``, written by
   ``subscribe``; ``{prefix}:bindings:version`` changes on every registration and
   deletion (listing and deleting groups: :mod:`._redis_groups`).
+* ``{prefix}:readers``: hash of ``{stream} {consumer}`` to ``{seen ms}:{until ms}``,
+  which consumers read each binding (written every ``claim_interval``), for listings.
 * ``{prefix}:delayed``: sorted set of delayed retries by due time (ms), each one a hash
   ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
   counts them per stream (for :meth:`RedisTransport.backlog`).
@@ -87,7 +89,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
@@ -472,7 +474,7 @@ class RedisTransport(Transport):
         self._delayed_counts_key = f"{prefix}:delayed:counts"
         self._dead_key = f"{prefix}:deadletters"
         self._shared_dead = RedisDeadLetters(self, self._dead_key)
-        self._groups = RedisGroups(self, _SENTINEL)
+        self._groups = RedisGroups(self)
         self._inboxes_key = f"{prefix}:inboxes"
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
@@ -772,9 +774,9 @@ class RedisTransport(Transport):
         """Write a batch of publishes with one script that also reads the bindings' version.
 
         When the version moved (a binding was added or deleted anywhere), nothing is
-        written: the bindings are read again and the batch routed anew. The coalescer bounds it by the
-        batch's ``publish_timeout``: a writer stuck on a silent server would hold up
-        every publish.
+        written: the bindings are read again and the batch routed anew. The coalescer
+        bounds it by the batch's ``publish_timeout``: a writer stuck on a silent server
+        would hold up every publish.
         """
         if self._bindings is None:
             await self._load_bindings()
@@ -848,6 +850,8 @@ class RedisTransport(Transport):
         checked_prefetch(prefetch)
         stream = await self._bind(pattern, group)
         consumer = _Consumer(self, pattern, group, stream, prefetch)
+        if not _is_inbox(group):
+            await self._told(self._groups.tell_reading([consumer]))
         self._consumers.add(consumer)
         if self.keep_alive and self._tasks.running:
             self._tasks.start_soon(self._keep_alive, consumer)
@@ -1112,6 +1116,8 @@ class RedisTransport(Transport):
         if _is_inbox(consumer.group):
             await self._drop_inbox(consumer)
             return
+        with anyio.move_on_after(_RELEASE_TIMEOUT):
+            await self._told(self._groups.tell_reading([consumer], ending=True))
         released = 0
         with anyio.move_on_after(_RELEASE_TIMEOUT):
             try:
@@ -1187,6 +1193,8 @@ class RedisTransport(Transport):
             consumers = list(self._consumers)
             if not consumers:
                 continue
+            readers = [c for c in consumers if not _is_inbox(c.group)]
+            await self._told(self._groups.tell_reading(readers))
             try:
                 found = await self._redis().hmget(self._bindings_key, [c.stream for c in consumers])
                 for consumer, binding in zip(consumers, found, strict=True):
@@ -1199,6 +1207,14 @@ class RedisTransport(Transport):
                         await self._bind_raw(consumer.pattern, consumer.group)
             except Exception as error:  # keep going: the next round tries again
                 logger.debug("Redis: looking at the bindings failed: %s", error)
+
+    async def _told(self, telling: Awaitable[None]) -> None:
+        """Await ``telling`` (which consumers read: for listings); a failure is logged
+        only, it stops nothing."""
+        try:
+            await telling
+        except Exception as error:
+            logger.debug("Redis: telling which consumers read failed: %s", error)
 
     async def _keep_alive(self, consumer: _Consumer) -> None:
         """Reset the idle time of what ``consumer`` holds, until it leaves."""
