@@ -1,0 +1,86 @@
+"""``bus.groups()`` and ``bus.delete_group()`` in memory, and over the in-process broker
+(``MemoryTransport(direct=False)``, which keeps groups the way a broker does)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from asyncbus import Bus, BusClosedError, ConfigurationError, GroupInfo, MemoryTransport
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+
+async def test_in_memory_the_groups_are_the_stages_of_the_bus() -> None:
+    bus = Bus()
+    release = anyio.Event()
+
+    @bus.subscribe("orders.*", group="mailer", concurrency=2)
+    async def mail(n: int) -> None:
+        await release.wait()
+
+    @bus.subscribe("audit", group="auditor")
+    async def audit(n: int) -> None:
+        pass
+
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(5):
+                await bus.publish("orders.created", n)
+            listed = await bus.groups()
+            assert listed == [
+                GroupInfo("audit", "auditor", 0, 1, None, True),
+                GroupInfo("orders.*", "mailer", 5, 2, None, True),
+            ]
+            assert listed[1].name == "orders.*@mailer"
+            with pytest.raises(ConfigurationError, match="subscribed in this process"):
+                await bus.delete_group("orders.*", "mailer")
+            assert await bus.delete_group("orders.*", "nobody") is False
+            release.set()
+
+
+async def test_a_renamed_handlers_old_group_is_deleted_over_the_in_process_broker() -> None:
+    transport = MemoryTransport(direct=False)
+    old = Bus(transport=transport)
+
+    @old.subscribe("orders.*", group="old")
+    async def gone(n: int) -> None:
+        raise AssertionError("the old group's bus is closed")
+
+    with anyio.fail_after(10):
+        async with old:
+            await old.subscribed()
+        bus = Bus(transport=transport)
+        handled: list[int] = []
+
+        @bus.subscribe("orders.*", group="new")
+        async def handle(n: int) -> None:
+            handled.append(n)
+
+        async with bus:
+            await bus.subscribed()
+            receipts = [await bus.publish("orders.created", n) for n in range(3)]
+            assert {receipt.accepted for receipt in receipts} == {
+                ("orders.*@new", "orders.*@old")
+            }
+            await bus.drain(timeout=5)
+            assert [
+                (info.name, info.backlog, info.consumers, info.local)
+                for info in await bus.groups()
+            ] == [("orders.*@new", 0, 1, True), ("orders.*@old", 3, 0, False)]
+            with pytest.raises(ConfigurationError):
+                await bus.delete_group("orders.*", "new")
+            assert await bus.delete_group("orders.*", "old") is True
+            assert await bus.delete_group("orders.*", "old") is False
+            assert (await bus.publish("orders.created", 3)).accepted == ("orders.*@new",)
+            await bus.drain(timeout=5)
+            assert handled == [0, 1, 2, 3]
+            assert [info.name for info in await bus.groups()] == ["orders.*@new"]
+
+
+async def test_over_a_broker_groups_need_the_bus_running() -> None:
+    bus = Bus(transport=MemoryTransport(direct=False))
+    with pytest.raises(BusClosedError):
+        await bus.groups()
+    with pytest.raises(BusClosedError):
+        await bus.delete_group("orders.*", "old")
