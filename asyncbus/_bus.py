@@ -55,6 +55,7 @@ from ._groups import (
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
+from ._modes.stale_groups import check_stale_after
 from ._offload import (
     WorkerPool,
     hold_switch_interval,
@@ -236,6 +237,11 @@ class Bus:
     :param propagate_contextvars: context variables whose values a publish carries to
         the handlers of what it published (set in the handler's context while it
         handles the envelope), in memory only: over a broker nothing is carried.
+    :param stale_group_after: over a broker whose transport lists its groups, warn
+        (on the ``asyncbus.groups`` logger, once per group per that many seconds) when
+        a publish reaches a group of other processes that has had no consumer for that
+        many seconds: a group left behind by a renamed or retired handler. ``None``
+        turns the watch off.
     :raises ConfigurationError: for a value that cannot work (NaN or an infinite TTL,
         a negative size, middleware that is not a sequence of callables, ...).
     """
@@ -253,6 +259,7 @@ class Bus:
         propagate_contextvars: Sequence[ContextVar[Any]] = (),
         switch_interval: float | None = None,
         worker_niceness: int | None = None,
+        stale_group_after: float | None = 3600.0,
     ) -> None:
         workers = check_count(
             workers if workers is not None else (os.cpu_count() or 1), "Bus: workers", 1
@@ -286,7 +293,13 @@ class Bus:
         self._observers: list[Callable[[Envelope], None]] = []
         #: In memory or over a broker: chosen here, once.
         self._mode: Mode = choose_mode(
-            transport, self._router, self._stages_by_name, self._services, self._observers, codec
+            transport,
+            self._router,
+            self._stages_by_name,
+            self._services,
+            self._observers,
+            codec,
+            check_stale_after(stale_group_after),
         )
         #: The event loop's clock (see ``_clock.py``), read for every duration the bus
         #: decides on; the running loop's own from start on.

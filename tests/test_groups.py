@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import pytest
 
@@ -60,13 +62,10 @@ async def test_a_renamed_handlers_old_group_is_deleted_over_the_in_process_broke
         async with bus:
             await bus.subscribed()
             receipts = [await bus.publish("orders.created", n) for n in range(3)]
-            assert {receipt.accepted for receipt in receipts} == {
-                ("orders.*@new", "orders.*@old")
-            }
+            assert {receipt.accepted for receipt in receipts} == {("orders.*@new", "orders.*@old")}
             await bus.drain(timeout=5)
             assert [
-                (info.name, info.backlog, info.consumers, info.local)
-                for info in await bus.groups()
+                (info.name, info.backlog, info.consumers, info.local) for info in await bus.groups()
             ] == [("orders.*@new", 0, 1, True), ("orders.*@old", 3, 0, False)]
             with pytest.raises(ConfigurationError):
                 await bus.delete_group("orders.*", "new")
@@ -84,3 +83,44 @@ async def test_over_a_broker_groups_need_the_bus_running() -> None:
         await bus.groups()
     with pytest.raises(BusClosedError):
         await bus.delete_group("orders.*", "old")
+
+
+def test_a_group_is_stale_once_it_had_no_consumer_for_the_threshold() -> None:
+    from asyncbus._modes.stale_groups import StaleGroups
+
+    watch = StaleGroups(MemoryTransport(direct=False), 60.0, {"mine@here"})
+    read = GroupInfo("orders.*", "read", 0, 1, 0.0)
+    told = GroupInfo("orders.*", "told", 5, 0, 1000.0)  # last active at 1000 (broker says)
+    unknown = GroupInfo("orders.*", "unknown", 5, 0, None)  # since first seen without one
+    mine = GroupInfo("mine", "here", 5, 0, None)
+    watch.update([read, told, unknown, mine], 1030.0)
+    assert watch.stale == {}
+    watch.update([read, told, unknown, mine], 1060.0)
+    assert watch.stale == {"orders.*@told": 1000.0}
+    watch.update([read, told, unknown, mine], 1090.0)
+    assert watch.stale == {"orders.*@told": 1000.0, "orders.*@unknown": 1030.0}
+    # A consumer came back: no longer stale, and the count starts again without one.
+    watch.update([read, GroupInfo("orders.*", "unknown", 5, 1, None)], 1100.0)
+    assert watch.stale == {}
+    watch.update([read, unknown], 1150.0)
+    assert watch.stale == {}
+
+
+def test_a_stale_group_is_warned_of_once_per_threshold(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from asyncbus._modes.stale_groups import StaleGroups
+
+    watch = StaleGroups(MemoryTransport(direct=False), 60.0, ())
+    watch.update([GroupInfo("orders.*", "old", 5, 0, 0.0)], 100.0)
+    with caplog.at_level(logging.WARNING, logger="asyncbus.groups"):
+        watch.reached("orders.created", ("orders.*@new", "orders.*@old"))
+        watch.reached("orders.created", ("orders.*@old",))
+    (record,) = caplog.records
+    assert (record.stage, record.topic) == ("orders.*@old", "orders.created")  # type: ignore[attr-defined]
+
+
+def test_stale_group_after_is_checked() -> None:
+    for wrong in (0, -1.0, float("nan"), float("inf"), "1"):
+        with pytest.raises(ConfigurationError, match="stale_group_after"):
+            Bus(stale_group_after=wrong)  # type: ignore[arg-type]

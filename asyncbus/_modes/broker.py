@@ -21,10 +21,11 @@ from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
-from ..transports.base import DedupStoreProvider, Transport, TransportSettings
+from ..transports.base import DedupStoreProvider, GroupAdmin, Transport, TransportSettings
 from .dead_letters import BrokerStore, watch
 from .local import LocalMode
 from .mode import CLOSE_GRACE, INBOX, Progress
+from .stale_groups import StaleGroups
 
 __all__ = ["BrokerMode", "over_broker", "split_stage_name"]
 
@@ -58,8 +59,18 @@ class BrokerMode:
 
     admits_inline = False
 
-    def __init__(self, transport: Transport, local: LocalMode, codec: object | None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        local: LocalMode,
+        codec: object | None,
+        stale_group_after: float | None = None,
+    ) -> None:
         self.transport = transport
+        #: Seconds without a consumer after which a group reached is warned of.
+        self.stale_group_after = stale_group_after
+        #: The watcher of stale groups while the bus runs (``None``: not watched).
+        self.stale_groups: StaleGroups | None = None
         #: The transport and the optional protocols it implements, looked up once.
         self.port = BoundTransport.of(transport)
         self.codec = cast("Codec | None", codec)
@@ -85,6 +96,12 @@ class BrokerMode:
             )
         )
         await stack.enter_async_context(broker)
+        self.stale_groups = None
+        if self.stale_group_after is not None and isinstance(broker, GroupAdmin):
+            self.stale_groups = StaleGroups(broker, self.stale_group_after, self.local.stages)
+            watching = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(watching.cancel_scope.cancel)  # (callbacks run first: LIFO)
+            watching.start_soon(self.stale_groups.watch)
         port = self.port
         if port.shared is None:
             # A store of this process's making (or none): loaded once, kept here.
@@ -219,6 +236,8 @@ class BrokerMode:
             self.host.dead_letter(
                 envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
             )
+        elif (stale := self.stale_groups) is not None and stale.stale:
+            stale.reached(envelope.topic, reached)
         return make_receipt(envelope.id, reached)
 
     async def send_many(
@@ -260,6 +279,8 @@ class BrokerMode:
                 self.host.dead_letter(
                     envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
                 )
+        elif (stale := self.stale_groups) is not None and stale.stale:
+            stale.reached(topic, reached)
         return make_receipts(listed, reached)
 
     async def send_none(self) -> list[Receipt]:

@@ -8,6 +8,8 @@ process and in a process that only learns of the deletion from the broker.
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import pytest
 from _kinds import make_transport  # type: ignore[import-not-found]
@@ -140,3 +142,29 @@ async def _with_a_consumer(bus: Bus) -> list[GroupInfo]:
         if all(info.consumers for info in listed):
             return listed
         await anyio.sleep(0.05)
+
+
+async def test_a_publish_reaching_a_group_without_consumers_is_warned_of_once_per_interval(
+    kind: str, url: str, unique_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _bind_old_group(kind, url, unique_prefix)
+    caplog.set_level(logging.WARNING, logger="asyncbus.groups")
+
+    def warnings() -> list[logging.LogRecord]:
+        return [record for record in caplog.records if record.name == "asyncbus.groups"]
+
+    with anyio.fail_after(60):
+        async with Bus(
+            transport=make_transport(kind, url, unique_prefix), stale_group_after=1.0
+        ) as publisher:
+            published = 0
+            while not warnings():  # the watcher reads the groups every half second
+                await publisher.publish("orders.created", published)
+                published += 1
+                await anyio.sleep(0.05)
+            (warning,) = warnings()
+            assert (warning.stage, warning.topic) == ("orders.*@old", "orders.created")  # type: ignore[attr-defined]
+            assert "has had no consumer" in warning.getMessage()
+            # Within the interval, the group is not warned of again.
+            await publisher.publish("orders.created", published)
+            assert len(warnings()) == 1
