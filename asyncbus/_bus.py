@@ -44,14 +44,7 @@ from ._exceptions import (
     not_started,
 )
 from ._failures import describe_error, loop_closing, stray_cancellation
-from ._groups import (
-    GroupInfo,
-    delete_group,
-    list_groups,
-    local_groups,
-    no_admin,
-    subscribed_here,
-)
+from ._groups import GroupInfo
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
@@ -71,7 +64,7 @@ from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
-from .transports.base import GroupAdmin, Transport
+from .transports.base import Transport
 
 __all__ = ["DEADLETTER_TOPIC", "Bus"]
 
@@ -1275,11 +1268,7 @@ class Bus:
         :raises BusClosedError: over a broker, when the bus is not running.
         :raises TransportError: when the transport cannot list groups, or the broker fails.
         """
-        admin = self._group_admin()
-        if admin is None:
-            await checkpoint()
-            return local_groups(self._stages.values())
-        return list_groups(await admin.groups(), self._stages)
+        return await self._mode.groups(self._state in ("running", "closing"))
 
     async def delete_group(self, pattern: str, group: str, *, force: bool = False) -> bool:
         """Delete the group (``pattern``, ``group``) and its backlog from the broker.
@@ -1296,25 +1285,9 @@ class Bus:
         :raises BusClosedError: over a broker, when the bus is not running.
         :raises TransportError: when the transport cannot delete groups, or the broker fails.
         """
-        mine = (pattern, group) in self._stages
-        admin = self._group_admin()
-        if admin is None:
-            await checkpoint()
-            if mine:
-                raise subscribed_here(pattern, group)
-            return False  # in memory a group is a stage of this bus
-        return await delete_group(admin, pattern, group, force=force, mine=mine)
-
-    def _group_admin(self) -> GroupAdmin | None:
-        """The transport's :class:`GroupAdmin` side over a broker (``None`` in memory)."""
-        transport = self.transport
-        if transport is None or transport.direct:
-            return None
-        if not isinstance(transport, GroupAdmin):
-            raise no_admin(transport.name)
-        if not self.running and self._state != "closing":
-            raise BusClosedError("the bus is not running: use `async with bus:` first")
-        return transport
+        return await self._mode.delete_group(
+            pattern, group, force, self._state in ("running", "closing")
+        )
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"

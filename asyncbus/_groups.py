@@ -4,23 +4,24 @@ A group outlives the code that made it: over a broker, a handler renamed (its de
 group is its ``module:qualname``) leaves its old group bound, still given every
 matching publish. :func:`list_groups` and :func:`delete_group` are what the bus (and the
 ``python -m asyncbus groups`` command) do about it; the broker side is the optional
-:class:`~asyncbus.transports.base.GroupAdmin` protocol of each transport.
+:class:`GroupAdmin` protocol of each transport (re-exported by
+:mod:`asyncbus.transports.base`, with the other optional protocols).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ._exceptions import ConfigurationError, TransportError
 
 if TYPE_CHECKING:
-    from ._stage import Stage
-    from .transports.base import GroupAdmin
+    from ._stats import StageStatistics
 
 __all__ = [
+    "GroupAdmin",
     "GroupInfo",
     "delete_group",
     "list_groups",
@@ -59,21 +60,43 @@ class GroupInfo:
         return f"{self.pattern}@{self.group}"
 
 
-def local_groups(stages: Iterable[Stage]) -> list[GroupInfo]:
-    """The groups of this process's stages, with their figures here."""
-    found = []
-    for stage in stages:
-        figures = stage.statistics()
-        found.append(
-            GroupInfo(
-                stage.pattern,
-                stage.group,
-                backlog=figures.depth + figures.in_flight,
-                consumers=figures.concurrency,
-                last_active=None,
-                local=True,
-            )
+@runtime_checkable
+class GroupAdmin(Protocol):
+    """A transport that can list the groups its broker keeps (every process's) and
+    delete one with its backlog (``bus.groups()``, ``bus.delete_group()``, and the
+    ``python -m asyncbus groups`` command use it).
+
+    Request inboxes (groups beginning ``_reply.``) are the bus's own and never listed.
+    A deleted group is forgotten by the routing of every process (their next
+    publishes no longer reach or name it); a process still subscribed to it binds it
+    again.
+    """
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every group bound under the transport's prefix, with its backlog, its
+        consumers and when one was last active (``local`` is left False)."""
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the group (``pattern``, ``group``): its binding, what it holds
+        (waiting, delivered and not settled, delayed retries) and its record.
+
+        :returns: whether it existed.
+        """
+
+
+def local_groups(stages: Iterable[StageStatistics]) -> list[GroupInfo]:
+    """The groups of this process's stages (their statistics), with their figures here."""
+    found = [
+        GroupInfo(
+            figures.topic,
+            figures.group,
+            backlog=figures.depth + figures.in_flight,
+            consumers=figures.concurrency,
+            last_active=None,
+            local=True,
         )
+        for figures in stages
+    ]
     return sorted(found, key=_order)
 
 
@@ -81,12 +104,10 @@ def _order(info: GroupInfo) -> tuple[str, str]:
     return info.pattern, info.group
 
 
-def list_groups(
-    found: Iterable[GroupInfo], mine: Mapping[tuple[str, str], object]
-) -> list[GroupInfo]:
-    """The broker's groups ``found``, marked ``local`` when in ``mine``, sorted by
-    pattern then group."""
-    listed = [replace(info, local=(info.pattern, info.group) in mine) for info in found]
+def list_groups(found: Iterable[GroupInfo], mine: Container[str]) -> list[GroupInfo]:
+    """The broker's groups ``found``, marked ``local`` when their stage name is in
+    ``mine``, sorted by pattern then group."""
+    listed = [replace(info, local=info.name in mine) for info in found]
     return sorted(listed, key=_order)
 
 

@@ -16,7 +16,8 @@ from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadL
 from .._dedup import DedupStore
 from .._delivering import pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
-from .._exceptions import ConfigurationError, EncodeError
+from .._exceptions import BusClosedError, ConfigurationError, EncodeError
+from .._groups import GroupInfo, delete_group, list_groups, no_admin
 from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
@@ -380,6 +381,23 @@ class BrokerMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """The transport's shielded scope, bounded by its close deadline."""
         return self.transport.cleanup_scope()
+
+    def _admin(self, running: bool) -> GroupAdmin:
+        transport = self.transport
+        if not isinstance(transport, GroupAdmin):
+            raise no_admin(transport.name)
+        if not running:
+            raise BusClosedError("the bus is not running: use `async with bus:` first")
+        return transport
+
+    async def groups(self, running: bool) -> list[GroupInfo]:
+        """Every process's groups, as the broker has them now; ``local`` for this bus's."""
+        return list_groups(await self._admin(running).groups(), self.local.stages)
+
+    async def delete_group(self, pattern: str, group: str, force: bool, running: bool) -> bool:
+        """Delete the group in the broker (see ``Bus.delete_group``)."""
+        mine = f"{pattern}@{group}" in self.local.stages
+        return await delete_group(self._admin(running), pattern, group, force=force, mine=mine)
 
 
 def over_broker(stage: Stage) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Container
 
 import anyio
 
+from .._checks import check_seconds
 from .._groups import GroupInfo
 from ..transports.base import GroupAdmin
 
@@ -33,8 +34,6 @@ _MAX_INTERVAL = 60.0
 
 def check_stale_after(value: float | None) -> float | None:
     """``value`` as the bus's ``stale_group_after``: ``None`` or finite seconds ``> 0``."""
-    from .._checks import check_seconds
-
     return None if value is None else check_seconds(value, "Bus: stale_group_after")
 
 
@@ -46,9 +45,7 @@ class StaleGroups:
     :param mine: the stage names of this process's stages (never stale).
     """
 
-    def __init__(
-        self, admin: GroupAdmin, after: float, mine: Container[str]
-    ) -> None:
+    def __init__(self, admin: GroupAdmin, after: float, mine: Container[str]) -> None:
         self.admin = admin
         self.after = after
         self.interval = min(after / 2, _MAX_INTERVAL)

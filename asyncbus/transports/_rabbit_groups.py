@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
@@ -44,9 +44,9 @@ from .base import INBOX_GROUP_PREFIX
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
-    from .rabbit import RabbitTransport, _Link
+__all__ = ["GroupRegister", "GroupsHost", "delete_group", "list_groups"]
 
-__all__ = ["GroupRegister", "delete_group", "list_groups"]
+T = TypeVar("T")
 
 logger = logging.getLogger("asyncbus")
 
@@ -181,7 +181,52 @@ class GroupRegister:
         await scan.scan(sift)
 
 
-async def list_groups(transport: RabbitTransport) -> list[GroupInfo]:
+class GroupsHost(Protocol):
+    """What listing and deleting groups use of :class:`~.rabbit.RabbitTransport`."""
+
+    publish_timeout: float
+    _groups: GroupRegister
+    _client_id: str
+    _not_found: type[BaseException]
+    #: Retry queues this process declared, by work queue.
+    _retry_queues: dict[str, dict[str, float]]
+
+    def queue_name(self, pattern: str, group: str) -> str:
+        """The group's queue."""
+        ...
+
+    def _properties_type(self) -> Any:
+        """AMQP's message properties (``TransportError`` when not connected)."""
+        ...
+
+    async def _admin(self, link: Any, operation: Callable[[AbstractChannel], Awaitable[T]]) -> T:
+        """Run ``operation`` on the link's admin channel."""
+        ...
+
+    async def _call(
+        self, what: str, operation: Callable[[Any], Awaitable[T]], deadline: float | None = None
+    ) -> T:
+        """Run ``operation`` on the live link, retried on a lost connection."""
+        ...
+
+    async def _send(
+        self,
+        link: Any,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: Any,
+        mandatory: bool = False,
+    ) -> bool:
+        """Publish one message on the link's confirmed channel."""
+        ...
+
+    async def _wait_link(self, deadline: float | None) -> Any:
+        """The live link."""
+        ...
+
+
+async def list_groups(transport: GroupsHost) -> list[GroupInfo]:
     """The groups of the register whose queue exists (request inboxes aside): backlog
     is the messages ready in the queue, consumers its consumers (AMQP tells no last
     activity)."""
@@ -194,7 +239,7 @@ async def list_groups(transport: RabbitTransport) -> list[GroupInfo]:
             continue
         queue = transport.queue_name(pattern, group)
 
-        async def count(link: _Link, queue: str = queue) -> tuple[int, int] | None:
+        async def count(link: Any, queue: str = queue) -> tuple[int, int] | None:
             try:
                 declared = await transport._admin(
                     link, lambda channel: channel.queue_declare(queue, passive=True)
@@ -209,7 +254,7 @@ async def list_groups(transport: RabbitTransport) -> list[GroupInfo]:
     return listed
 
 
-async def delete_group(transport: RabbitTransport, pattern: str, group: str) -> bool:
+async def delete_group(transport: GroupsHost, pattern: str, group: str) -> bool:
     """Delete the group's queue (its binding and messages go with it) and the retry
     queues this process knows for it, tell every process, and drop it from the register."""
     transport._properties_type()
@@ -218,7 +263,7 @@ async def delete_group(transport: RabbitTransport, pattern: str, group: str) -> 
     recorded = f"{pattern}@{group}" in register.entries
     not_found = transport._not_found
 
-    async def delete(link: _Link) -> bool:
+    async def delete(link: Any) -> bool:
         existed = True
         try:
             await transport._admin(link, lambda channel: channel.queue_declare(queue, passive=True))

@@ -26,19 +26,18 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._exceptions import DecodeError
 from .._groups import GroupInfo
+from ._redis_dedup import RedisHost
 from ._wire_fields import group_from_wire
 from .base import INBOX_GROUP_PREFIX
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
 
-    from .redis import RedisTransport, _Consumer
-
-__all__ = ["DELETE_GROUP", "RedisGroups"]
+__all__ = ["DELETE_GROUP", "GroupsHost", "Reader", "RedisGroups"]
 
 logger = logging.getLogger("asyncbus.transport.redis")
 
@@ -71,6 +70,29 @@ return 0
 """
 
 
+class GroupsHost(RedisHost, Protocol):
+    """What the groups use of their transport (:class:`~.redis.RedisTransport`)."""
+
+    claim_interval: float
+    _bindings_key: str
+    _version_key: str
+    _delayed_key: str
+    _delayed_counts_key: str
+    #: Binding streams this transport made (forgotten when one is deleted).
+    _bound: set[str]
+
+    def stream_key(self, pattern: str, group: str) -> str:
+        """The key of the binding's stream."""
+        ...
+
+
+class Reader(Protocol):
+    """A consumer, as the readers hash names it."""
+
+    stream: str
+    name: str
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -81,7 +103,7 @@ class RedisGroups:
     :param transport: the connected transport (its client, keys and settings).
     """
 
-    def __init__(self, transport: RedisTransport) -> None:
+    def __init__(self, transport: GroupsHost) -> None:
         self.transport = transport
         self._script: AsyncScript | None = None
 
@@ -90,7 +112,7 @@ class RedisGroups:
         """The hash of readers."""
         return f"{self.transport.prefix}:readers"
 
-    def queue_reading(self, pipe: Any, consumers: Iterable[_Consumer], *, ending: bool) -> None:
+    def queue_reading(self, pipe: Any, consumers: Iterable[Reader], *, ending: bool) -> None:
         """Tell (on ``pipe``) that ``consumers`` read now, and until when (now, if ``ending``)."""
         now = int(time.time() * 1000)
         until = now if ending else now + int((3 * self.transport.claim_interval + 1) * 1000)
@@ -98,7 +120,7 @@ class RedisGroups:
         if mapping:
             pipe.hset(self.key, mapping=mapping)
 
-    async def tell_reading(self, consumers: Iterable[_Consumer], *, ending: bool = False) -> None:
+    async def tell_reading(self, consumers: Iterable[Reader], *, ending: bool = False) -> None:
         """:meth:`queue_reading`, sent now."""
         pipe = self.transport._redis().pipeline(transaction=False)
         self.queue_reading(pipe, consumers, ending=ending)

@@ -32,7 +32,7 @@ from .._dead_letters import DeadLetter, DeadLetterKey, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
-from .._groups import GroupInfo
+from .._groups import GroupAdmin, GroupInfo
 from ._codec import Codec, default_codec
 from ._kit.delivery import BaseDelivery, rejected_entry
 from ._kit.runtime import require_asyncio
@@ -482,30 +482,6 @@ class BacklogReader(Protocol):
 
     async def backlog(self, pattern: str, group: str) -> int:
         """Envelopes of (pattern, group) in the broker not yet settled (delivered or not)."""
-
-
-@runtime_checkable
-class GroupAdmin(Protocol):
-    """A transport that can list the groups its broker keeps (every process's) and
-    delete one with its backlog (``bus.groups()``, ``bus.delete_group()``, and the
-    ``python -m asyncbus groups`` command use it).
-
-    Request inboxes (groups beginning :data:`INBOX_GROUP_PREFIX`) are the bus's own
-    and never listed. A deleted group is forgotten by the routing of every process
-    (their next publishes no longer reach or name it); a process still subscribed to
-    it binds it again.
-    """
-
-    async def groups(self) -> list[GroupInfo]:
-        """Every group bound under the transport's prefix, with its backlog, its
-        consumers and when one was last active (``local`` is left False)."""
-
-    async def delete_group(self, pattern: str, group: str) -> bool:
-        """Delete the group (``pattern``, ``group``): its binding, what it holds
-        (waiting, delivered and not settled, delayed retries) and its record.
-
-        :returns: whether it existed.
-        """
 
 
 @runtime_checkable
