@@ -85,25 +85,27 @@ async def test_over_a_broker_groups_need_the_bus_running() -> None:
         await bus.delete_group("orders.*", "old")
 
 
-def test_a_group_is_stale_once_it_had_no_consumer_for_the_threshold() -> None:
+def test_a_group_is_stale_once_every_reading_for_the_threshold_found_no_consumer() -> None:
     from asyncbus._modes.stale_groups import StaleGroups
 
     watch = StaleGroups(MemoryTransport(direct=False), 60.0, {"mine@here"})
     read = GroupInfo("orders.*", "read", 0, 1, 0.0)
-    told = GroupInfo("orders.*", "told", 5, 0, 1000.0)  # last active at 1000 (broker says)
-    unknown = GroupInfo("orders.*", "unknown", 5, 0, None)  # since first seen without one
+    quiet = GroupInfo("orders.*", "quiet", 5, 0, 0.0)  # its last activity is long gone
     mine = GroupInfo("mine", "here", 5, 0, None)
-    watch.update([read, told, unknown, mine], 1030.0)
+    watch.update([read, quiet, mine], 1000.0)
+    assert watch.stale == {}  # (only this watcher's readings count)
+    watch.update([read, quiet, mine], 1030.0)
     assert watch.stale == {}
-    watch.update([read, told, unknown, mine], 1060.0)
-    assert watch.stale == {"orders.*@told": 1000.0}
-    watch.update([read, told, unknown, mine], 1090.0)
-    assert watch.stale == {"orders.*@told": 1000.0, "orders.*@unknown": 1030.0}
-    # A consumer came back: no longer stale, and the count starts again without one.
-    watch.update([read, GroupInfo("orders.*", "unknown", 5, 1, None)], 1100.0)
+    watch.update([read, quiet, mine], 1060.0)
+    assert watch.stale == {"orders.*@quiet": 1000.0}
+    # A reading with a consumer: no longer stale, and the count starts again.
+    watch.update([read, GroupInfo("orders.*", "quiet", 5, 1, None)], 1070.0)
     assert watch.stale == {}
-    watch.update([read, unknown], 1150.0)
+    watch.update([read, quiet], 1100.0)
+    watch.update([read, quiet], 1159.0)
     assert watch.stale == {}
+    watch.update([read, quiet], 1160.0)
+    assert watch.stale == {"orders.*@quiet": 1100.0}
 
 
 def test_a_stale_group_is_warned_of_once_per_threshold(
@@ -113,6 +115,7 @@ def test_a_stale_group_is_warned_of_once_per_threshold(
 
     watch = StaleGroups(MemoryTransport(direct=False), 60.0, ())
     watch.update([GroupInfo("orders.*", "old", 5, 0, 0.0)], 100.0)
+    watch.update([GroupInfo("orders.*", "old", 5, 0, 0.0)], 160.0)
     with caplog.at_level(logging.WARNING, logger="asyncbus.groups"):
         watch.reached("orders.created", ("orders.*@new", "orders.*@old"))
         watch.reached("orders.created", ("orders.*@old",))

@@ -4,10 +4,9 @@ Over a broker, a group outlives its code: a handler renamed (the default group i
 ``module:qualname``) or a service retired leaves its group bound, given every matching
 publish, and its backlog grows for ever. A bus over a transport that lists its groups
 (:class:`~asyncbus.transports.base.GroupAdmin`) watches them: every ``interval`` it reads
-the broker's groups, and a group of another process that has had no consumer for
-``after`` seconds (since its last activity, or since this bus first saw it without one)
-is *stale*. A publish that reaches a stale group logs a warning on ``asyncbus.groups``,
-once per group per ``after`` seconds. The publish path only looks the names it reached
+the broker's groups, and a group of another process that every reading for ``after``
+seconds found without a consumer is *stale*. A publish that reaches a stale group logs
+a warning on ``asyncbus.groups``, once per group per ``after`` seconds. The publish path only looks the names it reached
 up in a dict, and only while some group is stale.
 """
 
@@ -50,7 +49,7 @@ class StaleGroups:
         self.after = after
         self.interval = min(after / 2, _MAX_INTERVAL)
         self.mine = mine
-        #: Stage name -> when it last had a consumer (epoch seconds), for stale groups.
+        #: Stage name -> since when it has had no consumer (epoch seconds), for stale groups.
         self.stale: dict[str, float] = {}
         #: Stage name -> when this watcher first saw it without a consumer (epoch).
         self._unread_since: dict[str, float] = {}
@@ -69,8 +68,11 @@ class StaleGroups:
     def update(self, groups: list[GroupInfo], now: float) -> None:
         """Take a reading of the broker's groups made at ``now`` (epoch seconds).
 
-        A group without a consumer was last read at its ``last_active`` when the broker
-        tells it, else when this watcher first saw it unread.
+        A group is stale once every reading for ``after`` seconds found it without a
+        consumer. Only readings count, not the broker's ``last_active`` (a NATS group's
+        last delivery, say, is old on a quiet topic, and its pull requests may be
+        between two pulls when read), so a group is never stale before this bus has
+        watched it for ``after`` seconds.
         """
         stale: dict[str, float] = {}
         unread: dict[str, float] = {}
@@ -80,9 +82,8 @@ class StaleGroups:
             if info.consumers or name in mine:
                 continue
             since = unread[name] = self._unread_since.get(name, now)
-            last = info.last_active if info.last_active is not None else since
-            if now - last >= self.after:
-                stale[name] = last
+            if now - since >= self.after:
+                stale[name] = since
         self._unread_since = unread
         self.stale = stale
 
@@ -99,7 +100,7 @@ class StaleGroups:
                 continue
             self._warned[name] = now
             logger.warning(
-                "a publish on %r reached group %s, which has had no consumer for %.0f s: "
+                "a publish on %r reached group %s, which has had no consumer for %.0f s or more: "
                 "its envelopes pile up in the broker. If its handler was renamed or retired, "
                 "delete it (bus.delete_group, or python -m asyncbus groups delete); else "
                 "start its consumers",
