@@ -6,8 +6,8 @@ publish, and its backlog grows for ever. A bus over a transport that lists its g
 (:class:`~asyncbus.transports.base.GroupAdmin`) watches them: every ``interval`` it reads
 the broker's groups, and a group of another process that every reading for ``after``
 seconds found without a consumer is *stale*. A publish that reaches a stale group logs
-a warning on ``asyncbus.groups``, once per group per ``after`` seconds. The publish path only looks the names it reached
-up in a dict, and only while some group is stale.
+a warning on ``asyncbus.groups``, once per group per ``after`` seconds. The publish path
+only looks the names it reached up in a dict, and only while some group is stale.
 """
 
 from __future__ import annotations
