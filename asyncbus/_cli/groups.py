@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from .._exceptions import ConfigurationError, ConnectError, TransportError
 from .._groups import GroupInfo, delete_group
+from .._routing import compile_pattern
 from ..transports._kit import redact
 from ..transports.base import GroupAdmin
 from . import Command
@@ -39,15 +40,21 @@ A group outlives its code: the default group is the handler's module:qualname, s
 handler renamed leaves its old group bound, still given every matching publish. Delete
 such a group once nothing reads it (a process still subscribed binds it again).
 
+delete takes the group's pattern and name (two arguments, or one "pattern@group", the
+stage name as receipts and the JSON listing say it). On a terminal it asks first (not
+with --yes); run from a script it deletes the group it is named.
+
 Exit status: 0 done; 1 the broker failed or the group to delete does not exist;
-2 bad arguments, or a deletion refused (consumers read the group, no --yes)."""
+2 bad arguments, or a deletion refused (consumers read the group and no --force, or the
+question on the terminal was not answered yes)."""
 
 _EPILOG = """\
 examples:
   python -m asyncbus groups --url redis://127.0.0.1:6379/0
   python -m asyncbus groups --url nats://127.0.0.1:4222 --prefix shop --format json
   python -m asyncbus groups delete 'orders.*' app.handlers:old_name \\
-      --url amqp://guest:guest@127.0.0.1:5672/ --yes"""
+      --url amqp://guest:guest@127.0.0.1:5672/
+  python -m asyncbus groups delete 'orders.*@app.handlers:old_name' --url ... --yes"""
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +72,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "names",
         nargs="*",
         metavar="PATTERN GROUP",
-        help="with delete: the group's pattern and name",
+        help="with delete: the group's pattern and name (or one pattern@group)",
     )
     parser.add_argument(
         "--url",
@@ -84,7 +91,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default="table",
         help="how to list them (default: %(default)s)",
     )
-    parser.add_argument("--yes", "-y", action="store_true", help="delete without asking")
+    parser.add_argument(
+        "--yes", "-y", action="store_true", help="delete without asking on a terminal"
+    )
     parser.add_argument(
         "--force",
         action="store_true",
@@ -149,15 +158,32 @@ def _table(groups: list[GroupInfo]) -> str:
     return "\n".join(lines)
 
 
+def _split(name: str) -> list[str]:
+    """``"pattern@group"`` as ``[pattern, group]``: at the first ``@`` after a valid
+    pattern (either may hold ``@``); ``[name]`` when there is none."""
+    at = name.find("@")
+    while at > 0:
+        pattern, group = name[:at], name[at + 1 :]
+        if group:
+            try:
+                compile_pattern(pattern)
+            except ConfigurationError:
+                pass
+            else:
+                return [pattern, group]
+        at = name.find("@", at + 1)
+    return [name]
+
+
 def _fail(message: str, code: int) -> int:
     print(f"python -m asyncbus groups: {message}", file=sys.stderr)
     return code
 
 
 def _confirm(pattern: str, group: str, groups: list[GroupInfo]) -> bool:
-    """Ask on the terminal; ``False`` when there is none to ask on."""
+    """Ask on the terminal (``True`` without one: the group was named exactly)."""
     if not sys.stdin.isatty():
-        return False
+        return True
     found = [info for info in groups if (info.pattern, info.group) == (pattern, group)]
     backlog = f" and its backlog of {found[0].backlog}" if found else ""
     answer = input(f"Delete group {group!r} on {pattern!r}{backlog}? [y/N] ")
@@ -181,7 +207,7 @@ async def _run(arguments: argparse.Namespace) -> int:
             return 0
         pattern, group = arguments.names
         if not arguments.yes and not _confirm(pattern, group, groups):
-            return _fail("not deleted: confirm with --yes (or answer y on a terminal)", 2)
+            return _fail("not deleted (--yes deletes without asking)", 2)
         try:
             existed = await delete_group(
                 transport, pattern, group, force=arguments.force, mine=False
@@ -197,8 +223,10 @@ async def _run(arguments: argparse.Namespace) -> int:
 def _main(arguments: argparse.Namespace, rest: list[str]) -> int:
     if not arguments.url:
         return _fail(f"give the broker's URL: --url URL (or set ${URL_VARIABLE})", 2)
+    if arguments.action == "delete" and len(arguments.names) == 1:
+        arguments.names = _split(arguments.names[0])
     if arguments.action == "delete" and len(arguments.names) != 2:
-        return _fail("delete takes the group's PATTERN and GROUP", 2)
+        return _fail("delete takes the group's PATTERN and GROUP (or one pattern@group)", 2)
     if arguments.action == "list" and arguments.names:
         return _fail(f"unexpected arguments: {' '.join(arguments.names)}", 2)
     import anyio

@@ -80,12 +80,8 @@ async def test_the_command_lists_the_groups_then_deletes_one_with_its_backlog(
     assert header.split() == ["PATTERN", "GROUP", "BACKLOG", "CONSUMERS", "LAST", "ACTIVE"]
     assert row.split()[:4] == ["orders.*", "old", "2", "0"]
 
-    # Not on a terminal and no --yes: nothing is deleted.
+    # Not on a terminal: the group named is deleted without a question.
     code, out, err = await _command("delete", "orders.*", "old", *where)
-    assert (code, out) == (2, "")
-    assert "--yes" in err
-
-    code, out, err = await _command("delete", "orders.*", "old", *where, "--yes")
     assert (code, out, err) == (0, "deleted group 'old' on 'orders.*'\n", "")
 
     code, out, err = await _command(*where, "--format", "json")
@@ -97,7 +93,7 @@ async def test_the_command_lists_the_groups_then_deletes_one_with_its_backlog(
     async with Bus(transport=make_transport(kind, url, unique_prefix)) as publisher:
         assert (await publisher.publish("orders.created", 3)).accepted == ()
 
-    code, out, err = await _command("delete", "orders.*", "old", *where, "--yes")
+    code, out, err = await _command("delete", "orders.*@old", *where, "--yes")
     assert (code, out) == (1, "")
     assert "no group 'old' on 'orders.*'" in err
 
@@ -124,7 +120,7 @@ async def test_the_command_refuses_to_delete_a_group_a_worker_reads_unless_force
             code, out, err = await _command("delete", "jobs", "workers", *where, "--yes")
             assert (code, out) == (2, "")
             assert "1 consumer(s)" in err and "--force" in err
-            code, out, err = await _command("delete", "jobs", "workers", *where, "--yes", "--force")
+            code, out, err = await _command("delete", "jobs@workers", *where, "--force")
             assert (code, out) == (0, "deleted group 'workers' on 'jobs'\n")
 
 
@@ -140,7 +136,8 @@ async def test_the_url_may_come_from_the_environment(redis_url: str, unique_pref
     [
         ((), "--url URL"),
         (("--url", "http://127.0.0.1:8000"), "no transport for"),
-        (("delete", "orders.*", "--url", "redis://127.0.0.1:6379/0"), "PATTERN and GROUP"),
+        (("delete", "orders", "--url", "redis://127.0.0.1:6379/0"), "PATTERN and GROUP"),
+        (("delete", "a", "b", "c", "--url", "redis://127.0.0.1:6379/0"), "PATTERN and GROUP"),
         (("orders.*", "--url", "redis://127.0.0.1:6379/0"), "invalid choice"),
     ],
 )
@@ -156,3 +153,31 @@ async def test_a_broker_out_of_reach_is_status_1() -> None:
     code, out, err = await _command("--url", "redis://127.0.0.1:1/0")
     assert (code, out) == (1, "")
     assert "cannot connect to Redis at redis://127.0.0.1:1/0" in err
+
+
+@pytest.mark.parametrize(("answer", "code"), [("n", 2), ("y", 0)])
+async def test_on_a_terminal_the_command_asks_before_deleting(
+    redis_url: str, unique_prefix: str, answer: str, code: int
+) -> None:
+    import pty
+
+    await _renamed("redis", redis_url, unique_prefix)
+    where = ["--url", redis_url, "--prefix", unique_prefix]
+    main, terminal = pty.openpty()
+    try:
+        os.write(main, f"{answer}\n".encode())
+        with anyio.fail_after(60):
+            done = await anyio.run_process(
+                [sys.executable, "-m", "asyncbus", "groups", "delete", "orders.*", "old", *where],
+                check=False,
+                stdin=terminal,
+            )
+    finally:
+        os.close(main)
+        os.close(terminal)
+    assert done.returncode == code
+    assert done.stdout.decode().startswith(
+        "Delete group 'old' on 'orders.*' and its backlog of 2? [y/N] "
+    )
+    _, out, _ = await _command(*where, "--format", "json")
+    assert [group["name"] for group in json.loads(out)] == (["orders.*@old"] if code else [])
