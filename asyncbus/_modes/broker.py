@@ -98,17 +98,13 @@ class BrokerMode:
         )
         await stack.enter_async_context(broker)
         self.stale_groups = None
-        if self.stale_group_after is not None and isinstance(broker, GroupAdmin):
-            self.stale_groups = StaleGroups(broker, self.stale_group_after, self.local.stages)
-            watching = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(watching.cancel_scope.cancel)  # (callbacks run first: LIFO)
-            watching.start_soon(self.stale_groups.watch)
         port = self.port
         if port.shared is None:
             # A store of this process's making (or none): loaded once, kept here.
             dead_letters.share(port.dead_letters if port.store is not None else None, None)
             for entry in await port.dead_letters():
                 dead_letters.restore(entry)
+            await self._watch_groups(stack)
             return
         # One list for every process: this queue is its view, read now (``start``
         # waits for it) and kept up to date from the broker's changes until the close.
@@ -117,6 +113,19 @@ class BrokerMode:
         watchers = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(watchers.cancel_scope.cancel)  # (callbacks run first: LIFO)
         await watchers.start(watch, port.shared, dead_letters)
+        await self._watch_groups(stack)
+
+    async def _watch_groups(self, stack: AsyncExitStack) -> None:
+        """Watch the broker's groups for stale ones until the close (see
+        :mod:`.stale_groups`). Last in ``open``: a start that fails before it must not
+        raise through the watcher's task group (as an exception group)."""
+        broker = self.transport
+        if self.stale_group_after is None or not isinstance(broker, GroupAdmin):
+            return
+        self.stale_groups = StaleGroups(broker, self.stale_group_after, self.local.stages)
+        watching = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(watching.cancel_scope.cancel)  # (callbacks run first: LIFO)
+        watching.start_soon(self.stale_groups.watch)
 
     def close_by(self, deadline: float) -> float:
         """Keep the end of the deadline for closing with the broker.
