@@ -35,6 +35,7 @@ from ._exceptions import PublishTimeout as PublishTimeout
 from ._exceptions import Reject as Reject
 from ._exceptions import SerializationError as SerializationError
 from ._exceptions import TransportError as TransportError
+from ._groups import GroupInfo as GroupInfo
 from ._runtime import FREE_THREADED as FREE_THREADED
 from ._runtime import run as run
 from ._stage import Backpressure as Backpressure
@@ -95,6 +96,7 @@ __all__ = [
     "Delivery",
     "EncodeError",
     "Envelope",
+    "GroupInfo",
     "Handler",
     "HandlerError",
     "HandlerTimeout",

@@ -1,4 +1,4 @@
-"""``python -m asyncbus run|asyncapi|demo|bench``, and ``--version``."""
+"""``python -m asyncbus run|asyncapi|groups|demo|bench``, and ``--version``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from . import __version__
 from ._cli import Command, int_in
 from ._cli.asyncapi import COMMAND as ASYNCAPI
+from ._cli.groups import COMMAND as GROUPS
 from ._cli.run import COMMAND as RUN
 
 #: Said by ``bench`` where there is no checkout next to the package (an installed wheel).
@@ -92,6 +93,7 @@ def _demo(arguments: argparse.Namespace, rest: list[str]) -> int:
 COMMANDS: dict[str, Command] = {
     "run": RUN,
     "asyncapi": ASYNCAPI,
+    "groups": GROUPS,
     "demo": Command(
         help="run an orders pipeline and print its statistics",
         configure=_configure_demo,

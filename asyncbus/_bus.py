@@ -44,9 +44,11 @@ from ._exceptions import (
     not_started,
 )
 from ._failures import describe_error, loop_closing, stray_cancellation
+from ._groups import GroupInfo
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
+from ._modes.stale_groups import check_stale_after
 from ._offload import (
     WorkerPool,
     hold_switch_interval,
@@ -228,6 +230,11 @@ class Bus:
     :param propagate_contextvars: context variables whose values a publish carries to
         the handlers of what it published (set in the handler's context while it
         handles the envelope), in memory only: over a broker nothing is carried.
+    :param stale_group_after: over a broker whose transport lists its groups, warn
+        (on the ``asyncbus.groups`` logger, once per group per that many seconds) when
+        a publish reaches a group of other processes that has had no consumer for that
+        many seconds: a group left behind by a renamed or retired handler. ``None``
+        turns the watch off.
     :raises ConfigurationError: for a value that cannot work (NaN or an infinite TTL,
         a negative size, middleware that is not a sequence of callables, ...).
     """
@@ -245,6 +252,7 @@ class Bus:
         propagate_contextvars: Sequence[ContextVar[Any]] = (),
         switch_interval: float | None = None,
         worker_niceness: int | None = None,
+        stale_group_after: float | None = 3600.0,
     ) -> None:
         workers = check_count(
             workers if workers is not None else (os.cpu_count() or 1), "Bus: workers", 1
@@ -278,7 +286,13 @@ class Bus:
         self._observers: list[Callable[[Envelope], None]] = []
         #: In memory or over a broker: chosen here, once.
         self._mode: Mode = choose_mode(
-            transport, self._router, self._stages_by_name, self._services, self._observers, codec
+            transport,
+            self._router,
+            self._stages_by_name,
+            self._services,
+            self._observers,
+            codec,
+            check_stale_after(stale_group_after),
         )
         #: The event loop's clock (see ``_clock.py``), read for every duration the bus
         #: decides on; the running loop's own from start on.
@@ -1239,6 +1253,40 @@ class Bus:
             in_flight=total("in_flight"),
             dead_letter_queue=len(self.dead_letters),
             free_threaded=FREE_THREADED,
+        )
+
+    # -- groups -----------------------------------------------------------------
+
+    async def groups(self) -> list[GroupInfo]:
+        """The groups bound per topic pattern, with their backlog and consumers.
+
+        In memory, this bus's stages. Over a broker, every group the broker keeps under
+        the transport's prefix, every process's (read from the broker now, as
+        ``drain()`` reads backlogs), ``local`` for those this process subscribes to.
+        Sorted by pattern, then group.
+
+        :raises BusClosedError: over a broker, when the bus is not running.
+        :raises TransportError: when the transport cannot list groups, or the broker fails.
+        """
+        return await self._mode.groups(self._state in ("running", "closing"))
+
+    async def delete_group(self, pattern: str, group: str, *, force: bool = False) -> bool:
+        """Delete the group (``pattern``, ``group``) and its backlog from the broker.
+
+        For a group nothing reads any more (its handler was renamed, its service
+        retired): later publishes neither reach it nor name it in their receipts, and
+        nothing accumulates for it. A process that still subscribes to it binds it
+        again, so stop those first.
+
+        :param force: delete it although the broker counts consumers reading it.
+        :returns: whether the group existed.
+        :raises ConfigurationError: when this bus subscribes to it, or (unless
+            ``force``) other processes' consumers read it.
+        :raises BusClosedError: over a broker, when the bus is not running.
+        :raises TransportError: when the transport cannot delete groups, or the broker fails.
+        """
+        return await self._mode.delete_group(
+            pattern, group, force, self._state in ("running", "closing")
         )
 
     def __repr__(self) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from asyncbus import Bus
 
-#: DESIGN's methods, plus ``running`` and ``subscribed()`` (documented in the guide) and
-#: ``publish_many`` (the README and the guide).
+#: DESIGN's methods, plus ``running`` and ``subscribed()`` (documented in the guide),
+#: ``publish_many`` (the README and the guide) and ``delete_group`` (beside ``groups``).
 DOCUMENTED_METHODS = {
     "aclose",
+    "delete_group",
     "drain",
+    "groups",
     "publish",
     "publish_many",
     "publish_nowait",

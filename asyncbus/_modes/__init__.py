@@ -44,8 +44,10 @@ def choose_mode(
     host: ModeHost,
     observers: list[Callable[[Envelope], None]],
     codec: object | None,
+    stale_group_after: float | None = None,
 ) -> Mode:
-    """The mode of a bus over ``transport``, chosen once (``codec`` is the broker's)."""
+    """The mode of a bus over ``transport``, chosen once (``codec`` is the broker's;
+    ``stale_group_after``, the bus's setting, matters over a broker only)."""
     if transport is not None and not isinstance(transport, Transport):
         raise ConfigurationError(
             f"Bus: transport must be a asyncbus.transports.Transport, got {transport!r}"
@@ -53,4 +55,4 @@ def choose_mode(
     local = LocalMode(router, stages, host, observers)
     if transport is None or transport.direct:
         return local
-    return BrokerMode(transport, local, codec)
+    return BrokerMode(transport, local, codec, stale_group_after)

@@ -16,15 +16,17 @@ from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadL
 from .._dedup import DedupStore
 from .._delivering import pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
-from .._exceptions import ConfigurationError, EncodeError
+from .._exceptions import BusClosedError, ConfigurationError, EncodeError
+from .._groups import GroupInfo, delete_group, list_groups, no_admin
 from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
-from ..transports.base import DedupStoreProvider, Transport, TransportSettings
+from ..transports.base import DedupStoreProvider, GroupAdmin, Transport, TransportSettings
 from .dead_letters import BrokerStore, watch
 from .local import LocalMode
 from .mode import CLOSE_GRACE, INBOX, Progress
+from .stale_groups import StaleGroups
 
 __all__ = ["BrokerMode", "over_broker", "split_stage_name"]
 
@@ -58,8 +60,18 @@ class BrokerMode:
 
     admits_inline = False
 
-    def __init__(self, transport: Transport, local: LocalMode, codec: object | None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        local: LocalMode,
+        codec: object | None,
+        stale_group_after: float | None = None,
+    ) -> None:
         self.transport = transport
+        #: Seconds without a consumer after which a group reached is warned of.
+        self.stale_group_after = stale_group_after
+        #: The watcher of stale groups while the bus runs (``None``: not watched).
+        self.stale_groups: StaleGroups | None = None
         #: The transport and the optional protocols it implements, looked up once.
         self.port = BoundTransport.of(transport)
         self.codec = cast("Codec | None", codec)
@@ -85,12 +97,14 @@ class BrokerMode:
             )
         )
         await stack.enter_async_context(broker)
+        self.stale_groups = None
         port = self.port
         if port.shared is None:
             # A store of this process's making (or none): loaded once, kept here.
             dead_letters.share(port.dead_letters if port.store is not None else None, None)
             for entry in await port.dead_letters():
                 dead_letters.restore(entry)
+            await self._watch_groups(stack)
             return
         # One list for every process: this queue is its view, read now (``start``
         # waits for it) and kept up to date from the broker's changes until the close.
@@ -99,6 +113,19 @@ class BrokerMode:
         watchers = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(watchers.cancel_scope.cancel)  # (callbacks run first: LIFO)
         await watchers.start(watch, port.shared, dead_letters)
+        await self._watch_groups(stack)
+
+    async def _watch_groups(self, stack: AsyncExitStack) -> None:
+        """Watch the broker's groups for stale ones until the close (see
+        :mod:`.stale_groups`). Last in ``open``: a start that fails before it must not
+        raise through the watcher's task group (as an exception group)."""
+        broker = self.transport
+        if self.stale_group_after is None or not isinstance(broker, GroupAdmin):
+            return
+        self.stale_groups = StaleGroups(broker, self.stale_group_after, self.local.stages)
+        watching = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(watching.cancel_scope.cancel)  # (callbacks run first: LIFO)
+        watching.start_soon(self.stale_groups.watch)
 
     def close_by(self, deadline: float) -> float:
         """Keep the end of the deadline for closing with the broker.
@@ -219,6 +246,8 @@ class BrokerMode:
             self.host.dead_letter(
                 envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
             )
+        elif (stale := self.stale_groups) is not None and stale.stale:
+            stale.reached(envelope.topic, reached)
         return make_receipt(envelope.id, reached)
 
     async def send_many(
@@ -260,6 +289,8 @@ class BrokerMode:
                 self.host.dead_letter(
                     envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, stored=True
                 )
+        elif (stale := self.stale_groups) is not None and stale.stale:
+            stale.reached(topic, reached)
         return make_receipts(listed, reached)
 
     async def send_none(self) -> list[Receipt]:
@@ -359,6 +390,23 @@ class BrokerMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """The transport's shielded scope, bounded by its close deadline."""
         return self.transport.cleanup_scope()
+
+    def _admin(self, running: bool) -> GroupAdmin:
+        transport = self.transport
+        if not isinstance(transport, GroupAdmin):
+            raise no_admin(transport.name)
+        if not running:
+            raise BusClosedError("the bus is not running: use `async with bus:` first")
+        return transport
+
+    async def groups(self, running: bool) -> list[GroupInfo]:
+        """Every process's groups, as the broker has them now; ``local`` for this bus's."""
+        return list_groups(await self._admin(running).groups(), self.local.stages)
+
+    async def delete_group(self, pattern: str, group: str, force: bool, running: bool) -> bool:
+        """Delete the group in the broker (see ``Bus.delete_group``)."""
+        mine = f"{pattern}@{group}" in self.local.stages
+        return await delete_group(self._admin(running), pattern, group, force=force, mine=mine)
 
 
 def over_broker(stage: Stage) -> bool:

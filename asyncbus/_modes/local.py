@@ -8,11 +8,13 @@ from contextlib import AsyncExitStack
 from functools import partial
 
 import anyio
+import anyio.lowlevel
 
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
+from .._groups import GroupInfo, local_groups, subscribed_here
 from .._routing import Router
 from .._stage import Backpressure, DoorOutcome, RoomWaiter, Stage
 from .mode import ModeHost, Progress
@@ -363,6 +365,18 @@ class LocalMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope (nothing is settled with a broker in memory)."""
         return anyio.CancelScope(shield=True)
+
+    async def groups(self, running: bool) -> list[GroupInfo]:
+        """The bus's stages, with their figures (at any time: nothing to reach)."""
+        await anyio.lowlevel.checkpoint()
+        return local_groups(stage.statistics() for stage in list(self.stages.values()))
+
+    async def delete_group(self, pattern: str, group: str, force: bool, running: bool) -> bool:
+        """In memory a group is a stage of this bus: refused if it is one, else ``False``."""
+        await anyio.lowlevel.checkpoint()
+        if f"{pattern}@{group}" in self.stages:
+            raise subscribed_here(pattern, group)
+        return False
 
 
 def _left(deadline: float | None) -> float | None:

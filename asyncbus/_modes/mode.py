@@ -18,6 +18,7 @@ from .._consumer import ConsumerHost
 from .._dead_letters import DeadLetter, DeadLetterQueue
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt
+from .._groups import GroupInfo
 from .._stage import Stage
 
 __all__ = ["CLOSE_GRACE", "INBOX", "Mode", "ModeHost", "Progress"]
@@ -133,3 +134,10 @@ class Mode(Protocol):
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
+
+    async def groups(self, running: bool) -> list[GroupInfo]:
+        """The groups bound per pattern (``bus.groups()``); ``running``: whether the bus
+        runs (a broker is only reached while it does)."""
+
+    async def delete_group(self, pattern: str, group: str, force: bool, running: bool) -> bool:
+        """Delete a group and its backlog (``bus.delete_group()``); whether it existed."""

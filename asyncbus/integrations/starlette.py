@@ -71,7 +71,8 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 from .._bus import DEADLETTER_TOPIC, Bus
 from .._checks import check_wait
 from .._dead_letters import DeadLetter, DeadLetterReason
-from .._exceptions import ConfigurationError, TransportError
+from .._exceptions import BusClosedError, ConfigurationError, TransportError
+from .._groups import GroupInfo
 from .._observe import bus_state, stages_subscribed
 from ..asyncapi import document
 from ..transports.base import BacklogReader
@@ -383,6 +384,34 @@ class _AdminApi:
             }
         )
 
+    async def groups(self, request: Request) -> Response:
+        try:
+            groups = await self.bus.groups()
+        except BusClosedError as error:
+            raise _Problem(409, str(error)) from None
+        except TransportError as error:
+            raise _Problem(502, f"the broker did not list its groups: {error}") from None
+        return JSONResponse(
+            {"groups": [_group_json(info) for info in groups]},
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def delete_group(self, request: Request) -> Response:
+        body = await _json_object(request, frozenset({"pattern", "group", "force"}))
+        pattern, group, force = body.get("pattern"), body.get("group"), body.get("force", False)
+        if not isinstance(pattern, str) or not isinstance(group, str) or not pattern or not group:
+            raise _Problem(422, '"pattern" and "group" must be non-empty strings')
+        if not isinstance(force, bool):
+            raise _Problem(422, '"force" must be true or false')
+        try:
+            with anyio.CancelScope(shield=True):
+                deleted = await self.bus.delete_group(pattern, group, force=force)
+        except (BusClosedError, ConfigurationError) as error:
+            raise _Problem(409, str(error)) from None
+        except TransportError as error:
+            raise _Problem(502, f"the broker did not delete the group: {error}") from None
+        return JSONResponse({"deleted": deleted, "name": f"{pattern}@{group}"})
+
     async def healthz(self, request: Request) -> Response:
         state = bus_state(self.bus)
         if state not in ("running", "closing"):
@@ -429,6 +458,18 @@ class _AdminApi:
         ids = _ids(body)
         await self._check_known(ids)
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
+
+
+def _group_json(info: GroupInfo) -> dict[str, Any]:
+    return {
+        "pattern": info.pattern,
+        "group": info.group,
+        "name": info.name,
+        "backlog": info.backlog,
+        "consumers": info.consumers,
+        "last_active": info.last_active,
+        "local": info.local,
+    }
 
 
 def _unknown_ids(ids: list[str]) -> _Problem:
@@ -556,6 +597,13 @@ def admin_app(
     * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
       409 when the bus is not running;
     * ``POST /dead-letters/purge`` with ``{"ids": [...]}`` or ``{"all": true}``;
+    * ``GET /groups`` -- ``{"groups": [...]}``, :meth:`Bus.groups` (every process's
+      groups over a broker: pattern, group, name, backlog, consumers, last_active,
+      local); 409 when the bus is not running over a broker, 502 when the broker fails;
+    * ``POST /groups/delete`` with ``{"pattern": ..., "group": ..., "force": false}`` --
+      :meth:`Bus.delete_group`: ``{"deleted": true|false, "name": ...}``; 409 when it is
+      refused (a group this process subscribes to, or consumers read it without
+      ``force``);
     * ``GET /asyncapi.json`` -- the bus's AsyncAPI 3.0 document
       (:func:`asyncbus.asyncapi.document`), made anew for each request;
     * ``GET /asyncapi`` -- a self-contained HTML page showing that document (its
@@ -601,6 +649,8 @@ def admin_app(
         Route("/dead-letters/replay", api.replay, methods=["POST"]),
         Route("/dead-letters/purge", api.purge, methods=["POST"]),
         Route("/dead-letters/{id}", api.dead_letter, methods=["GET"]),
+        Route("/groups", api.groups, methods=["GET"]),
+        Route("/groups/delete", api.delete_group, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
     ]

@@ -72,6 +72,7 @@ from ..transports.base import (
     DeadLetterStore,
     DedupStoreProvider,
     Delivery,
+    GroupAdmin,
     GroupPublisher,
     KeepAlive,
     RoutedPublisher,
@@ -1351,3 +1352,42 @@ class TransportSuite:
             while (count := await transport.backlog(pattern, group)) != expected:
                 await anyio.sleep(0.02)
         _check(count, expected, f"backlog of ({pattern!r}, {group!r})")
+
+    # -- groups -----------------------------------------------------------------------
+
+    @pytest.mark.anyio
+    async def test_groups_are_listed_and_a_deleted_one_gets_nothing_more(
+        self, transport: Transport
+    ) -> None:
+        """:class:`~asyncbus.transports.GroupAdmin`: every group with its backlog, the one
+        nobody reads with no consumer; a deleted group is gone, later publishes neither
+        reach nor name it, and deleting it again says it was not there."""
+        if not isinstance(transport, GroupAdmin):
+            pytest.skip(f"{type(transport).__name__} is not a GroupAdmin")
+        async with transport.subscribe("listed.*", group="kept", prefetch=5):
+            async with transport.subscribe("listed.*", group="gone", prefetch=5):
+                pass  # the group outlives its subscription
+            await transport.publish("listed.one", _envelopes("listed.one", 2))
+            listed = {(info.pattern, info.group): info for info in await transport.groups()}
+            _check(sorted(listed), [("listed.*", "gone"), ("listed.*", "kept")], "groups")
+            gone, kept = listed["listed.*", "gone"], listed["listed.*", "kept"]
+            _check((gone.backlog, gone.consumers), (2, 0), "backlog and consumers of 'gone'")
+            _check((kept.backlog, kept.local), (2, False), "backlog of 'kept', local")
+            _check(await transport.delete_group("listed.*", "gone"), True, "first deletion")
+            _check(await transport.delete_group("listed.*", "gone"), False, "second deletion")
+            _check(
+                [(info.group, info.backlog) for info in await transport.groups()],
+                [("kept", 2)],
+                "groups after the deletion",
+            )
+            if isinstance(transport, RoutedPublisher):
+                reached = await transport.publish_routed("listed.two", _envelopes("listed.two", 1))
+                if reached is not None:
+                    _check(reached, ("listed.*@kept",), "groups a later publish reached")
+            else:
+                await transport.publish("listed.two", _envelopes("listed.two", 1))
+            _check(
+                [(info.group, info.backlog) for info in await transport.groups()],
+                [("kept", 3)],
+                "groups after a later publish",
+            )

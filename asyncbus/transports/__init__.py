@@ -27,6 +27,8 @@ from .base import DeadLetterChange as DeadLetterChange
 from .base import DeadLetterStore as DeadLetterStore
 from .base import DedupStoreProvider as DedupStoreProvider
 from .base import Delivery as Delivery
+from .base import GroupAdmin as GroupAdmin
+from .base import GroupInfo as GroupInfo
 from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
 from .base import RoutedPublisher as RoutedPublisher
@@ -52,6 +54,8 @@ __all__ = [
     "DeadLetterStore",
     "DedupStoreProvider",
     "Delivery",
+    "GroupAdmin",
+    "GroupInfo",
     "GroupPublisher",
     "JsonCodec",
     "KeepAlive",

@@ -15,9 +15,11 @@ import re
 from typing import TYPE_CHECKING
 
 from .._exceptions import ConfigurationError, DecodeError
+from .._groups import GroupInfo
 from .._routing import compile_pattern
 from ._kit.matches import TopicMatches
 from ._wire_fields import group_from_wire
+from .base import INBOX_GROUP_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
     from nats.js import JetStreamContext
 
-__all__ = ["GroupDirectory", "group_description"]
+__all__ = ["GroupDirectory", "group_description", "list_groups"]
 
 logger = logging.getLogger("asyncbus.transports.nats")
 
@@ -127,3 +129,35 @@ class GroupDirectory:
             await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.{event}.{self.stream}.*", cb=changed)
             for event in ("CREATED", "DELETED")
         ]
+
+
+async def list_groups(js: JetStreamContext, stream: str, prefix: str) -> list[GroupInfo]:
+    """The groups among ``stream``'s consumers (request inboxes aside): backlog is what
+    each has not delivered plus what it delivered and not settled, consumers the pull
+    requests waiting on it, last activity its last delivery."""
+    listed: list[GroupInfo] = []
+    offset = 0
+    while True:
+        page = await js.consumers_info(stream, offset=offset or None)
+        for info in page:
+            subject = info.config.filter_subject or ""
+            if info.name is None or not subject.startswith(f"{prefix}."):
+                continue
+            pattern = subject[len(prefix) + 1 :]
+            parsed = _parse(info.config.description)
+            group = parsed[1] if parsed is not None and parsed[0] == pattern else info.name
+            if group.startswith(INBOX_GROUP_PREFIX):
+                continue
+            delivered = info.delivered.last_active if info.delivered is not None else None
+            listed.append(
+                GroupInfo(
+                    pattern,
+                    group,
+                    (info.num_pending or 0) + (info.num_ack_pending or 0),
+                    info.num_waiting or 0,
+                    delivered.timestamp() if delivered is not None else None,
+                )
+            )
+        if len(page) < _PAGE:
+            return listed
+        offset += len(page)

@@ -48,15 +48,20 @@ return 1
 """
 )
 
-#: XADD a batch of publishes and read the bindings' version, in one command (one reply
-#: to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
-#: ARGV holds groups of envelopes going to the same streams (one per publish, or one
-#: for consecutive publishes to the same streams): the number of its streams, their
-#: indexes into KEYS (negative for a request inbox: written only if it still exists,
-#: NOMKSTREAM), the number of its envelopes, then (meta, body) for each envelope.
-#: Returns the version as it was when the entries were added.
+#: XADD a batch of publishes, routed by the bindings of a version, in one command (one
+#: reply to parse instead of one per entry). KEYS[1] the version key, KEYS[2..] streams.
+#: ARGV[1] the version the routes were made from ('' for none); then groups of
+#: envelopes going to the same streams (one per publish, or one for consecutive
+#: publishes to the same streams): the number of its streams, their indexes into KEYS
+#: (negative for a request inbox: written only if it still exists, NOMKSTREAM), the
+#: number of its envelopes, then (meta, body) for each envelope.
+#: Nothing is written when the version is another (a binding was added or deleted
+#: since: the routes may name a stream that is gone). Returns {1 if written else 0,
+#: the version}.
 PUBLISH = """
-local i = 1
+local version = redis.call('GET', KEYS[1])
+if (version or '') ~= ARGV[1] then return {0, version or ''} end
+local i = 2
 while i <= #ARGV do
   local streams = tonumber(ARGV[i])
   local targets = {}
@@ -78,7 +83,7 @@ while i <= #ARGV do
   end
   i = i + envelopes * 2
 end
-return redis.call('GET', KEYS[1])
+return {1, version or ''}
 """
 
 #: XAUTOCLAIM entries idle for ARGV[3] ms and report each one's delivery count.
@@ -180,9 +185,11 @@ end
 return reaped
 """
 
-#: Move delayed retries that are due back to their streams.
+#: Move delayed retries that are due back to their streams; one whose binding is gone
+#: (its group was deleted) is dropped, not written to a stream nobody reads.
 #: KEYS[1] the sorted set of item keys by due time (ms), KEYS[2] the hash of counts
-#: per stream; ARGV now ms, limit. Each item is a hash (stream, meta, body).
+#: per stream, KEYS[3] the bindings hash; ARGV now ms, limit. Each item is a hash
+#: (stream, meta, body).
 #: Returns {moved, score of the next item or nil}.
 MOVE_DUE = (
     _ADD_DELAYED
@@ -192,7 +199,9 @@ for _, item in ipairs(due) do
   redis.call('ZREM', KEYS[1], item)
   local fields = redis.call('HMGET', item, 'stream', 'meta', 'body')
   if fields[1] then
-    redis.call('XADD', fields[1], '*', 'meta', fields[2], 'body', fields[3])
+    if redis.call('HEXISTS', KEYS[3], fields[1]) == 1 then
+      redis.call('XADD', fields[1], '*', 'meta', fields[2], 'body', fields[3])
+    end
     add_delayed(KEYS[2], fields[1], -1)
   end
   redis.call('DEL', item)

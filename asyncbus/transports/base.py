@@ -7,7 +7,8 @@ protocol (``ack``, ``nack``, ``reject`` with one signature). What only some brok
 offer is an optional protocol of its own, checked once (``isinstance``) when the bus
 binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
 :class:`BacklogReader`, :class:`DeadLetterStore` (and :class:`SharedDeadLetters`),
-:class:`DedupStoreProvider`, :class:`AcksWrittenBehind`, :class:`KeepAlive`. Everything
+:class:`DedupStoreProvider`, :class:`AcksWrittenBehind`, :class:`KeepAlive`,
+:class:`GroupAdmin`. Everything
 else (retry, expiry, timeouts, slips, requests, statistics) is the bus's, written once.
 """
 
@@ -31,6 +32,7 @@ from .._dead_letters import DeadLetter, DeadLetterKey, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, TransportError
+from .._groups import GroupAdmin, GroupInfo
 from ._codec import Codec, default_codec
 from ._kit.delivery import BaseDelivery, rejected_entry
 from ._kit.runtime import require_asyncio
@@ -50,6 +52,8 @@ __all__ = [
     "DeadLetterStore",
     "DedupStoreProvider",
     "Delivery",
+    "GroupAdmin",
+    "GroupInfo",
     "GroupPublisher",
     "KeepAlive",
     "RoutedPublisher",

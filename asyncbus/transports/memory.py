@@ -15,10 +15,12 @@ from anyio.streams.memory import MemoryObjectSendStream
 from .._dead_letters import DeadLetter, dead_letter_key
 from .._envelope import Envelope
 from .._exceptions import TransportError
+from .._groups import GroupInfo
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
 from ._kit import TaskOwner
 from .base import (
+    INBOX_GROUP_PREFIX,
     BaseDelivery,
     Capabilities,
     DeadLetterChange,
@@ -39,6 +41,8 @@ class _Group:
         self.waiters: deque[anyio.Event] = deque()
         #: Delivered to some consumer and not settled yet.
         self.unsettled = 0
+        #: Subscriptions reading it now.
+        self.consumers = 0
 
     def put(self, envelope: Envelope, *, front: bool = False) -> None:
         if front:
@@ -209,9 +213,11 @@ class MemoryTransport(Transport):
                 yield delivery
 
         iterator = deliveries()
+        target.consumers += 1
         try:
             yield iterator
         finally:
+            target.consumers -= 1
             await iterator.aclose()  # type: ignore[attr-defined]
             # A consumer that leaves gives back what it took but did not settle,
             # oldest first, so another consumer of the group gets it at once.
@@ -227,6 +233,20 @@ class MemoryTransport(Transport):
         """Envelopes of the group not settled: waiting, or delivered and not settled."""
         target = self._groups.get((pattern, group))
         return len(target.ready) + target.unsettled if target is not None else 0
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every group made by a subscription or a replay, with its backlog and the
+        subscriptions reading it."""
+        return [
+            GroupInfo(pattern, group, len(target.ready) + target.unsettled, target.consumers)
+            for (pattern, group), target in self._groups.items()
+            if not group.startswith(INBOX_GROUP_PREFIX)
+        ]
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Forget the group and what it holds (later publishes do not reach it)."""
+        await anyio.lowlevel.checkpoint()
+        return self._groups.pop((pattern, group), None) is not None
 
     async def add_dead_letter(self, entry: DeadLetter) -> None:
         """Keep ``entry``."""

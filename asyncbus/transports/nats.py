@@ -111,6 +111,7 @@ import anyio
 from .._dead_letters import DeadLetter
 from .._envelope import HEADER_REPLAYED, Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeError, TransportError
+from .._groups import GroupInfo
 from .._routing import compile_pattern, validate_topic
 from ._codec import (
     Codec,
@@ -128,7 +129,7 @@ from ._nats_consumer import (
 )
 from ._nats_dead_letters import NatsDeadLetters
 from ._nats_dedup import NatsDedupStore
-from ._nats_groups import GroupDirectory, group_description
+from ._nats_groups import GroupDirectory, group_description, list_groups
 from ._nats_handbacks import HandBacks
 from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
@@ -1035,6 +1036,34 @@ class NatsTransport(Transport):
             except NotFoundError:
                 return 0
         return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+    async def groups(self) -> list[GroupInfo]:
+        """The groups (the stream's durable consumers, request inboxes aside), with their
+        backlog, the pull requests waiting on them and their last delivery."""
+        from nats.js.errors import NotFoundError
+
+        _, js = self._client()
+        with broker_call(f"cannot list the consumers of stream {self.stream}"):
+            try:
+                return await list_groups(js, self.stream, self.prefix)
+            except NotFoundError:
+                return []  # no stream: no group
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the group's durable consumer; the stream drops what only it needed
+        (interest retention), and every process's next publish reads the groups again."""
+        from nats.js.errors import NotFoundError
+
+        _, js = self._client()
+        name = consumer_name(pattern, group)
+        with broker_call(f"cannot delete consumer {name} of stream {self.stream}"):
+            try:
+                await js.delete_consumer(self.stream, name)
+            except NotFoundError:
+                return False
+            finally:
+                self._groups.forget()
+        return True
 
     # -- dead letters -------------------------------------------------------------
 

@@ -133,7 +133,9 @@ from .._exceptions import (
     EncodeError,
     TransportError,
 )
+from .._groups import GroupInfo
 from .._routing import validate_topic
+from . import _rabbit_groups
 from ._codec import (
     Codec,
     dead_letter_to_wire,
@@ -1344,6 +1346,18 @@ class RabbitTransport(Transport):
                 else:
                     wait = min(wait, first._deadline - now)
             await anyio.sleep(max(wait, 0.001))
+
+    # -- groups ---------------------------------------------------------------
+
+    async def groups(self) -> list[GroupInfo]:
+        """The groups recorded in the broker's register whose queue exists (request
+        inboxes aside), with the messages ready in it and its consumers."""
+        return await _rabbit_groups.list_groups(self)
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the group's queue (binding and messages), tell every process, and
+        drop it from the register (see :mod:`._rabbit_groups`)."""
+        return await _rabbit_groups.delete_group(self, pattern, group)
 
     # -- backlog --------------------------------------------------------------
 

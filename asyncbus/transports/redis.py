@@ -6,7 +6,10 @@ Layout of the keys (all under ``prefix``):
   one consumer group (``group``) on it. Pattern and group are percent-escaped (``@``,
   ``%``, spaces, braces...), so two bindings never share a key.
 * ``{prefix}:bindings``: hash of binding stream key to ``[pattern, group]``, written by
-  ``subscribe``; ``{prefix}:bindings:version`` changes on every registration.
+  ``subscribe``; ``{prefix}:bindings:version`` changes on every registration and
+  deletion (listing and deleting groups: :mod:`._redis_groups`).
+* ``{prefix}:readers``: hash of ``{stream} {consumer}`` to ``{seen ms}:{until ms}``,
+  which consumers read each binding (written every ``claim_interval``), for listings.
 * ``{prefix}:delayed``: sorted set of delayed retries by due time (ms), each one a hash
   ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
   counts them per stream (for :meth:`RedisTransport.backlog`).
@@ -29,9 +32,10 @@ How it works:
   is that one call. Publishes from concurrent tasks share it (a group commit,
   :mod:`._coalesce`): one writer task writes all that arrived during its last write,
   and each publish returns once the write holding it succeeded (``publish_timeout``
-  bounds each batch, queued time included). When the version moved
-  (a binding was added anywhere), the bindings are read again and the streams missed
-  are written too, so a binding registered before a publish always receives it. A
+  bounds each batch, queued time included). The script writes only if the version is
+  the one the routes were made from; when it moved (a binding was added or deleted
+  anywhere), the bindings are read again and the batch routed anew, so a binding
+  registered before a publish always receives it and one deleted never does. A
   publish through :meth:`RedisTransport.publish_routed` (the bus's) that no binding
   matched is stored as a ``no_subscribers`` dead letter instead.
 * **Reading.** A consumer reads with ``XREADGROUP COUNT <room>`` (its free prefetch),
@@ -85,7 +89,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
@@ -97,6 +101,7 @@ from .._checks import check_count
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, TransportError
+from .._groups import GroupInfo
 from .._routing import compile_pattern, validate_topic
 from . import _redis_scripts
 from ._coalesce import Coalescer
@@ -122,6 +127,7 @@ from ._kit import (
 )
 from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
+from ._redis_groups import RedisGroups
 from ._wire_fields import group_from_wire
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -468,6 +474,7 @@ class RedisTransport(Transport):
         self._delayed_counts_key = f"{prefix}:delayed:counts"
         self._dead_key = f"{prefix}:deadletters"
         self._shared_dead = RedisDeadLetters(self, self._dead_key)
+        self._groups = RedisGroups(self)
         self._inboxes_key = f"{prefix}:inboxes"
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
@@ -766,10 +773,10 @@ class RedisTransport(Transport):
     async def _write_publishes(self, batch: list[_Publish]) -> None:
         """Write a batch of publishes with one script that also reads the bindings' version.
 
-        When the version moved (a binding was added anywhere), the bindings are read
-        again and the streams missed are written too. The coalescer bounds it by the
-        batch's ``publish_timeout``: a writer stuck on a silent server would hold up
-        every publish.
+        When the version moved (a binding was added or deleted anywhere), nothing is
+        written: the bindings are read again and the batch routed anew. The coalescer
+        bounds it by the batch's ``publish_timeout``: a writer stuck on a silent server
+        would hold up every publish.
         """
         if self._bindings is None:
             await self._load_bindings()
@@ -805,10 +812,12 @@ class RedisTransport(Transport):
                 args[count_at] = grouped
                 for meta, body in wire:
                     args += (meta, body)
-            version = await self._scripts["PUBLISH"](keys=keys, args=args)
-            for done, streams in zip(written, targets, strict=True):
-                done.update(streams)
-            if version == self._version:
+            # Written only if the bindings are still those of the routes (a group
+            # deleted since must not be written to, nor named).
+            reply = await self._scripts["PUBLISH"](keys=keys, args=[self._version or b"", *args])
+            if int(reply[0]):
+                for done, streams in zip(written, targets, strict=True):
+                    done.update(streams)
                 return
             await self._load_bindings()
 
@@ -841,6 +850,8 @@ class RedisTransport(Transport):
         checked_prefetch(prefetch)
         stream = await self._bind(pattern, group)
         consumer = _Consumer(self, pattern, group, stream, prefetch)
+        if not _is_inbox(group):
+            await self._told(self._groups.tell_reading([consumer]))
         self._consumers.add(consumer)
         if self.keep_alive and self._tasks.running:
             self._tasks.start_soon(self._keep_alive, consumer)
@@ -1105,6 +1116,8 @@ class RedisTransport(Transport):
         if _is_inbox(consumer.group):
             await self._drop_inbox(consumer)
             return
+        with anyio.move_on_after(_RELEASE_TIMEOUT):
+            await self._told(self._groups.tell_reading([consumer], ending=True))
         released = 0
         with anyio.move_on_after(_RELEASE_TIMEOUT):
             try:
@@ -1180,6 +1193,8 @@ class RedisTransport(Transport):
             consumers = list(self._consumers)
             if not consumers:
                 continue
+            readers = [c for c in consumers if not _is_inbox(c.group)]
+            await self._told(self._groups.tell_reading(readers))
             try:
                 found = await self._redis().hmget(self._bindings_key, [c.stream for c in consumers])
                 for consumer, binding in zip(consumers, found, strict=True):
@@ -1192,6 +1207,14 @@ class RedisTransport(Transport):
                         await self._bind_raw(consumer.pattern, consumer.group)
             except Exception as error:  # keep going: the next round tries again
                 logger.debug("Redis: looking at the bindings failed: %s", error)
+
+    async def _told(self, telling: Awaitable[None]) -> None:
+        """Await ``telling`` (which consumers read: for listings); a failure is logged
+        only, it stops nothing."""
+        try:
+            await telling
+        except Exception as error:
+            logger.debug("Redis: telling which consumers read failed: %s", error)
 
     async def _keep_alive(self, consumer: _Consumer) -> None:
         """Reset the idle time of what ``consumer`` holds, until it leaves."""
@@ -1230,7 +1253,7 @@ class RedisTransport(Transport):
             self._delay_wake = anyio.Event()
             try:
                 reply = await self._scripts["MOVE_DUE"](
-                    keys=[self._delayed_key, self._delayed_counts_key],
+                    keys=[self._delayed_key, self._delayed_counts_key, self._bindings_key],
                     args=[int(time.time() * 1000), _DELAY_BATCH],
                 )
             except Exception as error:  # keep moving whatever went wrong once
@@ -1273,6 +1296,18 @@ class RedisTransport(Transport):
             )
             waiting = 0
         return int(length) + max(waiting, 0)
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every binding under the prefix (request inboxes aside), with its backlog, its
+        consumers (idle less than twice ``ack_timeout``) and their last activity."""
+        try:
+            return await self._groups.groups()
+        except self._errors.RedisError as error:
+            raise self._failed("listing the groups", error) from error
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the binding (``pattern``, ``group``), its stream and delayed retries."""
+        return await self._groups.delete_group(pattern, group)
 
     def _queue_dead_letter(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
         if self.settings.dead_letter_maxlen <= 0:

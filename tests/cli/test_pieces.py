@@ -108,7 +108,7 @@ def test_json_log_lines_carry_the_extra_fields_and_the_traceback() -> None:
 
 
 def test_the_command_table_and_the_console_script() -> None:
-    assert list(COMMANDS) == ["run", "asyncapi", "demo", "bench"]
+    assert list(COMMANDS) == ["run", "asyncapi", "groups", "demo", "bench"]
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert config["project"]["scripts"] == {"asyncbus": "asyncbus.__main__:main"}
     assert "watchfiles>=0.21" in config["project"]["optional-dependencies"]["reload"]

@@ -1,0 +1,155 @@
+"""Groups as things to see and remove: what ``bus.groups()`` lists, and deleting one.
+
+A group outlives the code that made it: over a broker, a handler renamed (its default
+group is its ``module:qualname``) leaves its old group bound, still given every
+matching publish. :func:`list_groups` and :func:`delete_group` are what the bus (and the
+``python -m asyncbus groups`` command) do about it; the broker side is the optional
+:class:`GroupAdmin` protocol of each transport (re-exported by
+:mod:`asyncbus.transports.base`, with the other optional protocols).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container, Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ._exceptions import ConfigurationError, TransportError
+
+if TYPE_CHECKING:
+    from ._stats import StageStatistics
+
+__all__ = [
+    "GroupAdmin",
+    "GroupInfo",
+    "delete_group",
+    "list_groups",
+    "local_groups",
+    "no_admin",
+    "since",
+    "subscribed_here",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """One group bound to a topic pattern, as ``bus.groups()`` lists it.
+
+    :ivar pattern: the topic pattern the group is bound to.
+    :ivar group: the group's name.
+    :ivar backlog: envelopes the group has not settled (waiting, or delivered and not
+        settled; over RabbitMQ, those waiting in its queue).
+    :ivar consumers: consumers reading it now (in memory: this process's consumer
+        tasks; over a broker, every process's, as the broker counts them).
+    :ivar last_active: when a consumer last read from it (epoch seconds), when the
+        broker tells (``None``: unknown).
+    :ivar local: whether this process subscribes to it.
+    """
+
+    pattern: str
+    group: str
+    backlog: int
+    consumers: int
+    last_active: float | None = None
+    local: bool = False
+
+    @property
+    def name(self) -> str:
+        """The stage name, ``"{pattern}@{group}"`` (as receipts and statistics say it)."""
+        return f"{self.pattern}@{self.group}"
+
+
+@runtime_checkable
+class GroupAdmin(Protocol):
+    """A transport that can list the groups its broker keeps (every process's) and
+    delete one with its backlog (``bus.groups()``, ``bus.delete_group()``, and the
+    ``python -m asyncbus groups`` command use it).
+
+    Request inboxes (groups beginning ``_reply.``) are the bus's own and never listed.
+    A deleted group is forgotten by the routing of every process (their next
+    publishes no longer reach or name it); a process still subscribed to it binds it
+    again.
+    """
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every group bound under the transport's prefix, with its backlog, its
+        consumers and when one was last active (``local`` is left False)."""
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the group (``pattern``, ``group``): its binding, what it holds
+        (waiting, delivered and not settled, delayed retries) and its record.
+
+        :returns: whether it existed.
+        """
+
+
+def local_groups(stages: Iterable[StageStatistics]) -> list[GroupInfo]:
+    """The groups of this process's stages (their statistics), with their figures here."""
+    found = [
+        GroupInfo(
+            figures.topic,
+            figures.group,
+            backlog=figures.depth + figures.in_flight,
+            consumers=figures.concurrency,
+            last_active=None,
+            local=True,
+        )
+        for figures in stages
+    ]
+    return sorted(found, key=_order)
+
+
+def _order(info: GroupInfo) -> tuple[str, str]:
+    return info.pattern, info.group
+
+
+def list_groups(found: Iterable[GroupInfo], mine: Container[str]) -> list[GroupInfo]:
+    """The broker's groups ``found``, marked ``local`` when their stage name is in
+    ``mine``, sorted by pattern then group."""
+    listed = [replace(info, local=info.name in mine) for info in found]
+    return sorted(listed, key=_order)
+
+
+async def delete_group(
+    admin: GroupAdmin, pattern: str, group: str, *, force: bool, mine: bool
+) -> bool:
+    """Delete (pattern, group) and its backlog from the broker behind ``admin``.
+
+    :param force: delete it even while consumers of other processes read it (they
+        bind it again when they next read: stop them first).
+    :param mine: whether this process subscribes to it (then it is refused).
+    :returns: whether the group existed.
+    :raises ConfigurationError: when this process subscribes to it, or (unless
+        ``force``) the broker counts consumers reading it.
+    """
+    if mine:
+        raise subscribed_here(pattern, group)
+    if not force:
+        for info in await admin.groups():
+            if (info.pattern, info.group) == (pattern, group) and info.consumers:
+                raise ConfigurationError(
+                    f"group {group!r} on {pattern!r} has {info.consumers} consumer(s) "
+                    "reading it: stop them first (a live consumer binds its group again), "
+                    "or pass force=True"
+                )
+    return await admin.delete_group(pattern, group)
+
+
+def subscribed_here(pattern: str, group: str) -> ConfigurationError:
+    """The error of deleting a group this process subscribes to."""
+    return ConfigurationError(
+        f"group {group!r} on {pattern!r} is subscribed in this process: it cannot be "
+        "deleted while its subscription runs (delete it from a process that does not "
+        "subscribe to it, e.g. `python -m asyncbus groups delete`)"
+    )
+
+
+def no_admin(name: str) -> TransportError:
+    """The error of a transport that cannot list or delete groups."""
+    return TransportError(f"the {name} transport cannot list or delete groups")
+
+
+def since(idle_ms: float | None) -> float | None:
+    """The epoch time ``idle_ms`` milliseconds ago (``None`` stays ``None``)."""
+    return None if idle_ms is None else time.time() - idle_ms / 1000
