@@ -36,6 +36,7 @@ from ._exceptions import Reject as Reject
 from ._exceptions import SerializationError as SerializationError
 from ._exceptions import TransportError as TransportError
 from ._groups import GroupInfo as GroupInfo
+from ._groups import GroupListing as GroupListing
 from ._runtime import FREE_THREADED as FREE_THREADED
 from ._runtime import run as run
 from ._stage import Backpressure as Backpressure
@@ -97,6 +98,7 @@ __all__ = [
     "EncodeError",
     "Envelope",
     "GroupInfo",
+    "GroupListing",
     "Handler",
     "HandlerError",
     "HandlerTimeout",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -44,7 +45,7 @@ from ._exceptions import (
     not_started,
 )
 from ._failures import describe_error, loop_closing, stray_cancellation
-from ._groups import GroupInfo
+from ._groups import GroupListing
 from ._handling import current_handling
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
@@ -1257,18 +1258,23 @@ class Bus:
 
     # -- groups -----------------------------------------------------------------
 
-    async def groups(self) -> list[GroupInfo]:
+    def groups(self) -> GroupListing:
         """The groups bound per topic pattern, with their backlog and consumers.
 
-        In memory, this bus's stages. Over a broker, every group the broker keeps under
-        the transport's prefix, every process's (read from the broker now, as
-        ``drain()`` reads backlogs), ``local`` for those this process subscribes to.
-        Sorted by pattern, then group.
+        In memory, this bus's stages, exact at the call. Over a broker, every group the
+        broker keeps under the transport's prefix, every process's, ``local`` for those
+        this process subscribes to: as the bus's latest reading of the broker has them
+        (read at the start and every few seconds while the bus runs), or, awaited
+        (``await bus.groups()``), read from the broker now. Sorted by pattern, then
+        group.
 
         :raises BusClosedError: over a broker, when the bus is not running.
-        :raises TransportError: when the transport cannot list groups, or the broker fails.
+        :raises TransportError: awaited, when the transport cannot list groups or the
+            broker fails; plainly, when the transport cannot list groups.
         """
-        return await self._mode.groups(self._state in ("running", "closing"))
+        running = self._state in ("running", "closing")
+        mode = self._mode
+        return GroupListing(mode.groups_now(running), functools.partial(mode.groups, running))
 
     async def delete_group(self, pattern: str, group: str, *, force: bool = False) -> bool:
         """Delete the group (``pattern``, ``group``) and its backlog from the broker.

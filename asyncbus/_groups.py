@@ -11,9 +11,9 @@ matching publish. :func:`list_groups` and :func:`delete_group` are what the bus 
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Iterable
+from collections.abc import Awaitable, Callable, Container, Generator, Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ._exceptions import ConfigurationError, TransportError
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupAdmin",
     "GroupInfo",
+    "GroupListing",
     "delete_group",
     "list_groups",
     "local_groups",
@@ -82,6 +83,33 @@ class GroupAdmin(Protocol):
 
         :returns: whether it existed.
         """
+
+
+class GroupListing(list[GroupInfo]):
+    """What ``bus.groups()`` returns: a list of :class:`GroupInfo`, sorted by pattern
+    then group, that can also be awaited for a fresh reading.
+
+    Used as it is (``for info in bus.groups()``), it holds what the bus knows at the
+    call: in memory, its stages exactly; over a broker, the bus's latest reading of the
+    broker's groups (taken when the bus starts, every few seconds while it runs, and at
+    every awaited call), with this process's stages added if the reading predates them
+    and deleted groups left out. Awaited (``await bus.groups()``), it reads the broker
+    now and returns a new :class:`GroupListing` with the broker's figures at that moment.
+    """
+
+    __slots__ = ("_fresh",)
+
+    def __init__(
+        self, groups: Iterable[GroupInfo], fresh: Callable[[], Awaitable[list[GroupInfo]]]
+    ) -> None:
+        super().__init__(groups)
+        self._fresh = fresh
+
+    def __await__(self) -> Generator[Any, Any, GroupListing]:
+        return self._read().__await__()
+
+    async def _read(self) -> GroupListing:
+        return GroupListing(await self._fresh(), self._fresh)
 
 
 def local_groups(stages: Iterable[StageStatistics]) -> list[GroupInfo]:

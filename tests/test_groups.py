@@ -8,7 +8,14 @@ import logging
 import anyio
 import pytest
 
-from asyncbus import Bus, BusClosedError, ConfigurationError, GroupInfo, MemoryTransport
+from asyncbus import (
+    Bus,
+    BusClosedError,
+    ConfigurationError,
+    GroupInfo,
+    GroupListing,
+    MemoryTransport,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -77,8 +84,88 @@ async def test_a_renamed_handlers_old_group_is_deleted_over_the_in_process_broke
             assert [info.name for info in await bus.groups()] == ["orders.*@new"]
 
 
+async def test_in_memory_groups_called_plainly_is_the_same_exact_list() -> None:
+    bus = Bus()
+    release = anyio.Event()
+
+    @bus.subscribe("orders.*", group="mailer", concurrency=2)
+    async def mail(n: int) -> None:
+        await release.wait()
+
+    assert bus.groups() == [GroupInfo("orders.*", "mailer", 0, 2, None, True)]
+    with anyio.fail_after(10):
+        async with bus:
+            for n in range(5):
+                await bus.publish("orders.created", n)
+            listed = bus.groups()
+            assert isinstance(listed, GroupListing)
+            assert listed == [GroupInfo("orders.*", "mailer", 5, 2, None, True)]
+            assert [(info.name, info.backlog) for info in listed] == [("orders.*@mailer", 5)]
+            fresh = await listed
+            assert isinstance(fresh, GroupListing)
+            assert fresh == listed
+            release.set()
+            await bus.drain(timeout=5)
+            assert bus.groups() == [GroupInfo("orders.*", "mailer", 0, 2, None, True)]
+            assert await bus.groups() == bus.groups()
+
+
+async def test_over_the_in_process_broker_groups_called_plainly_is_the_latest_reading() -> None:
+    transport = MemoryTransport(direct=False)
+    old = Bus(transport=transport)
+
+    @old.subscribe("orders.*", group="old")
+    async def gone(n: int) -> None:
+        raise AssertionError("the old group's bus is closed")
+
+    with anyio.fail_after(10):
+        async with old:
+            await old.subscribed()
+        bus = Bus(transport=transport)
+
+        @bus.subscribe("orders.*", group="new")
+        async def handle(n: int) -> None:
+            pass
+
+        async with bus:
+            await bus.subscribed()
+            # Read at the start: both groups, the old one from the broker.
+            assert [(info.name, info.local) for info in bus.groups()] == [
+                ("orders.*@new", True),
+                ("orders.*@old", False),
+            ]
+            for n in range(3):
+                await bus.publish("orders.created", n)
+            await bus.drain(timeout=5)
+            assert [(info.name, info.backlog) for info in await bus.groups()] == [
+                ("orders.*@new", 0),
+                ("orders.*@old", 3),
+            ]
+            # The awaited reading is the plain call's latest one.
+            assert [(info.name, info.backlog) for info in bus.groups()] == [
+                ("orders.*@new", 0),
+                ("orders.*@old", 3),
+            ]
+
+            @bus.subscribe("audit", group="auditor")
+            async def audit(n: int) -> None:
+                pass
+
+            await bus.subscribed()
+            # A stage subscribed since the last reading is listed with its figures here.
+            assert [(info.name, info.local) for info in bus.groups()] == [
+                ("audit@auditor", True),
+                ("orders.*@new", True),
+                ("orders.*@old", False),
+            ]
+            assert await bus.delete_group("orders.*", "old") is True
+            assert "orders.*@old" not in [info.name for info in bus.groups()]
+
+
 async def test_over_a_broker_groups_need_the_bus_running() -> None:
     bus = Bus(transport=MemoryTransport(direct=False))
+    with pytest.raises(BusClosedError):
+        bus.groups()
     with pytest.raises(BusClosedError):
         await bus.groups()
     with pytest.raises(BusClosedError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import cast
@@ -17,7 +18,7 @@ from .._dedup import DedupStore
 from .._delivering import pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, ConfigurationError, EncodeError
-from .._groups import GroupInfo, delete_group, list_groups, no_admin
+from .._groups import GroupInfo, delete_group, list_groups, local_groups, no_admin
 from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
@@ -31,6 +32,11 @@ from .stale_groups import StaleGroups
 __all__ = ["BrokerMode", "over_broker", "split_stage_name"]
 
 dead_letter_logger = logging.getLogger("asyncbus.dead_letters")
+groups_logger = logging.getLogger("asyncbus.groups")
+
+#: Seconds between two readings of the broker's groups while the bus runs (what a plain
+#: ``bus.groups()`` shows is at most this old, besides this process's own stages).
+GROUPS_READ_INTERVAL = 5.0
 
 
 def _batch_encode_error(
@@ -72,6 +78,8 @@ class BrokerMode:
         self.stale_group_after = stale_group_after
         #: The watcher of stale groups while the bus runs (``None``: not watched).
         self.stale_groups: StaleGroups | None = None
+        #: The latest reading of the broker's groups (the plain ``bus.groups()``).
+        self.group_reading: list[GroupInfo] = []
         #: The transport and the optional protocols it implements, looked up once.
         self.port = BoundTransport.of(transport)
         self.codec = cast("Codec | None", codec)
@@ -98,6 +106,7 @@ class BrokerMode:
         )
         await stack.enter_async_context(broker)
         self.stale_groups = None
+        self.group_reading = []
         port = self.port
         if port.shared is None:
             # A store of this process's making (or none): loaded once, kept here.
@@ -120,12 +129,17 @@ class BrokerMode:
         :mod:`.stale_groups`). Last in ``open``: a start that fails before it must not
         raise through the watcher's task group (as an exception group)."""
         broker = self.transport
-        if self.stale_group_after is None or not isinstance(broker, GroupAdmin):
+        if not isinstance(broker, GroupAdmin):
             return
-        self.stale_groups = StaleGroups(broker, self.stale_group_after, self.local.stages)
+        if self.stale_group_after is not None:
+            self.stale_groups = StaleGroups(broker, self.stale_group_after, self.local.stages)
+        # The first reading, for a plain ``bus.groups()`` right after the start (bounded:
+        # a broker slow to list its groups does not hold the start up).
+        with anyio.move_on_after(GROUPS_READ_INTERVAL):
+            await self._take_reading(broker)
         watching = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(watching.cancel_scope.cancel)  # (callbacks run first: LIFO)
-        watching.start_soon(self.stale_groups.watch)
+        watching.start_soon(self._read_groups, broker)
 
     def close_by(self, deadline: float) -> float:
         """Keep the end of the deadline for closing with the broker.
@@ -399,14 +413,56 @@ class BrokerMode:
             raise BusClosedError("the bus is not running: use `async with bus:` first")
         return transport
 
+    def groups_now(self, running: bool) -> list[GroupInfo]:
+        """Every process's groups as the latest reading of the broker had them, with
+        this bus's stages that the reading predates added (their figures here)."""
+        self._admin(running)
+        stages = self.local.stages
+        known = list_groups(self.group_reading, stages)
+        listed = {info.name for info in known}
+        added = local_groups(
+            stage.statistics()
+            for name, stage in list(stages.items())
+            if name not in listed and over_broker(stage) and not stage.group.startswith(INBOX)
+        )
+        return sorted([*known, *added], key=lambda info: (info.pattern, info.group))
+
     async def groups(self, running: bool) -> list[GroupInfo]:
         """Every process's groups, as the broker has them now; ``local`` for this bus's."""
-        return list_groups(await self._admin(running).groups(), self.local.stages)
+        self.group_reading = reading = await self._admin(running).groups()
+        return list_groups(reading, self.local.stages)
 
     async def delete_group(self, pattern: str, group: str, force: bool, running: bool) -> bool:
         """Delete the group in the broker (see ``Bus.delete_group``)."""
         mine = f"{pattern}@{group}" in self.local.stages
-        return await delete_group(self._admin(running), pattern, group, force=force, mine=mine)
+        deleted = await delete_group(self._admin(running), pattern, group, force=force, mine=mine)
+        self.group_reading = [
+            info for info in self.group_reading if (info.pattern, info.group) != (pattern, group)
+        ]
+        return deleted
+
+    async def _read_groups(self, admin: GroupAdmin) -> None:
+        """Read the broker's groups every :data:`GROUPS_READ_INTERVAL` (or the stale
+        watch's interval, if shorter) until cancelled: the plain ``bus.groups()``'s
+        latest reading, and the stale watch's readings. A failure is logged only."""
+        stale = self.stale_groups
+        interval = (
+            GROUPS_READ_INTERVAL if stale is None else min(GROUPS_READ_INTERVAL, stale.interval)
+        )
+        while True:
+            await anyio.sleep(interval)
+            await self._take_reading(admin)
+
+    async def _take_reading(self, admin: GroupAdmin) -> None:
+        """One reading of the broker's groups (a failure is logged and keeps the last)."""
+        try:
+            reading = await admin.groups()
+        except Exception as error:  # the next round tries again
+            groups_logger.debug("reading the groups failed: %s", error)
+            return
+        self.group_reading = reading
+        if (stale := self.stale_groups) is not None:
+            stale.update(reading, time.time())
 
 
 def over_broker(stage: Stage) -> bool:

@@ -366,10 +366,14 @@ class LocalMode:
         """A shielded scope (nothing is settled with a broker in memory)."""
         return anyio.CancelScope(shield=True)
 
+    def groups_now(self, running: bool) -> list[GroupInfo]:
+        """The bus's stages, with their figures (at any time: nothing to reach)."""
+        return local_groups(stage.statistics() for stage in list(self.stages.values()))
+
     async def groups(self, running: bool) -> list[GroupInfo]:
         """The bus's stages, with their figures (at any time: nothing to reach)."""
         await anyio.lowlevel.checkpoint()
-        return local_groups(stage.statistics() for stage in list(self.stages.values()))
+        return self.groups_now(running)
 
     async def delete_group(self, pattern: str, group: str, force: bool, running: bool) -> bool:
         """In memory a group is a stage of this bus: refused if it is one, else ``False``."""

@@ -135,6 +135,10 @@ class Mode(Protocol):
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
 
+    def groups_now(self, running: bool) -> list[GroupInfo]:
+        """The groups as the bus knows them now, without reaching a broker (the plain
+        ``bus.groups()``: in memory exact, over a broker the latest reading)."""
+
     async def groups(self, running: bool) -> list[GroupInfo]:
         """The groups bound per pattern (``bus.groups()``); ``running``: whether the bus
         runs (a broker is only reached while it does)."""

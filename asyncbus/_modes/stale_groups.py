@@ -3,8 +3,9 @@
 Over a broker, a group outlives its code: a handler renamed (the default group is its
 ``module:qualname``) or a service retired leaves its group bound, given every matching
 publish, and its backlog grows for ever. A bus over a transport that lists its groups
-(:class:`~asyncbus.transports.base.GroupAdmin`) watches them: every ``interval`` it reads
-the broker's groups, and a group of another process that every reading for ``after``
+(:class:`~asyncbus.transports.base.GroupAdmin`) watches them: it reads the broker's
+groups at least every ``interval`` (the broker mode's reader hands each reading to
+:meth:`StaleGroups.update`), and a group of another process that every reading for ``after``
 seconds found without a consumer is *stale*. A publish that reaches a stale group logs
 a warning on ``asyncbus.groups``, once per group per ``after`` seconds. The publish path
 only looks the names it reached up in a dict, and only while some group is stale.
@@ -16,8 +17,6 @@ import logging
 import math
 import time
 from collections.abc import Container
-
-import anyio
 
 from .._checks import check_seconds
 from .._groups import GroupInfo
@@ -55,15 +54,6 @@ class StaleGroups:
         self._unread_since: dict[str, float] = {}
         #: Stage name -> when a publish reaching it was last warned of (monotonic).
         self._warned: dict[str, float] = {}
-
-    async def watch(self) -> None:
-        """Read the groups every ``interval`` until cancelled (a failure is logged only)."""
-        while True:
-            try:
-                self.update(await self.admin.groups(), time.time())
-            except Exception as error:  # the next round tries again
-                logger.debug("reading the groups for stale ones failed: %s", error)
-            await anyio.sleep(self.interval)
 
     def update(self, groups: list[GroupInfo], now: float) -> None:
         """Take a reading of the broker's groups made at ``now`` (epoch seconds).
