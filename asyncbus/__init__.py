@@ -47,6 +47,7 @@ from ._subscription import Subscription as Subscription
 from ._types import Handler as Handler
 from ._types import Middleware as Middleware
 from ._verdicts import DeadLetterNow as DeadLetterNow
+from ._verdicts import Defer as Defer
 from ._verdicts import RetryAfter as RetryAfter
 from ._verdicts import Skip as Skip
 from ._verdicts import Verdict as Verdict
@@ -94,6 +95,7 @@ __all__ = [
     "DeadLetterQueue",
     "DeadLetterReason",
     "DecodeError",
+    "Defer",
     "Delivery",
     "EncodeError",
     "Envelope",

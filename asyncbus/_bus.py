@@ -1254,6 +1254,7 @@ class Bus:
             in_flight=total("in_flight"),
             dead_letter_queue=len(self.dead_letters),
             free_threaded=FREE_THREADED,
+            deferred=total("deferred"),
         )
 
     # -- groups -----------------------------------------------------------------

@@ -32,7 +32,7 @@ from ._instrument import Instrumentation, Result
 from ._stage import Stage, tries_before
 from ._subscription import Subscription
 from ._types import Handler
-from ._verdicts import DeadLetterNow, RetryAfter, Skip, Verdict
+from ._verdicts import DeadLetterNow, Defer, RetryAfter, Skip, Verdict
 from .transports.base import Delivery
 
 __all__ = [
@@ -313,6 +313,11 @@ def conclude(
         stage.retrying[id(envelope)] = envelope  # still in flight while it waits
         host.start_soon(stage.retry_later, envelope, verdict.delay)
         return True, None
+    if isinstance(verdict, Defer):
+        ledger.deferred += 1
+        stage.retrying[id(envelope)] = envelope  # in flight while it waits, as a retry
+        host.start_soon(stage.retry_later, envelope, verdict.delay, 0)
+        return True, None
     if isinstance(verdict, DeadLetterNow):
         if verdict.cause is not None:
             ledger.failed += 1
@@ -410,6 +415,8 @@ def _result(verdict: Any) -> Result:
         )
     if isinstance(verdict, RetryAfter):
         return Result("retry", delay=verdict.delay, exception=verdict.cause)
+    if isinstance(verdict, Defer):
+        return Result("deferred", delay=verdict.delay)
     if isinstance(verdict, Skip):
         return _SKIPPED
     return _ACKED

@@ -50,7 +50,7 @@ logger = logging.getLogger("asyncbus.bus")
 #: ``$deadletter`` announcement, which stays in the process).
 SendKind = Literal["publish", "request", "forward", "reply", "replay", "dead_letter"]
 #: How a dispatch ended.
-Settlement = Literal["acked", "skipped", "retry", "dead_lettered", "abandoned"]
+Settlement = Literal["acked", "skipped", "retry", "deferred", "dead_lettered", "abandoned"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,8 @@ class Result:
     """How a dispatch ended.
 
     :ivar outcome: ``acked``, ``skipped`` (acked unhandled, e.g. a duplicate),
-        ``retry`` (a retry is scheduled after ``delay`` s), ``dead_lettered`` (with
+        ``retry`` (a retry is scheduled after ``delay`` s), ``deferred`` (put back by a
+        ``Defer`` after ``delay`` s; not a failure), ``dead_lettered`` (with
         ``reason`` and ``error``) or ``abandoned`` (cancelled, e.g. at shutdown).
     :ivar exception: what failed the attempt (retry, dead letter, abandon), if anything.
     """

@@ -117,13 +117,15 @@ class Ledger:
     ``published == acked + dead_lettered + abandoned + depth + in_flight`` at every
     moment (depth and in flight are the stage's); ``dropped``, ``expired`` and
     ``shed`` are parts of ``dead_lettered``; ``rejected`` (at the door) is never in
-    ``published``; ``failed`` and ``retried`` count attempts, not envelopes.
+    ``published``; ``failed`` and ``retried`` count attempts, not envelopes;
+    ``deferred`` counts the times an envelope was put back by a :class:`Defer`.
     """
 
     __slots__ = (
         "abandoned",
         "acked",
         "dead_lettered",
+        "deferred",
         "dropped",
         "expired",
         "failed",
@@ -136,7 +138,7 @@ class Ledger:
     def __init__(self) -> None:
         self.published = self.acked = self.failed = self.retried = 0
         self.dead_lettered = self.rejected = self.dropped = self.expired = 0
-        self.abandoned = self.shed = 0
+        self.abandoned = self.shed = self.deferred = 0
 
     def dead(self, reason: DeadLetterReason) -> None:
         """Count one envelope dead-lettered for ``reason``."""
@@ -579,15 +581,16 @@ class Stage:
 
     # -- retries ----------------------------------------------------------------
 
-    async def retry_later(self, envelope: Envelope, delay: float) -> None:
+    async def retry_later(self, envelope: Envelope, delay: float, attempt: int = 1) -> None:
         """Re-enter ``envelope`` (in flight, in :attr:`retrying`) after ``delay`` seconds.
 
         It waits in line for room whatever the policy (it was admitted already); a
         stage that stops first keeps it in :attr:`retrying`, so the close lists it as
-        abandoned.
+        abandoned. ``attempt``: what the envelope's attempt grows by (a retry: 1; a
+        :class:`Defer`: 0).
         """
         await anyio.sleep(delay)
-        again = envelope.evolve(attempt=envelope.attempt + 1)
+        again = envelope.evolve(attempt=envelope.attempt + attempt)
         if self.closed:
             return
         if self.queued < self.capacity and not self.room_waiters:
@@ -626,6 +629,7 @@ class Stage:
             acked=ledger.acked,
             failed=ledger.failed,
             retried=ledger.retried,
+            deferred=ledger.deferred,
             dead_lettered=ledger.dead_lettered,
             rejected=ledger.rejected,
             dropped=ledger.dropped,

@@ -123,6 +123,9 @@ class StageStatistics:
     #: holding work / ``limit``, at most 1. A batch consumer counts once however many
     #: envelopes it holds; envelopes waiting for a retry (in ``in_flight``) hold none.
     saturation: float = 0.0
+    #: Times an envelope was put back by a ``Defer`` verdict (not failures, not attempts;
+    #: the envelope counts ``in_flight`` while it waits).
+    deferred: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,8 @@ class BusStatistics:
     dead_letter_queue: int = 0
     #: Whether sync handlers run truly in parallel (a free-threaded build).
     free_threaded: bool = False
+    #: Times envelopes were put back by a ``Defer`` verdict, every stage's.
+    deferred: int = 0
 
     def stage(self, name: str) -> StageStatistics:
         """Return the statistics of the stage called ``name`` (``"pattern@group"``).

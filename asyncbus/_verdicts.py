@@ -10,6 +10,8 @@ consumer carries it out in one place:
 * :class:`Skip`: ack the envelope, as handled, without forwarding anything;
 * :class:`RetryAfter`: count the attempt as failed and re-enter the envelope into its
   own stage after ``delay`` seconds (``attempt`` + 1), without holding a consumer;
+* :class:`Defer`: put the envelope back into its own stage after ``delay`` seconds, with
+  the same ``attempt``: not a failure and not an attempt (``deferred`` in the ledger);
 * :class:`DeadLetterNow`: dead-letter it with ``reason`` (the stage's ledger, the
   dead-letter queue, ``$deadletter``, a waiting requester and, over a broker, the
   delivery's reject all follow from it).
@@ -28,7 +30,7 @@ from ._dead_letters import DeadLetterReason
 from ._exceptions import ConfigurationError, DecodeError, HandlerTimeout, Reject
 from ._failures import describe_error
 
-__all__ = ["DeadLetterNow", "RetryAfter", "Skip", "Verdict"]
+__all__ = ["DeadLetterNow", "Defer", "RetryAfter", "Skip", "Verdict"]
 
 
 class Verdict:
@@ -60,6 +62,28 @@ class RetryAfter(Verdict):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "delay", check_seconds(self.delay, "RetryAfter", zero=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Defer(Verdict):
+    """Handle the envelope later: back into its own stage after ``delay`` seconds.
+
+    Not a failure and not an attempt: ``deferred`` counts it in the stage's ledger
+    (``failed`` and ``retried`` do not move), it comes back with the same ``attempt``
+    (so ``Retry``'s budget and a broker's ``max_deliveries`` are untouched), and it
+    stays in flight while it waits, holding no consumer. Its expiry still applies: one
+    whose ``ttl`` passes meanwhile is dead-lettered ``expired`` when it comes back. For
+    a rate limiter, say, that lets an envelope wait for its turn. Deferring for ever
+    is deferring for ever: nothing bounds how often an envelope is deferred.
+
+    :ivar delay: seconds to wait, finite and ``>= 0``.
+    :raises ConfigurationError: for a delay that is not a finite number ``>= 0``.
+    """
+
+    delay: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "delay", check_seconds(self.delay, "Defer", zero=True))
 
 
 @dataclass(frozen=True, slots=True)

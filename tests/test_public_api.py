@@ -123,6 +123,7 @@ def test_stage_statistics_can_be_made_with_the_design_fields_alone() -> None:
         "shedding": False,
         "shed": 0,
         "saturation": 0.0,
+        "deferred": 0,
     }
 
 

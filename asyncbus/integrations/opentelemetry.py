@@ -39,7 +39,7 @@ a broker), ``messaging.operation.type`` (``send`` / ``process``),
 ``messaging.destination.subscription.name`` (the stage), ``messaging.consumer.group.name``,
 ``messaging.message.id``, ``messaging.message.conversation_id`` (the correlation id);
 and asyncbus's own: ``messaging.asyncbus.attempt``, ``messaging.asyncbus.causation_id``,
-``messaging.asyncbus.outcome`` (``acked``, ``skipped``, ``retry``, ``dead_lettered``,
+``messaging.asyncbus.outcome`` (``acked``, ``skipped``, ``retry``, ``deferred``, ``dead_lettered``,
 ``abandoned``) and ``messaging.asyncbus.dead_letter.reason``.
 
 The tracer provider is looked at once, by :func:`instrument`: with only
@@ -273,11 +273,13 @@ class _Tracing(Instrumentation):
                 event["exception.type"] = _exception_type(error)
                 event["exception.message"] = str(error)
             span.add_event("retry", event)
-            first_attempts = self.first_attempts
-            if key not in first_attempts:
-                if len(first_attempts) >= _MAX_FIRST_ATTEMPTS:
-                    del first_attempts[next(iter(first_attempts))]
-                first_attempts[key] = span.get_span_context()
+            self._remember_first(key, span)
+        elif result.outcome == "deferred":
+            # Put back, not failed: the next run of the same attempt links to this one.
+            span.add_event(
+                "deferred", {"messaging.asyncbus.defer.delay": float(result.delay or 0.0)}
+            )
+            self._remember_first(key, span)
         else:
             self.first_attempts.pop(key, None)
             if result.outcome == "dead_lettered":
@@ -292,3 +294,12 @@ class _Tracing(Instrumentation):
                 span.set_status(Status(StatusCode.ERROR, "abandoned: cancelled unsettled"))
         otel_context.detach(token.attached)
         span.end()
+
+    def _remember_first(self, key: Any, span: Any) -> None:
+        """Keep the span context of an envelope's first run, for the runs that follow
+        a retry or a deferral to link to (bounded: the oldest is forgotten)."""
+        first_attempts = self.first_attempts
+        if key not in first_attempts:
+            if len(first_attempts) >= _MAX_FIRST_ATTEMPTS:
+                del first_attempts[next(iter(first_attempts))]
+            first_attempts[key] = span.get_span_context()

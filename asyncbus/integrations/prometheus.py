@@ -27,7 +27,8 @@ Every metric is labelled ``bus`` (the bus's name), and the per-stage ones ``stag
 
 * counters, one per ledger column: ``asyncbus_stage_published_total`` (admitted at the
   door), ``_acked_total``, ``_failed_total`` (failed attempts), ``_retried_total``
-  (attempts scheduled again), ``_dead_lettered_total`` (any reason), ``_rejected_total``
+  (attempts scheduled again), ``_deferred_total`` (put back by a ``Defer``, not a
+  failure), ``_dead_lettered_total`` (any reason), ``_rejected_total``
   (refused at a full REJECT stage's door), ``_dropped_total``, ``_expired_total``,
   ``_shed_total`` (these three are parts of dead-lettered) and ``_abandoned_total``
   (cancelled unsettled at shutdown);
@@ -96,6 +97,7 @@ _COUNTERS = {
     "acked": "Envelopes handled and acked.",
     "failed": "Failed handling attempts (the last one included).",
     "retried": "Failed attempts scheduled to run again.",
+    "deferred": "Envelopes put back by a Defer verdict (not failures, not attempts).",
     "dead_lettered": "Envelopes dead-lettered, whatever the reason.",
     "rejected": "Publishes refused at the door of a full REJECT stage (never published).",
     "dropped": "Envelopes dropped by a full DROP_* stage (part of dead_lettered).",

@@ -25,6 +25,7 @@ from .._envelope import Envelope
 from .._types import Handler, Middleware
 from .._types import middleware as middleware
 from .._verdicts import DeadLetterNow as DeadLetterNow
+from .._verdicts import Defer as Defer
 from .._verdicts import RetryAfter as RetryAfter
 from .._verdicts import Skip as Skip
 from .._verdicts import Verdict as Verdict
@@ -43,6 +44,7 @@ __all__ = [
     "Claim",
     "DeadLetterNow",
     "DedupStore",
+    "Defer",
     "HandlerTimeout",
     "MemoryDedupStore",
     "Retry",

@@ -30,6 +30,7 @@ LEDGER = (
     "acked",
     "failed",
     "retried",
+    "deferred",
     "dead_lettered",
     "rejected",
     "dropped",
