@@ -14,6 +14,8 @@ from ._admission import Priority as Priority
 from ._batch import Batch as Batch
 from ._bus import DEADLETTER_TOPIC as DEADLETTER_TOPIC
 from ._bus import Bus as Bus
+from ._cluster import ClusterStatistics as ClusterStatistics
+from ._cluster import ProcessStatistics as ProcessStatistics
 from ._dead_letters import DeadLetter as DeadLetter
 from ._dead_letters import DeadLetterQueue as DeadLetterQueue
 from ._dead_letters import DeadLetterReason as DeadLetterReason
@@ -87,6 +89,7 @@ __all__ = [
     "BusClosedError",
     "BusStatistics",
     "Capabilities",
+    "ClusterStatistics",
     "Codec",
     "ConfigurationError",
     "ConnectError",
@@ -108,6 +111,7 @@ __all__ = [
     "Middleware",
     "NatsTransport",
     "Priority",
+    "ProcessStatistics",
     "PublishTimeout",
     "RabbitTransport",
     "Receipt",

@@ -31,6 +31,7 @@ from ._carry import ContextVarCarrier, checked_contextvars
 from ._chain import adapt_handler, build_chain
 from ._checks import check_count, check_seconds, check_wait
 from ._clock import Clock, loop_clock
+from ._cluster import ClusterStatistics, ClusterWatch, check_heartbeat
 from ._dead_lettering import DeadLettering
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterReason
 from ._dedup import DedupStore
@@ -236,6 +237,10 @@ class Bus:
         a publish reaches a group of other processes that has had no consumer for that
         many seconds: a group left behind by a renamed or retired handler. ``None``
         turns the watch off.
+    :param heartbeat: over a broker that keeps heartbeats (Redis, NATS), seconds
+        between two heartbeats of this process (its identity and statistics, written
+        through the broker) that make :meth:`cluster_statistics` the whole deployment's
+        view; at most 60. ``None`` turns them off.
     :raises ConfigurationError: for a value that cannot work (NaN or an infinite TTL,
         a negative size, middleware that is not a sequence of callables, ...).
     """
@@ -254,6 +259,7 @@ class Bus:
         switch_interval: float | None = None,
         worker_niceness: int | None = None,
         stale_group_after: float | None = 3600.0,
+        heartbeat: float | None = 5.0,
     ) -> None:
         workers = check_count(
             workers if workers is not None else (os.cpu_count() or 1), "Bus: workers", 1
@@ -268,6 +274,7 @@ class Bus:
             switch_interval = check_seconds(switch_interval, "Bus: switch_interval")
         if worker_niceness is not None:
             worker_niceness = check_count(worker_niceness, "Bus: worker_niceness", 1)
+        heartbeat = check_heartbeat(heartbeat)
         self._switch_interval = switch_interval
         self._worker_niceness = worker_niceness
         self.name = name
@@ -302,6 +309,13 @@ class Bus:
         self._background = 0
         self._task_group: TaskGroup | None = None
         self._portal: BlockingPortal | None = None
+        #: This process's heartbeat and the view of the deployment's (``cluster_statistics``).
+        self._cluster = ClusterWatch(
+            name,
+            self._statistics,
+            heartbeat or 5.0,
+            self._mode.heartbeats() if heartbeat is not None else None,
+        )
         self._pool: WorkerPool | None = None
         self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
@@ -520,6 +534,8 @@ class Bus:
                     self._portal = portal
                     for stage in self._stages.values():
                         stage.open()
+                    if self._cluster.store is not None:
+                        task_group.start_soon(self._cluster.run)
                     task_status.started()
                     try:
                         await self._wait_for_stop_request()
@@ -1218,6 +1234,19 @@ class Bus:
         taken on the event loop (where the counters change), so its ledgers balance.
         """
         return self._on_loop(self._statistics)
+
+    def cluster_statistics(self) -> ClusterStatistics:
+        """Every process of the deployment, and their sums.
+
+        Over a broker that keeps heartbeats (Redis, NATS), every process whose bus
+        shares this transport's prefix writes its statistics through the broker every
+        ``heartbeat`` seconds: the view holds this process now and the others as the
+        latest heartbeats said, each named by host and pid, those not heard from for
+        three of their intervals marked ``stale``; ``totals`` sums them all. In memory,
+        or over a broker without heartbeats (RabbitMQ), it is this process alone.
+        Safe from any thread, as :meth:`statistics`.
+        """
+        return self._on_loop(self._cluster.view)
 
     def _on_loop(self, read: Callable[[], T]) -> T:
         """``read()`` on the thread that runs the bus (where its state lives), from any thread.

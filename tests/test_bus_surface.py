@@ -5,9 +5,11 @@ from __future__ import annotations
 from asyncbus import Bus
 
 #: DESIGN's methods, plus ``running`` and ``subscribed()`` (documented in the guide),
-#: ``publish_many`` (the README and the guide) and ``delete_group`` (beside ``groups``).
+#: ``publish_many`` (the README and the guide), ``delete_group`` (beside ``groups``) and
+#: ``cluster_statistics`` (the guide's In production chapter).
 DOCUMENTED_METHODS = {
     "aclose",
+    "cluster_statistics",
     "delete_group",
     "drain",
     "groups",

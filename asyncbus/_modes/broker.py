@@ -13,6 +13,7 @@ from typing import cast
 import anyio
 import anyio.lowlevel
 
+from .._cluster import Heartbeats
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
 from .._delivering import pump
@@ -412,6 +413,11 @@ class BrokerMode:
         if not running:
             raise BusClosedError("the bus is not running: use `async with bus:` first")
         return transport
+
+    def heartbeats(self) -> Heartbeats | None:
+        """The transport, if it keeps heartbeats (Redis, NATS)."""
+        transport = self.transport
+        return transport if isinstance(transport, Heartbeats) else None
 
     def groups_now(self, running: bool) -> list[GroupInfo]:
         """Every process's groups as the latest reading of the broker had them, with

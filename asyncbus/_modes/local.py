@@ -10,6 +10,7 @@ from functools import partial
 import anyio
 import anyio.lowlevel
 
+from .._cluster import Heartbeats
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
@@ -365,6 +366,10 @@ class LocalMode:
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope (nothing is settled with a broker in memory)."""
         return anyio.CancelScope(shield=True)
+
+    def heartbeats(self) -> Heartbeats | None:
+        """None: in memory the deployment is this process."""
+        return None
 
     def groups_now(self, running: bool) -> list[GroupInfo]:
         """The bus's stages, with their figures (at any time: nothing to reach)."""

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import anyio
 
+from .._cluster import Heartbeats
 from .._consumer import ConsumerHost
 from .._dead_letters import DeadLetter, DeadLetterQueue
 from .._dedup import DedupStore
@@ -134,6 +135,10 @@ class Mode(Protocol):
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
+
+    def heartbeats(self) -> Heartbeats | None:
+        """Where this process's heartbeats go for the deployment's view
+        (``Bus.cluster_statistics``): the transport if it keeps them, else ``None``."""
 
     def groups_now(self, running: bool) -> list[GroupInfo]:
         """The groups as the bus knows them now, without reaching a broker (the plain

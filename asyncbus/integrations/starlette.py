@@ -70,6 +70,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
 
 from .._bus import DEADLETTER_TOPIC, Bus
 from .._checks import check_wait
+from .._cluster import ProcessStatistics
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import BusClosedError, ConfigurationError, TransportError
 from .._groups import GroupInfo
@@ -384,6 +385,19 @@ class _AdminApi:
             }
         )
 
+    async def cluster(self, request: Request) -> Response:
+        view = self.bus.cluster_statistics()
+        return JSONResponse(
+            json_safe(
+                {
+                    "served_by": _process_json(view.processes[0]),
+                    "processes": [_process_json(process) for process in view.processes],
+                    "totals": dataclasses.asdict(view.totals),
+                }
+            ),
+            headers={"Cache-Control": "no-store"},
+        )
+
     async def groups(self, request: Request) -> Response:
         try:
             groups = await self.bus.groups()
@@ -458,6 +472,26 @@ class _AdminApi:
         ids = _ids(body)
         await self._check_known(ids)
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
+
+
+def _process_json(process: ProcessStatistics) -> dict[str, Any]:
+    statistics = process.statistics
+    return {
+        "name": process.name,
+        "host": process.host,
+        "pid": process.pid,
+        "instance": process.instance,
+        "bus": process.bus,
+        "started": process.started,
+        "seen": process.seen,
+        "stale": process.stale,
+        "this_process": process.this_process,
+        "published": statistics.published,
+        "acked": statistics.acked,
+        "dead_lettered": statistics.dead_lettered,
+        "in_flight": statistics.in_flight,
+        "depth": statistics.depth,
+    }
 
 
 def _group_json(info: GroupInfo) -> dict[str, Any]:
@@ -597,6 +631,9 @@ def admin_app(
     * ``POST /dead-letters/replay`` with ``{"ids": [...]}`` -- 404 naming unknown ids,
       409 when the bus is not running;
     * ``POST /dead-letters/purge`` with ``{"ids": [...]}`` or ``{"all": true}``;
+    * ``GET /cluster`` -- :meth:`Bus.cluster_statistics`: ``served_by`` (the replica
+      that answered: host, pid, instance), ``processes`` (each with its ledger totals,
+      ``stale`` when its heartbeats stopped) and ``totals`` (their sums);
     * ``GET /groups`` -- ``{"groups": [...]}``, :meth:`Bus.groups` (every process's
       groups over a broker: pattern, group, name, backlog, consumers, last_active,
       local); 409 when the bus is not running over a broker, 502 when the broker fails;
@@ -649,6 +686,7 @@ def admin_app(
         Route("/dead-letters/replay", api.replay, methods=["POST"]),
         Route("/dead-letters/purge", api.purge, methods=["POST"]),
         Route("/dead-letters/{id}", api.dead_letter, methods=["GET"]),
+        Route("/cluster", api.cluster, methods=["GET"]),
         Route("/groups", api.groups, methods=["GET"]),
         Route("/groups/delete", api.delete_group, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),

@@ -131,6 +131,7 @@ from ._nats_dead_letters import NatsDeadLetters
 from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description, list_groups
 from ._nats_handbacks import HandBacks
+from ._nats_heartbeats import NatsHeartbeats
 from ._nats_publisher import JetStreamPublisher, NoStreamError
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -385,6 +386,7 @@ class NatsTransport(Transport):
         self._restore_lock = anyio.Lock()
         self._groups = GroupDirectory(self.stream)
         self._handbacks = HandBacks(self)
+        self._heartbeats = NatsHeartbeats(self)
         #: What a broker call may raise (nats-py's errors are added once it is imported).
         self._errors: tuple[type[BaseException], ...] = (TimeoutError, OSError)
         #: Subject of each topic published to lately (checked once).
@@ -1048,6 +1050,18 @@ class NatsTransport(Transport):
                 return await list_groups(js, self.stream, self.prefix)
             except NotFoundError:
                 return []  # no stream: no group
+
+    async def beat(self, instance: str, record: bytes) -> None:
+        """Write process ``instance``'s heartbeat record (``Bus.cluster_statistics``)."""
+        await self._heartbeats.beat(instance, record)
+
+    async def beats(self) -> list[bytes]:
+        """Every process's latest heartbeat record."""
+        return await self._heartbeats.beats()
+
+    async def forget(self, instance: str) -> None:
+        """Delete process ``instance``'s heartbeat record."""
+        await self._heartbeats.forget(instance)
 
     async def delete_group(self, pattern: str, group: str) -> bool:
         """Delete the group's durable consumer; the stream drops what only it needed

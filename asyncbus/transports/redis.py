@@ -128,6 +128,7 @@ from ._kit import (
 from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
 from ._redis_groups import RedisGroups
+from ._redis_heartbeats import RedisHeartbeats
 from ._wire_fields import group_from_wire
 from .base import (
     DEFAULT_MAX_DELIVERIES,
@@ -475,6 +476,7 @@ class RedisTransport(Transport):
         self._dead_key = f"{prefix}:deadletters"
         self._shared_dead = RedisDeadLetters(self, self._dead_key)
         self._groups = RedisGroups(self)
+        self._heartbeats = RedisHeartbeats(self)
         self._inboxes_key = f"{prefix}:inboxes"
         self._client: Redis | None = None
         self._errors: Any = None  # the redis.exceptions module, once imported
@@ -1308,6 +1310,18 @@ class RedisTransport(Transport):
     async def delete_group(self, pattern: str, group: str) -> bool:
         """Delete the binding (``pattern``, ``group``), its stream and delayed retries."""
         return await self._groups.delete_group(pattern, group)
+
+    async def beat(self, instance: str, record: bytes) -> None:
+        """Write process ``instance``'s heartbeat record (``Bus.cluster_statistics``)."""
+        await self._heartbeats.beat(instance, record)
+
+    async def beats(self) -> list[bytes]:
+        """Every process's latest heartbeat record."""
+        return await self._heartbeats.beats()
+
+    async def forget(self, instance: str) -> None:
+        """Delete process ``instance``'s heartbeat record."""
+        await self._heartbeats.forget(instance)
 
     def _queue_dead_letter(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
         if self.settings.dead_letter_maxlen <= 0:
