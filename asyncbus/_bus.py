@@ -315,6 +315,7 @@ class Bus:
             self._statistics,
             heartbeat or 5.0,
             self._mode.heartbeats() if heartbeat is not None else None,
+            self._mode.cleanup_scope,
         )
         self._pool: WorkerPool | None = None
         self._loop_thread: int | None = None

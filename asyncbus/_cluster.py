@@ -23,6 +23,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -227,6 +228,8 @@ class ClusterWatch:
     :param statistics: reads this bus's statistics (on the event loop).
     :param interval: seconds between two heartbeats.
     :param store: the transport, as :class:`Heartbeats` (``None``: this process alone).
+    :param cleanup: the scope to delete this process's record in at the close: shielded,
+        bounded by the close's deadline (the mode's ``cleanup_scope``).
     """
 
     def __init__(
@@ -235,11 +238,13 @@ class ClusterWatch:
         statistics: Callable[[], BusStatistics],
         interval: float,
         store: Heartbeats | None,
+        cleanup: Callable[[], AbstractContextManager[anyio.CancelScope]] = anyio.CancelScope,
     ) -> None:
         self.bus_name = bus_name
         self.statistics = statistics
         self.interval = interval
         self.store = store
+        self.cleanup = cleanup
         self.instance = secrets.token_hex(8)
         self.host = socket.gethostname()
         self.started = time.time()
@@ -297,7 +302,8 @@ class ClusterWatch:
         self.others = others
 
     async def run(self) -> None:
-        """Beat every ``interval`` until cancelled; then delete this process's record."""
+        """Beat every ``interval`` until cancelled; then delete this process's record
+        (within the close's deadline, one second at most: else it expires on its own)."""
         try:
             while True:
                 await self.beat_once()
@@ -305,7 +311,7 @@ class ClusterWatch:
         finally:
             store = self.store
             if store is not None:
-                with anyio.move_on_after(1.0, shield=True):
+                with self.cleanup(), anyio.move_on_after(1.0):
                     try:
                         await store.forget(self.instance)
                     except Exception as error:  # it expires on its own
