@@ -382,7 +382,15 @@ async def test_a_static_stage_reports_its_concurrency_as_its_limit() -> None:
         0.0,
     )
     names = [field.name for field in dataclasses.fields(StageStatistics)]
-    assert names[-6:] == ["abandoned", "capacity", "limit", "shedding", "shed", "saturation"]
+    assert names[-7:] == [
+        "abandoned",
+        "capacity",
+        "limit",
+        "shedding",
+        "shed",
+        "saturation",
+        "deferred",
+    ]
 
 
 @pytest.mark.anyio
