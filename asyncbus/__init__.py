@@ -53,6 +53,7 @@ from ._verdicts import Defer as Defer
 from ._verdicts import RetryAfter as RetryAfter
 from ._verdicts import Skip as Skip
 from ._verdicts import Verdict as Verdict
+from .middleware.rate_limit import RateLimit as RateLimit
 from .middleware.retry import Retry as Retry
 from .transports import Capabilities as Capabilities
 from .transports import Codec as Codec
@@ -114,6 +115,7 @@ __all__ = [
     "ProcessStatistics",
     "PublishTimeout",
     "RabbitTransport",
+    "RateLimit",
     "Receipt",
     "RedisTransport",
     "Reject",

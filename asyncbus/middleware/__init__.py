@@ -35,6 +35,7 @@ from .deduplicate import DedupStore as DedupStore
 from .deduplicate import MemoryDedupStore as MemoryDedupStore
 from .deduplicate import deduplicate as deduplicate
 from .expire import expire as expire
+from .rate_limit import RateLimit as RateLimit
 from .retry import Retry as Retry
 from .routing_slip import routing_slip as routing_slip
 from .timeout import HandlerTimeout as HandlerTimeout
@@ -47,6 +48,7 @@ __all__ = [
     "Defer",
     "HandlerTimeout",
     "MemoryDedupStore",
+    "RateLimit",
     "Retry",
     "RetryAfter",
     "Skip",
