@@ -59,13 +59,11 @@ _TOTAL_FIELDS = [
     for field in dataclasses.fields(BusStatistics)
     if field.name not in ("stages", "free_threaded")
 ]
-#: Stage figures that are summed across processes (the others are the highest one's).
-_SUMMED = {
-    name
-    for name in _STAGE_FIELDS
-    if name not in ("name", "topic", "group", "latency_p50", "latency_p99", "wait_p99")
-    and name not in ("saturation", "shedding", "limit", "capacity")
-}
+#: Stage figures that are not summed across processes: the names, and what does not add
+#: up (the highest of the processes' is kept).
+_NOT_SUMMED = {"name", "topic", "group", "latency_p50", "latency_p99", "wait_p99"}
+_NOT_SUMMED |= {"saturation", "shedding", "limit", "capacity"}
+_SUMMED = _STAGE_FIELDS - _NOT_SUMMED
 
 
 @runtime_checkable
@@ -153,11 +151,7 @@ def _encode(process: ProcessStatistics) -> bytes:
         "interval": process.interval,
         "statistics": statistics,
     }
-    return json.dumps(record, separators=(",", ":"), allow_nan=False, default=_finite).encode()
-
-
-def _finite(value: object) -> object:
-    raise TypeError(f"not JSON: {type(value).__name__}")
+    return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _decode(raw: bytes, now: float, mine: str) -> ProcessStatistics | None:

@@ -25,6 +25,8 @@ __all__ = [
     "GroupInfo",
     "GroupListing",
     "delete_group",
+    "group_document",
+    "group_order",
     "list_groups",
     "local_groups",
     "no_admin",
@@ -125,18 +127,31 @@ def local_groups(stages: Iterable[StageStatistics]) -> list[GroupInfo]:
         )
         for figures in stages
     ]
-    return sorted(found, key=_order)
+    return sorted(found, key=group_order)
 
 
-def _order(info: GroupInfo) -> tuple[str, str]:
+def group_order(info: GroupInfo) -> tuple[str, str]:
+    """How listings sort groups: by pattern, then group."""
     return info.pattern, info.group
+
+
+def group_document(info: GroupInfo) -> dict[str, Any]:
+    """``info`` as JSON data (what the command prints and, with ``local``, the admin app)."""
+    return {
+        "pattern": info.pattern,
+        "group": info.group,
+        "name": info.name,
+        "backlog": info.backlog,
+        "consumers": info.consumers,
+        "last_active": info.last_active,
+    }
 
 
 def list_groups(found: Iterable[GroupInfo], mine: Container[str]) -> list[GroupInfo]:
     """The broker's groups ``found``, marked ``local`` when their stage name is in
     ``mine``, sorted by pattern then group."""
     listed = [replace(info, local=info.name in mine) for info in found]
-    return sorted(listed, key=_order)
+    return sorted(listed, key=group_order)
 
 
 async def delete_group(

@@ -581,16 +581,16 @@ class Stage:
 
     # -- retries ----------------------------------------------------------------
 
-    async def retry_later(self, envelope: Envelope, delay: float, attempt: int = 1) -> None:
+    async def retry_later(self, envelope: Envelope, delay: float, step: int = 1) -> None:
         """Re-enter ``envelope`` (in flight, in :attr:`retrying`) after ``delay`` seconds.
 
         It waits in line for room whatever the policy (it was admitted already); a
         stage that stops first keeps it in :attr:`retrying`, so the close lists it as
-        abandoned. ``attempt``: what the envelope's attempt grows by (a retry: 1; a
+        abandoned. ``step``: what the envelope's attempt grows by (a retry: 1; a
         :class:`Defer`: 0).
         """
         await anyio.sleep(delay)
-        again = envelope.evolve(attempt=envelope.attempt + attempt)
+        again = envelope.evolve(attempt=envelope.attempt + step)
         if self.closed:
             return
         if self.queued < self.capacity and not self.room_waiters:

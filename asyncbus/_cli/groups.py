@@ -13,11 +13,11 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from .._exceptions import ConfigurationError, ConnectError, TransportError
-from .._groups import GroupInfo, delete_group
+from .._groups import GroupInfo, delete_group, group_document
 from .._routing import compile_pattern
 from ..transports._kit import redact
 from ..transports.base import GroupAdmin
@@ -131,17 +131,6 @@ def _when(moment: float | None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(moment))
 
 
-def _document(info: GroupInfo) -> dict[str, Any]:
-    return {
-        "pattern": info.pattern,
-        "group": info.group,
-        "name": info.name,
-        "backlog": info.backlog,
-        "consumers": info.consumers,
-        "last_active": info.last_active,
-    }
-
-
 def _table(groups: list[GroupInfo]) -> str:
     head = ("PATTERN", "GROUP", "BACKLOG", "CONSUMERS", "LAST ACTIVE")
     rows = [head] + [
@@ -199,7 +188,7 @@ async def _run(arguments: argparse.Namespace) -> int:
         groups.sort(key=lambda info: (info.pattern, info.group))
         if arguments.action == "list":
             if arguments.format == "json":
-                print(json.dumps([_document(info) for info in groups], indent=2))
+                print(json.dumps([group_document(info) for info in groups], indent=2))
             elif groups:
                 print(_table(groups))
             else:

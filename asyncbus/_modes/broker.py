@@ -19,7 +19,14 @@ from .._dedup import DedupStore
 from .._delivering import pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, ConfigurationError, EncodeError
-from .._groups import GroupInfo, delete_group, list_groups, local_groups, no_admin
+from .._groups import (
+    GroupInfo,
+    delete_group,
+    group_order,
+    list_groups,
+    local_groups,
+    no_admin,
+)
 from .._routing import compile_pattern
 from .._stage import Stage
 from ..transports._bound import BoundTransport
@@ -431,7 +438,7 @@ class BrokerMode:
             for name, stage in list(stages.items())
             if name not in listed and over_broker(stage) and not stage.group.startswith(INBOX)
         )
-        return sorted([*known, *added], key=lambda info: (info.pattern, info.group))
+        return sorted([*known, *added], key=group_order)
 
     async def groups(self, running: bool) -> list[GroupInfo]:
         """Every process's groups, as the broker has them now; ``local`` for this bus's."""

@@ -73,7 +73,7 @@ from .._checks import check_wait
 from .._cluster import ProcessStatistics
 from .._dead_letters import DeadLetter, DeadLetterReason
 from .._exceptions import BusClosedError, ConfigurationError, TransportError
-from .._groups import GroupInfo
+from .._groups import GroupInfo, group_document
 from .._observe import bus_state, stages_subscribed
 from ..asyncapi import document
 from ..transports.base import BacklogReader
@@ -495,15 +495,7 @@ def _process_json(process: ProcessStatistics) -> dict[str, Any]:
 
 
 def _group_json(info: GroupInfo) -> dict[str, Any]:
-    return {
-        "pattern": info.pattern,
-        "group": info.group,
-        "name": info.name,
-        "backlog": info.backlog,
-        "consumers": info.consumers,
-        "last_active": info.last_active,
-        "local": info.local,
-    }
+    return {**group_document(info), "local": info.local}
 
 
 def _unknown_ids(ids: list[str]) -> _Problem:

@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _deferring import defer_first_runs  # type: ignore[import-not-found]
 
 from asyncbus import (
     Batch,
@@ -27,23 +28,6 @@ from asyncbus import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
-
-
-def defer_first_runs(times: int, delay: float = 0.0) -> Middleware:
-    """A user's limiter: puts each envelope back ``times`` times before letting it run."""
-    seen: dict[str, int] = {}
-
-    def wrap(call_next: Handler) -> Handler:
-        async def handle(envelope: Envelope) -> Any:
-            runs = seen.get(envelope.id, 0)
-            seen[envelope.id] = runs + 1
-            if runs < times:
-                return Defer(delay)
-            return await call_next(envelope)
-
-        return handle
-
-    return wrap
 
 
 def ledger(stage: StageStatistics) -> dict[str, int]:

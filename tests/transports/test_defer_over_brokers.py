@@ -6,13 +6,12 @@ the same attempt and the broker does not count it again toward ``max_deliveries`
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import pytest
+from _deferring import defer_first_runs  # type: ignore[import-not-found]
 from _kinds import make_transport  # type: ignore[import-not-found]
 
-from asyncbus import Bus, Defer, Envelope, Handler, Middleware, Retry
+from asyncbus import Bus, Envelope, Retry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
@@ -20,23 +19,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # the broker clients are asyncio libraries
-
-
-def defer_first_runs(times: int) -> Middleware:
-    """A user's limiter: puts each envelope back ``times`` times before letting it run."""
-    seen: dict[str, int] = {}
-
-    def wrap(call_next: Handler) -> Handler:
-        async def handle(envelope: Envelope) -> Any:
-            runs = seen.get(envelope.id, 0)
-            seen[envelope.id] = runs + 1
-            if runs < times:
-                return Defer(0.01)
-            return await call_next(envelope)
-
-        return handle
-
-    return wrap
 
 
 async def test_deferred_envelopes_come_back_with_their_attempt_and_one_failure_is_retried(
@@ -49,7 +31,7 @@ async def test_deferred_envelopes_come_back_with_their_attempt_and_one_failure_i
         "jobs",
         group="workers",
         retry=Retry(max_attempts=2, backoff=0),
-        middleware=[defer_first_runs(3)],
+        middleware=[defer_first_runs(3, delay=0.01)],
     )
     async def work(envelope: Envelope) -> None:
         attempts = calls.setdefault(envelope.payload, [])
