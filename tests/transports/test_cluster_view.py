@@ -151,3 +151,31 @@ async def test_over_rabbitmq_the_view_is_this_process_alone(
             view = bus.cluster_statistics()
             assert [p.this_process for p in view.processes] == [True]
             assert view.totals.published == bus.statistics().published
+
+
+async def test_heartbeat_records_another_client_garbled_are_skipped_over_redis(
+    redis_url: str, unique_prefix: str
+) -> None:
+    import time
+
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    now = int(time.time() * 1000)
+    try:
+        garbage = {"junk": b"\xff not json", "old": b'{"v": 99}', "half": b'{"v": 1, "host": "x"}'}
+        await client.hset(f"{unique_prefix}:heartbeats", mapping=garbage)
+        await client.zadd(f"{unique_prefix}:heartbeats:seen", dict.fromkeys(garbage, now))
+        bus = Bus(transport=make_transport("redis", redis_url, unique_prefix), heartbeat=0.2)
+        with anyio.fail_after(30):
+            async with bus:
+                # A round that read the garbled records has passed once the bus's own is there.
+                while not await client.hexists(
+                    f"{unique_prefix}:heartbeats", bus._cluster.instance
+                ):
+                    await anyio.sleep(0.02)
+                await bus._cluster.beat_once()
+                view = bus.cluster_statistics()
+                assert [p.this_process for p in view.processes] == [True]
+    finally:
+        await client.aclose()
