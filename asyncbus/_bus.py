@@ -846,11 +846,6 @@ class Bus:
             return all(stage.idle for stage in self._stages.values())
         return all(stage.quiet for stage in self._stages.values())
 
-    def _settled(self, stage: Stage) -> None:
-        """An envelope of ``stage`` reached its end (called by stages)."""
-        if self._services.idle_waiters and stage.quiet:
-            self._wake_drainers()
-
     def _wake_drainers(self) -> None:
         """Release every ``drain()`` whose wait is over now."""
         if not self._services.idle_waiters or not self._idle(strict=False):

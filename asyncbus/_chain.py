@@ -25,6 +25,7 @@ from ._failures import handler_failure
 from ._offload import WorkerPool, run_niced
 from ._subscription import Subscription
 from ._types import Handler, Middleware
+from .middleware._builtin import Applies, applies_to
 from .middleware.dead_letter import dead_letter
 from .middleware.expire import expire
 from .middleware.retry import Retry
@@ -39,8 +40,9 @@ __all__ = [
     "first_parameter_type",
 ]
 
-#: Built-ins that act only on envelopes with a slip, a reply address or a ttl.
-_PASS_THROUGH = frozenset({"routing_slip", "expire"})
+#: The pass-through built-ins whose work the batch path does itself for a whole list
+#: (expiry before the call, forwarding after it): ``_batching``.
+_DONE_BY_THE_BATCH_PATH = frozenset({"routing_slip", "expire"})
 
 
 def first_parameter_type(handler: Any) -> object:
@@ -185,13 +187,15 @@ def build_chain(
         defaults.append(timeout_middleware(subscription.timeout))
     layers = [layer for layer in defaults if getattr(layer, "asyncbus_builtin", None) not in listed]
     layers += user
-    if layers and getattr(layers[0], "asyncbus_builtin", None) == "dead_letter":
-        # Outermost, the dead-letter layer would catch exactly what the consumer
-        # catches and give the same verdict for it: skip the extra frame.
+    if layers and layers[0] is defaults[0]:
+        # Outermost, the default dead-letter layer would catch exactly what the
+        # consumer catches and give the same verdict for it (``escaped_verdict``):
+        # skip the extra frame. (A user's own dead-letter layer stays.)
         layers = layers[1:]
     if isinstance(handler, _BatchInnermost):
         return _batch_plan(subscription, handler, layers, user)
-    if not {getattr(layer, "asyncbus_builtin", None) for layer in layers} <= _PASS_THROUGH:
+    checks = [applies_to(layer) for layer in layers]
+    if None in checks:
         # Retry, timeouts and the user's middleware see a stray cancellation as the
         # failure it is (the consumer does the same for the fused chain below).
         chain = _failing_on_stray_cancellation(handler)
@@ -201,25 +205,42 @@ def build_chain(
     chain = handler
     for layer in reversed(layers):
         chain = layer(chain)
-    # Only layers that do nothing for a plain envelope: test that once and call the
-    # handler directly, instead of passing through each layer in turn.
+    # Only layers that pass most envelopes through: ask each once whether it applies,
+    # and call the handler directly when none does, instead of through each layer.
     general = chain
+    acts = _any_of(typing.cast("list[Applies]", checks))
     on_payload = getattr(handler, "payload_function", None)
     if on_payload is not None:  # an async handler of the payload: call it directly
 
         def fused_payload(envelope: Envelope) -> Awaitable[Any]:
-            if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
+            if acts(envelope):
                 return general(envelope)
             return on_payload(envelope.payload)  # type: ignore[no-any-return]
 
         return fused_payload
 
     def fused(envelope: Envelope) -> Awaitable[Any]:
-        if envelope.slip or envelope.reply_to is not None or envelope.ttl is not None:
+        if acts(envelope):
             return general(envelope)
         return handler(envelope)
 
     return fused
+
+
+def _any_of(checks: list[Applies]) -> Applies:
+    """One test: whether any of ``checks`` applies (the common counts without a loop)."""
+    if not checks:
+        return _never
+    if len(checks) == 1:
+        return checks[0]
+    if len(checks) == 2:
+        first, second = checks
+        return lambda envelope: first(envelope) or second(envelope)
+    return lambda envelope: any(check(envelope) for check in checks)
+
+
+def _never(envelope: Envelope) -> bool:
+    return False
 
 
 def _failing_on_stray_cancellation(handler: Handler) -> Handler:
@@ -301,11 +322,17 @@ def _batch_plan(
 ) -> BatchPlan:
     assert subscription.batch is not None
     retries = [layer for layer in layers if isinstance(layer, Retry)]
-    kinds = {getattr(layer, "asyncbus_builtin", None) for layer in layers}
     fast = (
         all(isinstance(layer, Retry) for layer in user)
         and len(retries) <= 1
-        and kinds <= {*_PASS_THROUGH, "retry"}
+        and all(
+            isinstance(layer, Retry)
+            or (
+                getattr(layer, "asyncbus_builtin", None) in _DONE_BY_THE_BATCH_PATH
+                and applies_to(layer) is not None
+            )
+            for layer in layers
+        )
     )
     chain: Handler = _failing_on_stray_cancellation(innermost)
     for layer in reversed(layers):

@@ -26,13 +26,13 @@ from ._control import Crew
 from ._dead_letters import DeadLetter, DeadLetterReason
 from ._delivering import DeliveryHost, reject_delivery, settle_delivery
 from ._envelope import Envelope
-from ._failures import handler_failure, stray_cancellation
+from ._failures import stray_cancellation
 from ._handling import Handling, HandlingHost
 from ._instrument import Instrumentation, Result
 from ._stage import Stage, tries_before
 from ._subscription import Subscription
 from ._types import Handler
-from ._verdicts import DeadLetterNow, Defer, RetryAfter, Skip, Verdict
+from ._verdicts import DeadLetterNow, Defer, RetryAfter, Skip, Verdict, escaped_verdict
 from .transports.base import Delivery
 
 __all__ = [
@@ -93,15 +93,11 @@ async def _run(chain: Handler, envelope: Envelope, host: ConsumerHost) -> Any:
     """``chain(envelope)``'s verdict or result; a failure that escaped it as a verdict."""
     try:
         return await chain(envelope)
-    except Exception as error:  # the chain's outermost dead-letter layer
-        return DeadLetterNow.for_failure(error)
-    except BaseException as error:  # deliberate: see handler_failure
-        failure = handler_failure(error)
-        if failure is None:
-            if isinstance(error, anyio.get_cancelled_exc_class()):
-                raise  # the bus's own cancellation
+    except BaseException as error:  # deliberate: the one decision, escaped_verdict
+        verdict = escaped_verdict(error)  # (re-raises the bus's own cancellation)
+        if verdict is None:
             await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
-        return DeadLetterNow.for_failure(failure)
+        return verdict
 
 
 async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
@@ -164,15 +160,10 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
             # ``_run``, inlined: this runs once per envelope.
             try:
                 result = await chain(envelope)
-            except Exception as error:  # the chain's outermost dead-letter layer
-                result = DeadLetterNow.for_failure(error)
-            except BaseException as error:  # deliberate: see handler_failure
-                failure = handler_failure(error)
-                if failure is None:
-                    if isinstance(error, cancelled):
-                        raise  # the bus's own cancellation
+            except BaseException as error:  # deliberate: the one decision, escaped_verdict
+                result = escaped_verdict(error)  # (re-raises the bus's own cancellation)
+                if result is None:
                     await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
-                result = DeadLetterNow.for_failure(failure)
             if not isinstance(result, Verdict) and not deliveries:
                 # Acked, in memory: counted here, inline, as this runs once per envelope.
                 handling.envelope = None
@@ -345,29 +336,30 @@ def conclude(
 async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     """Dead-letter ``stale`` (already out of the lanes) as ``overload``."""
     reason = DeadLetterReason.OVERLOAD
-    held: list[tuple[Envelope, Delivery]] = []
+    held: list[tuple[DeadLetter, Delivery]] = []
     # The ledger moves for all of them before any await: queued -> dead_lettered.
     stage.queued -= len(stale)
     for envelope in stale:
         delivery = stage.take_delivery(envelope)
         stage.ledger.dead(reason)
-        host.dead_letter(
-            envelope, reason, None, stage.name, tries_before(envelope), stored=delivery is not None
+        attempts = tries_before(envelope)
+        entry = host.dead_letter(
+            envelope, reason, None, stage.name, attempts, stored=delivery is not None
         )
         if delivery is not None:
-            held.append((envelope, delivery))
+            if entry is None:  # a $deadletter envelope: not queued again; the broker is told
+                entry = DeadLetter(envelope, reason, None, stage.name, attempts, time.time())
+            held.append((entry, delivery))
     if stage.room_waiters:
         stage.hand_room()
     host.settled(stage)
-    for envelope, delivery in held:
+    for entry, delivery in held:
         try:
             with anyio.CancelScope(shield=True):
-                await reject_delivery(
-                    delivery, reason.value, None, stage.name, tries_before(envelope)
-                )
+                await reject_delivery(delivery, entry)
         except Exception:
             # The broker will deliver it again (at-least-once); locally it is shed.
-            logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
+            logger.warning("could not reject %s with the broker", entry.envelope.id, exc_info=True)
 
 
 # -- instrumented dispatch -------------------------------------------------------
@@ -389,16 +381,15 @@ async def _dispatch_observed(
     token = _instrument.enter(instrumentation, host.consumer_info(stage), envelope)
     try:
         result = await chain(envelope)
-    except Exception as error:  # the chain's outermost dead-letter layer, as in the consumer
-        result = DeadLetterNow.for_failure(error)
-    except BaseException as error:  # cancelled: the attempt is abandoned; close what opened
-        failure = handler_failure(error)
-        if failure is None:  # the bus's own cancellation (else a stray one: a failure)
+    except BaseException as error:  # deliberate: the one decision, escaped_verdict
+        try:
+            result = escaped_verdict(error)
+        except BaseException:  # the bus's own cancellation: the attempt is abandoned
             _instrument.exit(instrumentation, token, Result("abandoned", exception=error))
-            if isinstance(error, anyio.get_cancelled_exc_class()):
-                raise
-            await host.halt(error)  # KeyboardInterrupt, SystemExit: stop the bus
-        result = DeadLetterNow.for_failure(failure)
+            raise
+        if result is None:  # KeyboardInterrupt, SystemExit: abandoned, and the bus stops
+            _instrument.exit(instrumentation, token, Result("abandoned", exception=error))
+            await host.halt(error)
     retrying, dead = conclude(stage, handling, envelope, result, host)
     _instrument.exit(instrumentation, token, _result(result))
     if stage.deliveries and not retrying:

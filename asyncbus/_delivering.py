@@ -73,9 +73,7 @@ async def settle_delivery(
             if dead is None:
                 await delivery.ack()
             else:
-                await reject_delivery(
-                    delivery, dead.reason.value, dead.error, stage.name, dead.attempts
-                )
+                await reject_delivery(delivery, dead)
         if not scope.cancelled_caught:
             return
         logger.warning("could not settle %s with the broker before closing", envelope.id)
@@ -222,30 +220,26 @@ async def _refuse(stage: Stage, delivery: Delivery, error: str, host: DeliveryHo
     entry = host.dead_letter(
         envelope, DeadLetterReason.REJECTED, error, stage.name, envelope.attempt, stored=True
     )
+    if entry is None:  # a $deadletter envelope: not queued again, but the broker is told
+        entry = DeadLetter(
+            envelope, DeadLetterReason.REJECTED, error, stage.name, envelope.attempt, time.time()
+        )
     try:
         with anyio.CancelScope(shield=True):
-            await reject_delivery(
-                delivery,
-                DeadLetterReason.REJECTED.value,
-                entry.error if entry else error,
-                stage.name,
-                envelope.attempt,
-            )
+            await reject_delivery(delivery, entry)
     except Exception:
         # Left unsettled: the broker delivers it again, and it is refused again.
         logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
 
 
-async def reject_delivery(
-    delivery: Delivery, reason: str, error: str | None, stage: str, attempts: int
-) -> None:
-    """``delivery.reject(reason)``, with the dead letter's details for a :class:`BaseDelivery`.
+async def reject_delivery(delivery: Delivery, entry: DeadLetter) -> None:
+    """``delivery.reject``, handed the bus's dead letter as it is (built once, by the bus).
 
-    asyncbus's transports store ``error``, ``stage`` and ``attempts`` with the dead
-    letter, so the broker's copy matches the bus's; a delivery written to the
-    ``Delivery`` protocol alone is given the reason only.
+    asyncbus's transports (:class:`BaseDelivery`) store that entry, so the broker's copy
+    is the bus's; a delivery written to the ``Delivery`` protocol alone is given the
+    reason only.
     """
     if isinstance(delivery, BaseDelivery):
-        await delivery.reject(reason, error=error, stage=stage, attempts=attempts)
+        await delivery.reject(entry)
     else:
-        await delivery.reject(reason)
+        await delivery.reject(entry.reason.value)

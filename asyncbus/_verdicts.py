@@ -25,12 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import anyio
+
 from ._checks import check_seconds
 from ._dead_letters import DeadLetterReason
 from ._exceptions import ConfigurationError, DecodeError, HandlerTimeout, Reject
-from ._failures import describe_error
+from ._failures import describe_error, handler_failure
 
-__all__ = ["DeadLetterNow", "Defer", "RetryAfter", "Skip", "Verdict"]
+__all__ = ["DeadLetterNow", "Defer", "RetryAfter", "Skip", "Verdict", "escaped_verdict"]
 
 
 class Verdict:
@@ -127,3 +129,21 @@ class DeadLetterNow(Verdict):
         if isinstance(error, HandlerTimeout):
             return cls(DeadLetterReason.TIMEOUT, describe_error(error), error)
         return cls(DeadLetterReason.HANDLER_FAILED, describe_error(error), error)
+
+
+def escaped_verdict(error: BaseException) -> DeadLetterNow | None:
+    """The verdict for ``error``, which escaped a chain: the bus's one failure decision.
+
+    A failure (an ``Exception``, ``GeneratorExit``, a cancellation that is not the bus's:
+    see :func:`handler_failure`) is :meth:`DeadLetterNow.for_failure`'s dead letter.
+    ``None`` for ``KeyboardInterrupt``, ``SystemExit`` and any other ``BaseException``:
+    not a verdict, the consumer stops the bus with it.
+
+    :raises: ``error`` itself when it is the bus's own cancellation.
+    """
+    failure = handler_failure(error)
+    if failure is not None:
+        return DeadLetterNow.for_failure(failure)
+    if isinstance(error, anyio.get_cancelled_exc_class()):
+        raise error
+    return None

@@ -48,6 +48,7 @@ from ._routing import compile_pattern
 from ._schema import REF, Schema, Schemas, safe_name
 from ._subscription import Subscription, unwrap_partial
 from .transports._kit import redact
+from .transports._registry import TRANSPORTS
 
 __all__ = ["ASYNCAPI_VERSION", "document"]
 
@@ -55,16 +56,8 @@ __all__ = ["ASYNCAPI_VERSION", "document"]
 ASYNCAPI_VERSION = "3.0.0"
 
 #: The protocol of a broker URL's scheme; a URL without one takes its transport's.
-_PROTOCOLS = {
-    "redis": "redis",
-    "rediss": "redis",
-    "unix": "redis",
-    "nats": "nats",
-    "tls": "nats",
-    "amqp": "amqp",
-    "amqps": "amqps",
-}
-_DEFAULT_SCHEMES = {"redis": "redis", "nats": "nats", "rabbit": "amqp"}
+_PROTOCOLS = {scheme: protocol for row in TRANSPORTS for scheme, protocol in row.schemes.items()}
+_DEFAULT_SCHEMES = {row.name: row.default_scheme for row in TRANSPORTS}
 
 _HEADERS: Schema = {
     "type": "object",

@@ -13,18 +13,15 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from .._exceptions import ConfigurationError, ConnectError, TransportError
 from .._groups import GroupInfo, delete_group, group_document
 from .._routing import compile_pattern
 from ..transports._kit import redact
-from ..transports.base import GroupAdmin
+from ..transports._registry import TRANSPORTS, by_scheme
+from ..transports.base import GroupAdmin, Transport
 from . import Command
-
-if TYPE_CHECKING:
-    from ..transports.base import Transport
 
 __all__ = ["COMMAND", "transport_for"]
 
@@ -106,23 +103,15 @@ def transport_for(url: str, prefix: str) -> Transport:
 
     :raises ConfigurationError: for a scheme no transport takes, or a bad URL or prefix.
     """
-    scheme = urlsplit(url).scheme.lower()
-    if scheme in ("redis", "rediss", "unix"):
-        from ..transports.redis import RedisTransport
-
-        return RedisTransport(url, prefix=prefix)
-    if scheme in ("nats", "tls"):
-        from ..transports.nats import NatsTransport
-
-        return NatsTransport(url, prefix=prefix)
-    if scheme in ("amqp", "amqps"):
-        from ..transports.rabbit import RabbitTransport
-
-        return RabbitTransport(url, prefix=prefix)
-    raise ConfigurationError(
-        f"no transport for {redact(url)!r}: the URL must begin redis://, rediss://, unix://, "
-        "nats://, tls://, amqp:// or amqps://"
-    )
+    row = by_scheme(urlsplit(url).scheme)
+    if row is None:
+        every = ", ".join(f"{scheme}://" for each in TRANSPORTS for scheme in each.schemes)
+        raise ConfigurationError(
+            f"no transport for {redact(url)!r}: the URL must begin with one of {every}"
+        )
+    transport = row.load()(url, prefix=prefix)
+    assert isinstance(transport, Transport)
+    return transport
 
 
 def _when(moment: float | None) -> str:

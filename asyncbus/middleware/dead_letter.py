@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._envelope import Envelope
-from .._failures import handler_failure
 from .._types import Handler, Middleware
-from .._verdicts import DeadLetterNow
+from .._verdicts import escaped_verdict
 from ._builtin import mark_builtin
 
 __all__ = ["dead_letter"]
@@ -16,7 +15,8 @@ __all__ = ["dead_letter"]
 def dead_letter() -> Middleware:
     """Dead-letter an envelope whose handling raised.
 
-    The exception becomes the verdict :meth:`DeadLetterNow.for_failure` gives:
+    The exception becomes the verdict the consumer would give it (``escaped_verdict``,
+    :meth:`DeadLetterNow.for_failure`):
     ``Reject(reason)`` is ``rejected``, a :class:`HandlerTimeout` ``timeout``, any
     other exception ``handler_failed`` with the error's type, message and last frames.
     The exception never reaches the stage, so a failing handler never stops it. (The
@@ -28,10 +28,10 @@ def dead_letter() -> Middleware:
             try:
                 return await call_next(envelope)
             except BaseException as error:  # deliberate: a stray cancellation fails too
-                failure = handler_failure(error)
-                if failure is None:
-                    raise  # the bus's own cancellation (or KeyboardInterrupt, ...)
-                return DeadLetterNow.for_failure(failure)
+                verdict = escaped_verdict(error)  # (re-raises the bus's own cancellation)
+                if verdict is None:
+                    raise  # KeyboardInterrupt, SystemExit: the consumer stops the bus
+                return verdict
 
         return handle
 

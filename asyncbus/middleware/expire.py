@@ -11,7 +11,7 @@ from .._types import Handler, Middleware
 from .._verdicts import DeadLetterNow
 from ._builtin import mark_builtin
 
-__all__ = ["expire"]
+__all__ = ["expire", "may_expire"]
 
 #: No exception happened: the reason says it all (``error`` stays None).
 _EXPIRED = DeadLetterNow(DeadLetterReason.EXPIRED)
@@ -29,7 +29,12 @@ def expire() -> Middleware:
 
         return handle
 
-    return mark_builtin(wrap, "expire")
+    return mark_builtin(wrap, "expire", applies=may_expire)
+
+
+def may_expire(envelope: Envelope) -> bool:
+    """Whether the expiry layer acts on ``envelope``: it has a ``ttl``."""
+    return envelope.ttl is not None
 
 
 async def _expired() -> DeadLetterNow:

@@ -11,7 +11,7 @@ from .._types import Handler, Middleware
 from .._verdicts import Verdict
 from ._builtin import mark_builtin
 
-__all__ = ["routing_slip"]
+__all__ = ["forwards", "routing_slip"]
 
 
 def routing_slip() -> Middleware:
@@ -36,10 +36,15 @@ def routing_slip() -> Middleware:
 
         def handle(envelope: Envelope) -> Awaitable[Any]:
             # Most envelopes go nowhere after their handler: no extra frame for them.
-            if envelope.slip or envelope.reply_to is not None:
+            if forwards(envelope):
                 return handle_and_forward(envelope)
             return call_next(envelope)
 
         return handle
 
-    return mark_builtin(wrap, "routing_slip")
+    return mark_builtin(wrap, "routing_slip", applies=forwards)
+
+
+def forwards(envelope: Envelope) -> bool:
+    """Whether the routing-slip layer acts on ``envelope``: it has a slip or a requester."""
+    return bool(envelope.slip) or envelope.reply_to is not None

@@ -19,6 +19,7 @@ from ._codec import Codec as Codec
 from ._codec import JsonCodec as JsonCodec
 from ._codec import MsgspecCodec as MsgspecCodec
 from ._codec import default_codec as default_codec
+from ._registry import lazy_classes
 from .base import AcksWrittenBehind as AcksWrittenBehind
 from .base import BacklogReader as BacklogReader
 from .base import BaseDelivery as BaseDelivery
@@ -73,7 +74,7 @@ __all__ = [
     "default_codec",
 ]
 
-_LAZY = {"RedisTransport": ".redis", "NatsTransport": ".nats", "RabbitTransport": ".rabbit"}
+_LAZY = lazy_classes()
 
 
 def __getattr__(name: str) -> Any:

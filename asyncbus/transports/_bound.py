@@ -22,17 +22,9 @@ from .base import (
     RoutedPublisher,
     SharedDeadLetters,
     Transport,
-    TransportSettings,
 )
 
-__all__ = ["BoundTransport", "bind"]
-
-
-def bind(transport: Transport, settings: TransportSettings) -> BoundTransport:
-    """Give ``transport`` the bus's settings (:meth:`Transport.bind`) and look up once
-    which optional protocols it implements."""
-    transport.bind(settings)
-    return BoundTransport.of(transport)
+__all__ = ["BoundTransport"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

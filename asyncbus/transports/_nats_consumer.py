@@ -32,8 +32,9 @@ from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._exceptions import ConfigurationError, DecodeError, TransportError
 from ._codec import Codec, RawBody, envelope_from_wire
 from ._kit import AckWriter, Backoff
-from .base import BaseDelivery, Delivery, checked_prefetch
-from .base import over_max_deliveries as exceeded
+from ._kit.options import checked_prefetch
+from ._kit.redeliveries import over_max_deliveries as exceeded
+from .base import BaseDelivery, Delivery
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

@@ -18,8 +18,8 @@ from .._exceptions import ConfigurationError, DecodeError
 from .._groups import GroupInfo
 from .._routing import compile_pattern
 from ._kit.matches import TopicMatches
+from ._kit.routes import INBOX_GROUP_PREFIX
 from ._wire_fields import group_from_wire
-from .base import INBOX_GROUP_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -28,14 +28,9 @@ from .._envelope import Envelope
 from .._exceptions import DecodeError, TransportError
 from ._codec import RawBody, envelope_from_wire
 from ._kit import Backoff
-from .base import (
-    HEADER_DELIVERIES,
-    BaseDelivery,
-    Delivery,
-    carried_deliveries,
-    checked_prefetch,
-    over_max_deliveries,
-)
+from ._kit.options import checked_prefetch
+from ._kit.redeliveries import HEADER_DELIVERIES, carried_deliveries, over_max_deliveries
+from .base import BaseDelivery, Delivery
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage

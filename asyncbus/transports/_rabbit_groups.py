@@ -37,9 +37,9 @@ from .._exceptions import ConfigurationError, DecodeError
 from .._groups import GroupInfo
 from .._routing import compile_pattern
 from ._kit.matches import TopicMatches
+from ._kit.routes import INBOX_GROUP_PREFIX
 from ._rabbit_dead_letters import QueueScan
 from ._wire_fields import group_from_wire
-from .base import INBOX_GROUP_PREFIX
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage

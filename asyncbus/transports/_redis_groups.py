@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._exceptions import DecodeError
 from .._groups import GroupInfo
+from ._kit.routes import INBOX_GROUP_PREFIX
 from ._redis_dedup import RedisHost
 from ._wire_fields import group_from_wire
-from .base import INBOX_GROUP_PREFIX
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript

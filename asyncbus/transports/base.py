@@ -17,7 +17,6 @@ from __future__ import annotations
 import abc
 import math
 import re
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -27,23 +26,15 @@ from typing import ClassVar, Protocol, Self, runtime_checkable
 import anyio
 from anyio.abc import AsyncResource
 
-from .._checks import check_count, check_seconds
-from .._dead_letters import DeadLetter, DeadLetterKey, DeadLetterReason
+from .._dead_letters import DeadLetter, DeadLetterKey
 from .._dedup import DedupStore
 from .._envelope import Envelope
-from .._exceptions import ConfigurationError, TransportError
+from .._exceptions import ConfigurationError
 from .._groups import GroupAdmin, GroupInfo
 from ._codec import Codec, default_codec
-from ._kit.delivery import BaseDelivery, rejected_entry
-from ._kit.runtime import require_asyncio
+from ._kit.delivery import BaseDelivery
 
 __all__ = [
-    "DEFAULT_MAX_DELIVERIES",
-    "DEFAULT_MAX_MESSAGE_SIZE",
-    "HEADER_DELIVERIES",
-    "INBOX_GROUP_PREFIX",
-    "MAX_DELIVERIES_LIMIT",
-    "MAX_SECONDS",
     "AcksWrittenBehind",
     "BacklogReader",
     "BaseDelivery",
@@ -62,108 +53,7 @@ __all__ = [
     "TopicLimits",
     "Transport",
     "TransportSettings",
-    "carried_deliveries",
-    "checked_max_deliveries",
-    "checked_max_message_size",
-    "checked_prefetch",
-    "checked_seconds",
-    "over_max_deliveries",
-    "refuse_oversized",
-    "rejected_entry",
-    "require_asyncio",
-    "unrouted_entry",
 ]
-
-
-#: Default largest envelope a broker transport accepts at publish (meta + body, bytes).
-DEFAULT_MAX_MESSAGE_SIZE = 16 * 1024 * 1024
-
-
-def checked_max_message_size(value: int) -> int:
-    """``value`` as a size limit; :class:`ConfigurationError` unless it is an int > 0."""
-    if isinstance(value, bool) or not (isinstance(value, int) and value > 0):
-        raise ConfigurationError(f"max_message_size must be an int > 0, got {value!r}")
-    return value
-
-
-#: Longest timeout or interval a broker transport takes (about 31 years): brokers keep
-#: some of them as 64-bit nanoseconds, so a longer one would fail there, not here.
-MAX_SECONDS = 1e9
-
-
-def checked_seconds(value: float, name: str, *, zero: bool = False) -> float:
-    """``value`` as a transport's timeout or interval: a finite number of seconds ``> 0``
-    (``>= 0`` when ``zero``) up to :data:`MAX_SECONDS`.
-
-    :raises ConfigurationError: for NaN, an infinity, a bool, a huge number, a string.
-    """
-    return check_seconds(value, name, zero=zero, maximum=MAX_SECONDS)
-
-
-def checked_prefetch(value: int) -> int:
-    """``subscribe``'s ``prefetch``: an int ``>= 1`` (bools refused)."""
-    return check_count(value, "prefetch", 1)
-
-
-#: Default number of deliveries of one message, none of them settled, after which the
-#: next one is dead-lettered on arrival instead of handled (a message that kills its
-#: consumer must not loop for ever).
-DEFAULT_MAX_DELIVERIES = 10
-
-#: Groups of the bus's request inboxes (``_reply.<bus instance>``, one per process):
-#: transports keep what such a group has in the broker only while its process lives.
-INBOX_GROUP_PREFIX = "_reply."
-
-
-#: Largest ``max_deliveries``: more deliveries than that of one message is a loop.
-MAX_DELIVERIES_LIMIT = 1_000_000
-
-
-def checked_max_deliveries(value: int) -> int:
-    """``value`` as a delivery cap; :class:`ConfigurationError` unless it is an int from 1
-    to :data:`MAX_DELIVERIES_LIMIT`."""
-    return check_count(value, "max_deliveries", 1, MAX_DELIVERIES_LIMIT)
-
-
-#: Header of a message a consumer handed back unhandled (its bus was shutting down) as
-#: a copy: the deliveries of the message before the one handed back. The broker counts
-#: the copy's deliveries from zero, so a hand-back is no delivery toward
-#: ``max_deliveries`` (a service restarted ten times does not dead-letter what it held).
-HEADER_DELIVERIES = "asyncbus-deliveries"
-
-
-def carried_deliveries(value: object) -> int:
-    """The deliveries a :data:`HEADER_DELIVERIES` value carries (0 for anything else)."""
-    if isinstance(value, bytes):
-        value = value.decode("ascii", "replace")
-    if isinstance(value, str) and value.isdigit() and len(value) <= 9:
-        return int(value)
-    if type(value) is int and 0 <= value < 10**9:
-        return value
-    return 0
-
-
-def over_max_deliveries(deliveries: int, limit: int) -> str | None:
-    """Why a message the broker has delivered ``deliveries`` times is not handled again
-    (``None`` while it is within ``limit``)."""
-    if deliveries <= limit:
-        return None
-    return (
-        f"delivered {deliveries} times without being settled (max_deliveries={limit}): "
-        "its consumer may crash on it"
-    )
-
-
-def refuse_oversized(envelope: Envelope, size: int, limit: int) -> None:
-    """Refuse, before anything is sent, an envelope of ``size`` bytes over ``limit``.
-
-    :raises TransportError: naming the envelope, its size and the limit.
-    """
-    if size > limit:
-        raise TransportError(
-            f"envelope {envelope.id} on {envelope.topic!r} is {size} bytes on the wire, "
-            f"over max_message_size={limit}: nothing was published"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,8 +499,3 @@ class KeepAlive(Protocol):
     """
 
     keep_alive: bool
-
-
-def unrouted_entry(envelope: Envelope) -> DeadLetter:
-    """The dead letter of an envelope published where no group matches its topic."""
-    return DeadLetter(envelope, DeadLetterReason.NO_SUBSCRIBERS, None, None, 0, time.time())

@@ -19,15 +19,8 @@ from .._groups import GroupInfo
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
 from ._kit import TaskOwner
-from .base import (
-    INBOX_GROUP_PREFIX,
-    BaseDelivery,
-    Capabilities,
-    DeadLetterChange,
-    Delivery,
-    Transport,
-    unrouted_entry,
-)
+from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
+from .base import BaseDelivery, Capabilities, DeadLetterChange, Delivery, Transport
 
 __all__ = ["MemoryTransport"]
 

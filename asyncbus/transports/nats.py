@@ -121,6 +121,9 @@ from ._codec import (
     envelope_to_wire,
 )
 from ._kit import AckWriter, TaskOwner, check_url, redact, require_asyncio, require_extra
+from ._kit.options import MAX_SECONDS, checked_prefetch, checked_seconds
+from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
+from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
 from ._nats_consumer import (
     HEADER_META,
     HEADER_REPLAY_GROUP,
@@ -133,20 +136,8 @@ from ._nats_groups import GroupDirectory, group_description, list_groups
 from ._nats_handbacks import HandBacks
 from ._nats_heartbeats import NatsHeartbeats
 from ._nats_publisher import JetStreamPublisher, NoStreamError
-from .base import (
-    DEFAULT_MAX_DELIVERIES,
-    INBOX_GROUP_PREFIX,
-    MAX_SECONDS,
-    Capabilities,
-    DeadLetterChange,
-    Delivery,
-    TopicLimits,
-    Transport,
-    checked_max_deliveries,
-    checked_prefetch,
-    checked_seconds,
-    unrouted_entry,
-)
+from ._registry import registered
+from .base import Capabilities, DeadLetterChange, Delivery, TopicLimits, Transport
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -158,7 +149,7 @@ __all__ = ["HEADER_META", "HEADER_REPLAY_GROUP", "NatsTransport", "consumer_name
 logger = logging.getLogger("asyncbus.transport.nats")
 
 #: The URL schemes nats-py takes, and what a URL looks like (for errors).
-_SCHEMES = ("nats", "tls", "ws", "wss")
+_SCHEMES = tuple(registered("nats").schemes)
 _URL_FORM = "nats://[user:password@]host:port (tls://, ws:// or wss:// also)"
 
 #: Header of a dead-letter message telling how its body holds the payload.

@@ -152,6 +152,15 @@ from ._kit import (
     require_asyncio,
     require_extra,
 )
+from ._kit.options import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    checked_max_message_size,
+    checked_prefetch,
+    checked_seconds,
+    refuse_oversized,
+)
+from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, HEADER_DELIVERIES, checked_max_deliveries
+from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
 from ._rabbit_consumer import (
     BACKOFF_MIN,
     LOST,
@@ -175,23 +184,8 @@ from ._rabbit_names import (
     delay_bucket_ms,
     escape,
 )
-from .base import (
-    DEFAULT_MAX_DELIVERIES,
-    DEFAULT_MAX_MESSAGE_SIZE,
-    HEADER_DELIVERIES,
-    INBOX_GROUP_PREFIX,
-    Capabilities,
-    DeadLetterChange,
-    Delivery,
-    TopicLimits,
-    Transport,
-    checked_max_deliveries,
-    checked_max_message_size,
-    checked_prefetch,
-    checked_seconds,
-    refuse_oversized,
-    unrouted_entry,
-)
+from ._registry import registered
+from .base import Capabilities, DeadLetterChange, Delivery, TopicLimits, Transport
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection
@@ -203,7 +197,7 @@ __all__ = ["META_HEADER", "RabbitTransport", "binding_key", "delay_bucket_ms"]
 logger = logging.getLogger("asyncbus.transport.rabbit")
 
 #: The URL schemes aiormq takes, and what a URL looks like (for errors).
-_SCHEMES = ("amqp", "amqps")
+_SCHEMES = tuple(registered("rabbit").schemes)
 _URL_FORM = "amqp://user:password@host:port/vhost (amqps:// for TLS)"
 
 T = TypeVar("T")

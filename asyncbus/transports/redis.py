@@ -125,28 +125,22 @@ from ._kit import (
     require_asyncio,
     require_extra,
 )
+from ._kit.options import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    checked_max_message_size,
+    checked_prefetch,
+    checked_seconds,
+    refuse_oversized,
+)
+from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries, over_max_deliveries
+from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
 from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
 from ._redis_groups import RedisGroups
 from ._redis_heartbeats import RedisHeartbeats
+from ._registry import registered
 from ._wire_fields import group_from_wire
-from .base import (
-    DEFAULT_MAX_DELIVERIES,
-    DEFAULT_MAX_MESSAGE_SIZE,
-    INBOX_GROUP_PREFIX,
-    BaseDelivery,
-    Capabilities,
-    DeadLetterChange,
-    Delivery,
-    Transport,
-    checked_max_deliveries,
-    checked_max_message_size,
-    checked_prefetch,
-    checked_seconds,
-    over_max_deliveries,
-    refuse_oversized,
-    unrouted_entry,
-)
+from .base import BaseDelivery, Capabilities, DeadLetterChange, Delivery, Transport
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -157,7 +151,7 @@ __all__ = ["RedisTransport"]
 logger = logging.getLogger("asyncbus.transport.redis")
 
 #: The URL schemes redis-py takes, and what a URL looks like (for errors).
-_SCHEMES = ("redis", "rediss", "unix")
+_SCHEMES = tuple(registered("redis").schemes)
 _URL_FORM = "redis://[[user]:password@]host[:port][/db] (rediss:// for TLS, unix:///path)"
 
 _EXTRA_MISSING = "RedisTransport needs the 'redis' extra: pip install 'asyncbus[redis]'"

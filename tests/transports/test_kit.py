@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import anyio
 import pytest
+from _brokers import BROKERS, names  # type: ignore[import-not-found]
 
-from asyncbus import ConnectError, TransportError
+from asyncbus import ConnectError, DeadLetter, DeadLetterReason, Envelope, TransportError
 from asyncbus._routing import compile_pattern
-from asyncbus.transports import NatsTransport, RabbitTransport, RedisTransport
+from asyncbus.transports import BaseDelivery, NatsTransport
 from asyncbus.transports._kit import AckWriter, Backoff, TaskOwner, TopicMatches, redact
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.timeout(10), pytest.mark.backends("asyncio", "uvloop", "trio")]
 
 
 # -- redact ---------------------------------------------------------------------------
@@ -217,19 +219,12 @@ async def test_ack_writer_keeps_acks_whose_write_failed() -> None:
 # -- asyncio only ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("make", "client"),
-    [
-        (lambda: RedisTransport("redis://127.0.0.1:1/0"), "redis-py"),
-        (lambda: NatsTransport("nats://127.0.0.1:1"), "nats-py"),
-        (lambda: RabbitTransport("amqp://guest:guest@127.0.0.1:1/"), "aiormq"),
-    ],
-    ids=["redis", "nats", "rabbit"],
-)
-def test_every_broker_refuses_trio_with_one_error(make, client: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", names())
+def test_every_broker_refuses_trio_with_one_error(kind: str) -> None:
     trio = pytest.importorskip("trio")
-    transport = make()
-    with pytest.raises(ConnectError, match=rf"asyncio only \({client}\), not trio"):
+    broker = BROKERS[kind]
+    transport = broker.make(broker.url(1))
+    with pytest.raises(ConnectError, match=rf"asyncio only \({broker.client}\), not trio"):
         trio.run(transport.connect)
 
 
@@ -251,3 +246,34 @@ def test_topic_matches_remembers_a_topic_until_cleared() -> None:
     assert matches.lookup("t", table) == ("t@g",)  # cached: the owner did not clear
     matches.clear()
     assert matches.lookup("t", table) == ("t@g", "t@h")
+
+
+@pytest.mark.anyio
+async def test_a_base_delivery_rejected_with_an_entry_stores_that_entry() -> None:
+    stored: list[DeadLetter] = []
+
+    class Kept(BaseDelivery):
+        async def _reject(self, entry: DeadLetter) -> None:
+            stored.append(entry)
+
+    envelope = Envelope(topic="orders", payload=1)
+    entry = DeadLetter(
+        envelope.evolve(attempt=3), DeadLetterReason.TIMEOUT, "slow", "orders@g", 3, 5.0, "tb"
+    )
+    await Kept(envelope).reject(entry)
+    assert stored == [entry]  # as it is: nothing parsed back from a string
+    # An entry whose envelope does not say the last attempt is stored with it.
+    stored.clear()
+    await Kept(envelope).reject(replace(entry, envelope=envelope))
+    assert stored == [entry]
+    # The protocol's form still builds one from the reason and its details.
+    stored.clear()
+    await Kept(envelope).reject("rejected", error="bad", stage="orders@g", attempts=1)
+    [built] = stored
+    assert (built.reason, built.error, built.stage, built.attempts, built.traceback) == (
+        DeadLetterReason.REJECTED,
+        "bad",
+        "orders@g",
+        1,
+        None,
+    )

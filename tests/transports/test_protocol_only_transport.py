@@ -20,11 +20,15 @@ import pytest
 from _turns import assert_each_yielded, publish_runs  # type: ignore[import-not-found]
 from anyio.streams.memory import MemoryObjectSendStream
 
-from asyncbus import Bus, DeadLetter, Envelope, Reject, Retry
+from asyncbus import Bus, DeadLetter, DeadLetterReason, Envelope, Reject, Retry
 from asyncbus._routing import compile_pattern
 from asyncbus.transports import BaseDelivery, Transport
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(10),
+    pytest.mark.backends("asyncio", "uvloop", "trio"),
+]
 
 
 class ProtocolDelivery:
@@ -145,13 +149,14 @@ class DetailedDelivery(BaseDelivery):
         )
 
 
-async def test_reject_gives_the_details_to_a_base_delivery_and_the_reason_to_others() -> None:
+async def test_reject_gives_the_entry_to_a_base_delivery_and_the_reason_to_others() -> None:
     from asyncbus._delivering import reject_delivery
 
     settled: list[tuple[str, str, object]] = []
     envelope = Envelope(topic="jobs")
-    await reject_delivery(DetailedDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
-    await reject_delivery(ProtocolDelivery(envelope, settled), "rejected", "E: x", "j@g", 2)
+    entry = DeadLetter(envelope, DeadLetterReason.REJECTED, "E: x", "j@g", 2, 0.0)
+    await reject_delivery(DetailedDelivery(envelope, settled), entry)
+    await reject_delivery(ProtocolDelivery(envelope, settled), entry)
     assert settled == [
         ("reject rejected j@g E: x", "jobs", 2),
         ("reject rejected", "jobs", None),

@@ -9,7 +9,12 @@
 * :func:`require_asyncio`: the one check (and error) of an asyncio-only client;
 * :func:`require_extra`, :func:`check_url`: what a transport checks as it is created
   (its client library, :class:`MissingExtra` when absent; its URL);
-* :class:`TopicMatches`: which recorded groups a topic reaches, cached per topic.
+* :class:`TopicMatches`: which recorded groups a topic reaches, cached per topic;
+* :mod:`.options`: a transport's options checked (timeouts, ``prefetch``, the message
+  size limit) and envelopes over that limit refused;
+* :mod:`.redeliveries`: ``max_deliveries``, counted the same way by every broker
+  (hand-backs carry the count in ``asyncbus-deliveries``);
+* :mod:`.routes`: the bus's request-inbox groups and the ``no_subscribers`` dead letter.
 """
 
 from __future__ import annotations

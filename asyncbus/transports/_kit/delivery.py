@@ -11,6 +11,7 @@ broker; it is re-exported as :class:`asyncbus.transports.BaseDelivery`.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import ClassVar
 
 from ..._dead_letters import DeadLetter, DeadLetterReason
@@ -125,7 +126,7 @@ class BaseDelivery:
 
     async def reject(
         self,
-        reason: str,
+        reason: str | DeadLetter,
         *,
         error: str | None = None,
         stage: str | None = None,
@@ -133,14 +134,22 @@ class BaseDelivery:
     ) -> None:
         """Give up: store the dead letter, then forget the delivery.
 
-        :param reason: a :class:`~asyncbus.DeadLetterReason` value.
+        :param reason: the dead letter the bus recorded, stored as it is (its
+            ``attempts`` also the stored envelope's ``attempt``); or a
+            :class:`~asyncbus.DeadLetterReason` value, with the details below, for a
+            caller that has no entry (the ``Delivery`` protocol's form).
         :param error: what went wrong (the handler's exception, the decoding error).
         :param stage: the stage (``"pattern@group"``) that gave up.
         :param attempts: the attempt that failed last when the bus retried it (also
             the stored envelope's ``attempt``); ``None``: the delivery's.
         :raises ValueError: for an unknown reason (the delivery stays unsettled).
         """
-        entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
+        if isinstance(reason, DeadLetter):
+            entry = reason
+            if entry.attempts != entry.envelope.attempt:
+                entry = replace(entry, envelope=entry.envelope.evolve(attempt=entry.attempts))
+        else:
+            entry = rejected_entry(self.envelope, reason, error, stage, attempts, time.time())
         self._claim()
         await self._reject(entry)
 

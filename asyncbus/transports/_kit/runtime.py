@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from ..._exceptions import ConfigurationError, ConnectError
 from ..._runtime import current_backend
+from .._registry import registered_schemes
 from .redact import redact
 
 __all__ = ["MissingExtra", "check_url", "require_asyncio", "require_extra"]
@@ -91,9 +92,7 @@ def check_url(transport: str, url: object, schemes: Sequence[str], form: str) ->
 
 #: Schemes that name another broker or the web: a URL with one of them is a mix-up.
 #: (Any other scheme is left to the client library, which reports it on connecting.)
-_OTHER_SCHEMES = frozenset(
-    {"redis", "rediss", "unix", "nats", "tls", "ws", "wss", "amqp", "amqps", "http", "https"}
-)
+_OTHER_SCHEMES = registered_schemes() | {"http", "https"}
 
 
 def _url_problem(url: str, schemes: Sequence[str]) -> str | None:
