@@ -1,4 +1,5 @@
-"""Run every anyio test on asyncio, asyncio with uvloop, and trio."""
+"""The suite's shared fixtures, and its one backend policy: every anyio test runs on
+asyncio, asyncio with uvloop, and trio, unless its module or folder says otherwise."""
 
 from __future__ import annotations
 
@@ -27,24 +28,64 @@ if _HERE not in sys.path:
     sys.path.append(_HERE)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(
-            ("asyncio", {"use_uvloop": True}),
-            id="uvloop",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed"
-            ),
-        ),
-        pytest.param(("trio", {}), id="trio"),
-    ],
-)
+#: The anyio backends a test can run on, by name: (backend, options) for anyio.
+BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "asyncio": ("asyncio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+    "trio": ("trio", {}),
+}
+#: A trio run on a ``MockClock`` that jumps to the next deadline at once: hours of the
+#: bus's timers in milliseconds. Each test gets a clock of its own.
+MOCK_CLOCK = "trio-mock-clock"
+#: Where a test module does not say: every backend, but in the folders whose tests
+#: talk to brokers or drive subprocesses, whose clients are asyncio libraries.
+_FOLDER_BACKENDS = {"transports": ("asyncio",), "cli": ("asyncio",)}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "backends(*names): the anyio backends a test runs on (asyncio, uvloop, trio, "
+        f"{MOCK_CLOCK}); by default all three, asyncio alone under tests/transports and "
+        "tests/cli",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The one backend policy: every anyio test runs on the backends its module names
+    with ``pytest.mark.backends(...)``, else on its folder's default."""
+    if "anyio_backend" not in metafunc.fixturenames or "anyio_backend" in vars(metafunc.module):
+        return  # (a module with a fixture of its own, as a user of the pytest plugin writes)
+    for given in metafunc.definition.iter_markers("parametrize"):
+        if "anyio_backend" in given.args[0]:
+            return  # a test that brings its own loops (a skewed clock, say)
+    marker = metafunc.definition.get_closest_marker("backends")
+    if marker is not None:
+        names: tuple[str, ...] = marker.args
+    else:
+        folder = metafunc.definition.path.relative_to(Path(_HERE)).parts[0]
+        names = _FOLDER_BACKENDS.get(folder, tuple(BACKENDS))
+    params = []
+    for name in names:
+        if name == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            skip = pytest.mark.skip(reason="uvloop is not installed")
+            params.append(pytest.param(name, id=name, marks=skip))
+        else:
+            params.append(pytest.param(name, id=name))
+    # A mock clock is the test's own; the others are shared by a module's tests.
+    scope = "function" if MOCK_CLOCK in names else "module"
+    metafunc.parametrize("anyio_backend", params, indirect=True, scope=scope)
+
+
+@pytest.fixture(scope="module")
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    """The anyio backend (name, options) a test runs on."""
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
+    """The anyio backend (name, options) a test runs on; see :func:`pytest_generate_tests`."""
+    name: str = getattr(request, "param", "asyncio")
+    if name == MOCK_CLOCK:
+        import trio.testing
+
+        return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+    return BACKENDS[name]
 
 
 def _require_service(name: str, port: int) -> None:

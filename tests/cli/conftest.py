@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 # ``_command`` (the harness) is imported by name, as the helpers beside the top conftest.
 _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.append(_HERE)
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> tuple[str, dict[str, Any]]:
-    """The test process only waits on subprocesses and sockets: asyncio alone."""
-    return ("asyncio", {})

@@ -25,7 +25,7 @@ import uvicorn
 from asyncbus import HEADER_REPLAYED, Adaptive, Admission, Bus, Envelope, _control
 from asyncbus.integrations.starlette import admin_app
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.backends("asyncio"), pytest.mark.browser]
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -42,12 +42,6 @@ TOKEN = "dashboard-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STAGE = "orders.created@fulfil"
 TIMEOUT_MS = 15_000
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """Playwright's async API runs on asyncio only."""
-    return "asyncio"
 
 
 def _unavailable(reason: str) -> None:

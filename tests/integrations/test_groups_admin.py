@@ -9,14 +9,9 @@ import pytest
 from asyncbus import Bus, MemoryTransport
 from asyncbus.integrations.starlette import admin_app
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+pytestmark = [pytest.mark.backends("asyncio"), pytest.mark.anyio, pytest.mark.timeout(30)]
 
 JSON = {"Content-Type": "application/json"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _client(bus: Bus) -> httpx.AsyncClient:

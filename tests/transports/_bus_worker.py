@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import anyio
+from _brokers import BROKERS  # beside this script
 
 from asyncbus import Bus, Envelope
 from asyncbus.transports import Transport
@@ -26,19 +27,9 @@ ACK_TIMEOUT = 2.0
 
 def make_transport(kind: str, url: str, prefix: str) -> Transport:
     """The broker transport called ``kind``, with a short ack timeout."""
-    if kind == "redis":
-        from asyncbus.transports.redis import RedisTransport
-
-        return RedisTransport(url, prefix=prefix, ack_timeout=ACK_TIMEOUT)
-    if kind == "nats":
-        from asyncbus.transports.nats import NatsTransport
-
-        return NatsTransport(url, prefix=prefix, ack_timeout=ACK_TIMEOUT)
-    if kind == "rabbit":
-        from asyncbus.transports.rabbit import RabbitTransport
-
-        return RabbitTransport(url, prefix=prefix, ack_timeout=ACK_TIMEOUT)
-    raise SystemExit(f"unknown transport {kind!r}")
+    if kind not in BROKERS:
+        raise SystemExit(f"unknown transport {kind!r}")
+    return BROKERS[kind].make(url, prefix, ack_timeout=ACK_TIMEOUT)
 
 
 async def main(kind: str, url: str, prefix: str, out: str, ready: str, slow: bool) -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import anyio
+from _brokers import BROKERS  # beside this script
 
 from asyncbus import HEADER_REPLAYED, Bus, Envelope
 from asyncbus.transports import Transport
@@ -24,19 +25,9 @@ from asyncbus.transports import Transport
 
 def make_transport(kind: str, url: str, prefix: str) -> Transport:
     """The broker transport called ``kind``."""
-    if kind == "redis":
-        from asyncbus.transports.redis import RedisTransport
-
-        return RedisTransport(url, prefix=prefix)
-    if kind == "nats":
-        from asyncbus.transports.nats import NatsTransport
-
-        return NatsTransport(url, prefix=prefix)
-    if kind == "rabbit":
-        from asyncbus.transports.rabbit import RabbitTransport
-
-        return RabbitTransport(url, prefix=prefix)
-    raise SystemExit(f"unknown transport {kind!r}")
+    if kind not in BROKERS:
+        raise SystemExit(f"unknown transport {kind!r}")
+    return BROKERS[kind].make(url, prefix)
 
 
 async def main(kind: str, url: str, prefix: str, name: str, out: str, ready: str) -> None:

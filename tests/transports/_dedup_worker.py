@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope, middleware
 from asyncbus.middleware import deduplicate

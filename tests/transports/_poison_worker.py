@@ -19,6 +19,7 @@ import os
 import sys
 
 import anyio
+from _brokers import BROKERS  # beside this script
 
 from asyncbus import Bus, DeadLetter, Envelope
 from asyncbus.transports import Transport
@@ -33,25 +34,9 @@ def _say(line: dict[str, object]) -> None:
 
 def make_transport(kind: str, url: str, prefix: str, max_deliveries: int) -> Transport:
     """The broker transport called ``kind``."""
-    if kind == "redis":
-        from asyncbus.transports.redis import RedisTransport
-
-        return RedisTransport(
-            url, prefix=prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries
-        )
-    if kind == "nats":
-        from asyncbus.transports.nats import NatsTransport
-
-        return NatsTransport(
-            url, prefix=prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries
-        )
-    if kind == "rabbit":
-        from asyncbus.transports.rabbit import RabbitTransport
-
-        return RabbitTransport(
-            url, prefix=prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries
-        )
-    raise SystemExit(f"unknown transport {kind!r}")
+    if kind not in BROKERS:
+        raise SystemExit(f"unknown transport {kind!r}")
+    return BROKERS[kind].make(url, prefix, ack_timeout=ACK_TIMEOUT, max_deliveries=max_deliveries)
 
 
 async def main(

@@ -13,6 +13,7 @@ import json
 import sys
 
 import anyio
+from _brokers import BROKERS  # beside this script
 
 from asyncbus import Bus
 from asyncbus.transports import Transport
@@ -20,17 +21,9 @@ from asyncbus.transports import Transport
 
 def make_transport(kind: str, url: str, prefix: str, inbox_ttl: float) -> Transport:
     """The broker transport called ``kind``, with a short inbox lifetime."""
-    transport: Transport
-    if kind == "redis":
-        from asyncbus.transports.redis import RedisTransport
-
-        transport = RedisTransport(url, prefix=prefix)
-    elif kind == "nats":
-        from asyncbus.transports.nats import NatsTransport
-
-        transport = NatsTransport(url, prefix=prefix)
-    else:
+    if kind not in BROKERS:
         raise SystemExit(f"unknown transport {kind!r}")
+    transport = BROKERS[kind].make(url, prefix)
     transport.inbox_ttl = inbox_ttl  # type: ignore[attr-defined]
     return transport
 

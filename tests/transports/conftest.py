@@ -69,14 +69,14 @@ async def nats_prefix(nats_url: str, unique_prefix: str) -> AsyncIterator[str]:
     with anyio.CancelScope(shield=True):
         nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
         try:
-            names = NatsTransport(nats_url, prefix=unique_prefix)
+            made = NatsTransport(nats_url, prefix=unique_prefix)
             js = nc.jetstream()
-            for stream in (names.stream, names.dead_letter_stream):
+            for stream in (made.stream, made.dead_letter_stream):
                 with contextlib.suppress(NotFoundError):
                     await js.delete_stream(stream)
             # Its KV buckets (deduplicate() claims, hand-backs), made on demand.
             for info in await js.streams_info():
-                if info.config.name.startswith(f"KV_{names.stream}_"):
+                if info.config.name.startswith(f"KV_{made.stream}_"):
                     with contextlib.suppress(NotFoundError):
                         await js.delete_stream(info.config.name)
         finally:
@@ -93,14 +93,16 @@ async def rabbit_prefix(rabbit_url: str, unique_prefix: str) -> AsyncIterator[st
         await RabbitTransport(rabbit_url, prefix=unique_prefix).delete_everything()
 
 
-# The helpers beside this file (_private_brokers, _proxy, _kinds, the workers) are
+# The helpers beside this file (_private_brokers, _proxy, _brokers, the workers) are
 # imported by name: pytest's importlib mode puts no test directory on sys.path by itself.
 _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.append(_HERE)
 
+from _brokers import BROKERS, names  # type: ignore[import-not-found]  # noqa: E402
 
-@pytest.fixture(params=["redis", "nats", "rabbit"])
+
+@pytest.fixture(params=names())
 def kind(request: pytest.FixtureRequest) -> str:
     """Each broker in turn (its shared server must be up: skips, or fails in CI)."""
     name: str = request.param
@@ -112,9 +114,8 @@ def kind(request: pytest.FixtureRequest) -> str:
 async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
     """The shared ``kind`` broker's URL; what the test made under ``unique_prefix`` is
     removed from it afterwards (shielded, so a cancelled test cleans up too)."""
-    from _kinds import SHARED_PORTS, forget, url_for  # on sys.path from above
-
-    shared = url_for(kind, SHARED_PORTS[kind])
+    broker = BROKERS[kind]
+    shared = broker.url()
     yield shared
     with anyio.CancelScope(shield=True):
-        await forget(kind, shared, unique_prefix)
+        await broker.forget(shared, unique_prefix)

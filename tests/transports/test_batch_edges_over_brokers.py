@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, EncodeError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_a_payload_that_cannot_be_encoded_mid_batch_is_named_and_nothing_is_published(

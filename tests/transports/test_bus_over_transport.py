@@ -17,7 +17,7 @@ from asyncbus import Bus, DeadLetterReason, Envelope, HandlerError, Retry
 from asyncbus.testing import capture
 from asyncbus.transports import MemoryTransport
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.backends("asyncio", "uvloop", "trio")]
 
 
 def ledger_exact(bus: Bus) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport, names  # type: ignore[import-not-found]
 from _processes import stop  # type: ignore[import-not-found]
 
 from asyncbus import Bus, ClusterStatistics, ProcessStatistics
@@ -29,14 +29,9 @@ WORKER = Path(__file__).with_name("_cluster_worker.py")
 COUNTS = {"a": 5, "b": 7, "c": 11}
 
 
-@pytest.fixture(params=["redis", "nats"])
+@pytest.fixture(params=names("heartbeats"))
 def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def _until(bus: Bus, done: object) -> ClusterStatistics:

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, EncodeError
 from asyncbus.transports import JsonCodec, MsgspecCodec
@@ -138,11 +138,6 @@ def test_without_msgspec_a_dataclass_s_fields_are_json_data_too(
 
 
 # -- over every broker ------------------------------------------------------------------
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 @pytest.mark.anyio

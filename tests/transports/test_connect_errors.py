@@ -15,30 +15,19 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
+from _brokers import BROKERS, names  # type: ignore[import-not-found]
 from _private_brokers import nats_connections, private_nats, private_redis
 
 from asyncbus import Bus, ConnectError, TransportError
-from asyncbus.transports import NatsTransport, RabbitTransport, RedisTransport, Transport
+from asyncbus.transports import NatsTransport, RabbitTransport, RedisTransport
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: RedisTransport("redis://app:s3cret@127.0.0.1:1/0"),
-        lambda: NatsTransport("nats://app:s3cret@127.0.0.1:1"),
-        lambda: RabbitTransport("amqp://app:s3cret@127.0.0.1:1/"),
-    ],
-    ids=["redis", "nats", "rabbit"],
-)
-async def test_an_unreachable_broker_fails_async_with_bus_naming_host_and_port(make) -> None:  # type: ignore[no-untyped-def]
-    transport: Transport = make()
+@pytest.mark.parametrize("kind", names())
+async def test_an_unreachable_broker_fails_async_with_bus_naming_host_and_port(kind: str) -> None:
+    broker = BROKERS[kind]
+    transport = broker.make(broker.url(1, credentials="app:s3cret"))
     with anyio.fail_after(20), pytest.raises(ConnectError) as caught:
         async with Bus(transport=transport):
             pytest.fail("the bus started without its broker")
@@ -146,16 +135,9 @@ async def _closed_by_peer(stream: anyio.abc.SocketStream) -> bool:
         return True
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda port: RedisTransport(f"redis://127.0.0.1:{port}/0"),
-        lambda port: NatsTransport(f"nats://127.0.0.1:{port}", connect_timeout=5.0),
-        lambda port: RabbitTransport(f"amqp://guest:guest@127.0.0.1:{port}/"),
-    ],
-    ids=["redis", "nats", "rabbit"],
-)
-async def test_a_connect_cancelled_midway_closes_its_socket_and_leaves_no_task(make) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", names())
+async def test_a_connect_cancelled_midway_closes_its_socket_and_leaves_no_task(kind: str) -> None:
+    broker = BROKERS[kind]
     accepted: list[anyio.abc.SocketStream] = []
     serving: set[asyncio.Task[Any]] = set()
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
@@ -166,7 +148,7 @@ async def test_a_connect_cancelled_midway_closes_its_socket_and_leaves_no_task(m
         )
         await anyio.wait_all_tasks_blocked()
         before = asyncio.all_tasks()
-        transport: Transport = make(port)
+        transport = broker.make(broker.url(port), **broker.patient_connect)
         with anyio.move_on_after(0.5) as scope:
             await transport.connect()  # a server that accepts and never answers
         assert scope.cancelled_caught
@@ -178,16 +160,9 @@ async def test_a_connect_cancelled_midway_closes_its_socket_and_leaves_no_task(m
         task_group.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda port: RedisTransport(f"redis://127.0.0.1:{port}/0"),
-        lambda port: NatsTransport(f"nats://127.0.0.1:{port}"),
-        lambda port: RabbitTransport(f"amqp://guest:guest@127.0.0.1:{port}/"),
-    ],
-    ids=["redis", "nats", "rabbit"],
-)
-async def test_a_black_holed_broker_fails_the_start_saying_why(make) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", names())
+async def test_a_black_holed_broker_fails_the_start_saying_why(kind: str) -> None:
+    broker = BROKERS[kind]
     """A server that accepts and never answers: the error ends with its cause."""
     accepted: list[anyio.abc.SocketStream] = []
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
@@ -195,7 +170,7 @@ async def test_a_black_holed_broker_fails_the_start_saying_why(make) -> None:  #
     async with listener, anyio.create_task_group() as task_group:
         task_group.start_soon(listener.serve, functools.partial(_hold_and_record, accepted, set()))
         with anyio.fail_after(30), pytest.raises(ConnectError) as caught:
-            async with Bus(transport=make(port)):
+            async with Bus(transport=broker.make(broker.url(port))):
                 pytest.fail("the bus started without an answer from its broker")
         task_group.cancel_scope.cancel()
     message = str(caught.value)

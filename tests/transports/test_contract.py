@@ -23,7 +23,11 @@ from asyncbus.transports import (
 )
 from asyncbus.transports._bound import BoundTransport
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(10),
+    pytest.mark.backends("asyncio", "uvloop", "trio"),
+]
 
 
 class Recording(MemoryTransport):

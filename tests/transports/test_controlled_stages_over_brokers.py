@@ -12,18 +12,13 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Adaptive, Admission, Bus, DeadLetterReason
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 QUEUED = 30
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _brokers import (  # type: ignore[import-not-found]
+    SHARED_PORTS,
+    forget,
+    make_transport,
+    names,
+    url_for,
+)
 
 from asyncbus import Bus, Envelope
 from asyncbus.middleware import deduplicate
@@ -28,12 +34,7 @@ ACK_TIMEOUT = 1.5  # the worker's
 LEASE = 4.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.fixture(params=["redis", "nats"])
+@pytest.fixture(params=names("dedup_store"))
 async def broker(
     request: pytest.FixtureRequest, unique_prefix: str
 ) -> AsyncIterator[tuple[str, str]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope, Handler, middleware
 from asyncbus.middleware import deduplicate
@@ -22,11 +22,6 @@ from asyncbus.middleware import deduplicate
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 IDS = [f"order-{n}" for n in range(10)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_a_copy_held_beside_the_first_is_skipped_once_the_first_succeeds(

@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from _brokers import make_transport  # type: ignore[import-not-found]
 from _deferring import defer_first_runs  # type: ignore[import-not-found]
-from _kinds import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope, Retry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_deferred_envelopes_come_back_with_their_attempt_and_one_failure_is_retried(

@@ -1,6 +1,6 @@
 """Fairness over a broker: the wait for the broker's confirmation is a publish's one yield.
 
-In memory a publish yields before it admits anything (tests/test_fairness.py). Over a
+In memory a publish yields before it admits anything (tests/core/test_fairness.py). Over a
 broker the call only checks for a cancellation before it sends, then yields while the
 broker confirms: a publish in a cancelled scope sends nothing, other tasks run during
 every publish, and a ``$deadletter`` publish (which stays in this process, with no
@@ -13,17 +13,12 @@ from __future__ import annotations
 import anyio
 import anyio.lowlevel
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 from _turns import publish_runs, run_lengths, ticker  # type: ignore[import-not-found]
 
 from asyncbus import DEADLETTER_TOPIC, Bus, EncodeError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_a_publish_in_a_cancelled_scope_sends_nothing(

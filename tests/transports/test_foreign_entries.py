@@ -30,11 +30,6 @@ DEEP_SHORT = "[" * 2000 + "]" * 2000
 JUNK: list[str | bytes] = [DEEP, "{not json", b"\xff\xfe\x00", "[1, 2]", '["a..b", "g"]', "[]"]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
-
-
 def _warned(caplog: pytest.LogCaptureFixture, text: str) -> int:
     return sum(
         text in record.getMessage()

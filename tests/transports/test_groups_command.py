@@ -10,16 +10,11 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def _command(*arguments: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

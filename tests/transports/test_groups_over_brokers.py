@@ -12,17 +12,12 @@ import logging
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, ConfigurationError, GroupInfo
 from asyncbus.transports import GroupAdmin
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 def _figures(groups: list[GroupInfo]) -> list[tuple[str, str, int, bool]]:

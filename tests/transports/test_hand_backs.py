@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope
 
@@ -24,11 +24,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 MAX_DELIVERIES = 2
 #: More hand-backs than the cap allows deliveries.
 HAND_BACKS = 5
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_a_delivery_handed_back_again_and_again_is_not_poison(

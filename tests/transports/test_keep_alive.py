@@ -15,25 +15,17 @@ from typing import Any
 
 import anyio
 import pytest
+from _brokers import make_transport, names  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope, Retry
 from asyncbus.testing.transport_suite import QUIET
 from asyncbus.transports import Transport
-from asyncbus.transports.nats import NatsTransport
-from asyncbus.transports.rabbit import RabbitTransport
-from asyncbus.transports.redis import RedisTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 ACK_TIMEOUT = 1.0
 #: Longer than ack_timeout, with a margin: 3 ack timeouts.
 LONG = 3 * ACK_TIMEOUT
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """The broker clients run on asyncio only."""
-    return "asyncio"
 
 
 async def _two_processes(
@@ -72,20 +64,13 @@ def _attempts(handled: list[tuple[str, int]]) -> list[int]:
     return [attempt for _, attempt in handled]
 
 
-TRANSPORTS: dict[str, Any] = {
-    "redis": lambda url, prefix: RedisTransport(url, prefix=prefix, ack_timeout=ACK_TIMEOUT),
-    "nats": lambda url, prefix: NatsTransport(url, prefix=prefix, ack_timeout=ACK_TIMEOUT),
-    "rabbit": lambda url, prefix: RabbitTransport(url, prefix=prefix, ack_timeout=ACK_TIMEOUT),
-}
-
-
-@pytest.fixture(params=sorted(TRANSPORTS))
+@pytest.fixture(params=names())
 def make(request: pytest.FixtureRequest) -> Callable[[], Transport]:
     """A factory of transports of one broker, on a prefix of the test's own."""
     kind: str = request.param
     url = request.getfixturevalue(f"{kind}_url")
     prefix = request.getfixturevalue(f"{kind}_prefix")
-    return lambda: TRANSPORTS[kind](url, prefix)  # type: ignore[no-any-return]
+    return lambda: make_transport(kind, url, prefix, ack_timeout=ACK_TIMEOUT)  # type: ignore[no-any-return]
 
 
 async def test_a_handler_longer_than_ack_timeout_runs_once(make: Callable[[], Transport]) -> None:
@@ -101,17 +86,17 @@ async def test_a_retry_delay_longer_than_ack_timeout_does_not_redeliver(
     assert _attempts(handled) == [1, 2]
 
 
-@pytest.mark.parametrize("kind", sorted(TRANSPORTS))
+@pytest.mark.parametrize("kind", names())
 def test_keep_alive_is_on_and_max_deliveries_is_ten_by_default(kind: str) -> None:
-    transport = TRANSPORTS[kind]("unused://", "p")
+    transport = make_transport(kind, "unused://", "p", ack_timeout=ACK_TIMEOUT)
     assert (transport.keep_alive, transport.max_deliveries) == (True, 10)
 
 
-@pytest.mark.parametrize("kind", sorted(TRANSPORTS))
+@pytest.mark.parametrize("kind", names())
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "10"])
 def test_max_deliveries_must_be_a_positive_int(kind: str, bad: Any) -> None:
     from asyncbus import ConfigurationError
 
-    transport_type = type(TRANSPORTS[kind]("unused://", "p"))
+    transport_type = type(make_transport(kind, "unused://", "p", ack_timeout=ACK_TIMEOUT))
     with pytest.raises(ConfigurationError, match="max_deliveries"):
         transport_type("unused://", prefix="p", max_deliveries=bad)

@@ -34,12 +34,6 @@ WORKER = Path(__file__).with_name("_requester_worker.py")
 INBOX_TTL = 1.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    """The broker clients run on asyncio only."""
-    return "asyncio"
-
-
 def _answering(bus: Bus) -> None:
     @bus.subscribe("ask", group="answers")
     async def answer(n: int) -> int:

@@ -13,6 +13,9 @@ from asyncbus._exceptions import TransportError
 from asyncbus.testing.transport_suite import QUIET, TransportSuite
 from asyncbus.transports import MemoryTransport, Transport
 
+# In memory: every backend, as the core's tests.
+pytestmark = pytest.mark.backends("asyncio", "uvloop", "trio")
+
 
 class TestMemory(TransportSuite):
     """The reference transport passes the suite it defines."""

@@ -48,12 +48,6 @@ pytestmark = pytest.mark.timeout(60)
 ACK_TIMEOUT = 1.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    """nats-py runs on asyncio only."""
-    return "asyncio"
-
-
 async def _delete_streams(url: str, prefix: str) -> None:
     """Delete the two streams of ``prefix`` (their consumers go with them)."""
     with anyio.CancelScope(shield=True):

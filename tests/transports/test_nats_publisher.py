@@ -20,12 +20,6 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    """nats-py runs on asyncio only."""
-    return "asyncio"
-
-
-@pytest.fixture
 async def stream(nats_url: str) -> AsyncIterator[tuple[Any, str]]:
     """A connected client and the name of a fresh stream capturing ``{name}.>``."""
     from nats.js.api import StreamConfig

@@ -26,7 +26,7 @@ _SCRIPT = textwrap.dedent(
     import anyio
 
     sys.path.insert(0, sys.argv[4])
-    from _kinds import make_transport
+    from _brokers import make_transport
 
     from asyncbus import Bus
 
@@ -70,11 +70,6 @@ _SCRIPT = textwrap.dedent(
     }), flush=True)
     """
 )
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # (the test itself only waits for the process; its fixtures clean up)
 
 
 async def test_a_bus_never_closed_over_a_broker_stops_when_its_loop_ends(

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -45,12 +45,6 @@ DEEP_META = 20_000
 WORKER = Path(__file__).with_name("_poison_worker.py")
 #: The workers' ack_timeout (see ``_poison_worker.py``).
 ACK_TIMEOUT = 1.0
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """The broker clients run on asyncio only."""
-    return "asyncio"
 
 
 def _meta(**changes: Any) -> dict[str, Any]:

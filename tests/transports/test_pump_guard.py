@@ -18,7 +18,11 @@ import pytest
 from asyncbus import Bus, DeadLetter, DeadLetterReason, Envelope
 from asyncbus.transports import BaseDelivery, Transport
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(10)]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(10),
+    pytest.mark.backends("asyncio", "uvloop", "trio"),
+]
 
 
 class Recorded(BaseDelivery):

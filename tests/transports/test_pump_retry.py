@@ -17,13 +17,16 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
-from _private_brokers import private_nats, private_redis  # type: ignore[import-not-found]
+from _brokers import BROKERS, make_transport, names  # type: ignore[import-not-found]
 
 from asyncbus import Bus, ConfigurationError, Envelope, TransportError
 from asyncbus.transports import Transport
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.timeout(60),
+    pytest.mark.backends("asyncio", "uvloop", "trio"),
+]
 
 
 class _Delivery:
@@ -169,13 +172,13 @@ async def _publish_until_confirmed(bus: Bus, topic: str, payload: Any) -> None:
             await anyio.sleep(0.1)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("kind", ["redis", "nats"])
+@pytest.mark.chaos
+@pytest.mark.backends("asyncio")
+@pytest.mark.parametrize("kind", names("quick_restart"))
 async def test_a_stage_subscribed_while_the_broker_is_down_consumes_once_it_is_back(
     kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    private = {"redis": private_redis, "nats": private_nats}[kind]
-    async with private(tmp_path) as server:
+    async with BROKERS[kind].start_private(tmp_path) as server:
         options: dict[str, Any] = {"publish_timeout": 1.0}
         if kind == "nats":
             options["request_timeout"] = 1.0

@@ -58,12 +58,6 @@ RABBITMQCTL = shutil.which("rabbitmqctl")
 PREFIXES: set[str] = set()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    """aio-pika runs on asyncio only."""
-    return "asyncio"
-
-
 # -- clean-up -------------------------------------------------------------------------
 
 

@@ -21,12 +21,6 @@ from asyncbus.transports.rabbit import RabbitTransport
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    """aio-pika runs on asyncio only."""
-    return "asyncio"
-
-
 async def _take(deliveries: AsyncIterator[Delivery], count: int) -> list[Delivery]:
     with anyio.fail_after(30):
         return [await anext(deliveries) for _ in range(count)]

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, url_for  # type: ignore[import-not-found]
+from _brokers import SHARED_PORTS, url_for  # type: ignore[import-not-found]
 from _proxy import TcpProxy  # type: ignore[import-not-found]
 
 from asyncbus import DeadLetterReason, Envelope, TransportError
@@ -30,12 +30,6 @@ COUNT = 200
 PUBLISH_TIMEOUT = 1.5
 #: What a loaded machine may add to a deadline.
 SLACK = 1.5
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """aio-pika runs on asyncio only."""
-    return "asyncio"
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ SIGKILL; one test starts a Redis server of its own (loopback, a free port) and r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -42,28 +41,11 @@ from asyncbus.transports import Transport
 from asyncbus.transports.base import Delivery
 from asyncbus.transports.redis import RedisTransport
 
-pytestmark = pytest.mark.anyio
+# redis-py runs on asyncio only: plain and with uvloop, no trio.
+pytestmark = [pytest.mark.anyio, pytest.mark.backends("asyncio", "uvloop")]
 
 ACK_TIMEOUT = 1.0
 WORKER = Path(__file__).with_name("_redis_worker.py")
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(
-            ("asyncio", {"use_uvloop": True}),
-            id="uvloop",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed"
-            ),
-        ),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    """asyncio, plain and with uvloop: redis-py runs on asyncio only (no trio)."""
-    backend: tuple[str, dict[str, Any]] = request.param
-    return backend
 
 
 async def _delete_keys(url: str, prefix: str) -> None:

@@ -13,17 +13,12 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 from _refusals import refusing  # type: ignore[import-not-found]
 
 from asyncbus import Bus, ConfigurationError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_a_subscription_the_broker_refuses_on_the_running_bus_leaves_the_rest_running(

@@ -6,18 +6,13 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, DeadLetterReason, Envelope
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
 RAW = b'\xff{"order": 9}'
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 class _PassThrough:

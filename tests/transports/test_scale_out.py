@@ -6,7 +6,6 @@ publishes through its own Bus and reads what each worker handled from its file.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from _brokers import forget, names  # type: ignore[import-not-found]
 from _processes import stop  # type: ignore[import-not-found]
 
 from asyncbus import Bus
@@ -26,12 +26,7 @@ WORKER = Path(__file__).with_name("_bus_worker.py")
 ACK_TIMEOUT = 2.0  # the worker's
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.fixture(params=["redis", "nats", "rabbit"])
+@pytest.fixture(params=names())
 async def broker(
     request: pytest.FixtureRequest, unique_prefix: str
 ) -> AsyncIterator[tuple[str, str]]:
@@ -40,38 +35,6 @@ async def broker(
     yield kind, url
     with anyio.CancelScope(shield=True):
         await forget(kind, url, unique_prefix)
-
-
-async def forget(kind: str, url: str, prefix: str) -> None:
-    """Delete what the test left in the broker under ``prefix``."""
-    if kind == "redis":
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(url)
-        try:
-            keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
-            if keys:
-                await client.delete(*keys)
-        finally:
-            await client.aclose()
-    elif kind == "nats":
-        import nats
-        import nats.js.errors
-
-        from asyncbus.transports.nats import NatsTransport
-
-        probe = NatsTransport(url, prefix=prefix)
-        client = await nats.connect(url, allow_reconnect=False, connect_timeout=2)
-        try:
-            for stream in (probe.stream, probe.dead_letter_stream):
-                with contextlib.suppress(nats.js.errors.NotFoundError):
-                    await client.jetstream().delete_stream(stream)
-        finally:
-            await client.close()
-    elif kind == "rabbit":
-        from asyncbus.transports.rabbit import RabbitTransport
-
-        await RabbitTransport(url, prefix=prefix).delete_everything()
 
 
 class Worker:

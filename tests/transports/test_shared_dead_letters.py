@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from _kinds import SHARED_PORTS, make_transport, url_for  # type: ignore[import-not-found]
+from _brokers import SHARED_PORTS, make_transport, url_for  # type: ignore[import-not-found]
 from _processes import stop  # type: ignore[import-not-found]
 from _proxy import TcpProxy  # type: ignore[import-not-found]
 
@@ -33,11 +33,6 @@ WORKER = Path(__file__).with_name("_dead_letter_worker.py")
 #: far shorter on a quiet machine; this one is for a loaded CI runner).
 SEEN_WITHIN = 10.0
 N = 38  # dead letters per process
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 class _Process:

@@ -14,23 +14,18 @@ from collections.abc import AsyncIterator
 
 import anyio
 import pytest
-from _kinds import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
+from _brokers import SHARED_PORTS, forget, make_transport, url_for  # type: ignore[import-not-found]
 from _proxy import TcpProxy  # type: ignore[import-not-found]
 
 from asyncbus import Bus, TransportError
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60), pytest.mark.chaos]
 
 #: Seconds the transports here wait for a confirm, and a group's ack timeout.
 PUBLISH_TIMEOUT = 1.5
 ACK_TIMEOUT = 2.0
 #: What a loaded machine may add to a deadline.
 SLACK = 1.5
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from _kinds import make_transport
+from _brokers import make_transport
 
 from asyncbus import Bus, ConfigurationError, Envelope
 from asyncbus.transports import Transport
@@ -19,12 +19,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 #: Bytes of the names tried on a transport without a limit.
 UNLIMITED = 16 * 1024
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    """The broker clients run on asyncio only."""
-    return "asyncio"
 
 
 def _name(head: str, size: int) -> str:

@@ -14,7 +14,11 @@ from typing import Any
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import (  # type: ignore[import-not-found]
+    BROKERS,
+    make_transport,  # type: ignore[import-not-found]
+    names,
+)
 
 from asyncbus import ConfigurationError, ConnectError
 from asyncbus.transports import Transport
@@ -100,7 +104,7 @@ def test_sensible_settings_are_kept(transport: Callable[..., Transport]) -> None
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.backends("asyncio")
 @pytest.mark.parametrize("value", [0, -1, True, 2.5, "8", NAN])
 async def test_a_bad_prefetch_is_a_configuration_error(
     kind: str, url: str, unique_prefix: str, value: Any
@@ -179,19 +183,14 @@ def test_a_url_that_can_work_is_kept(transport: type[Transport], url: str) -> No
     assert transport(url).url == url  # type: ignore[attr-defined]
 
 
-EXTRAS = {
-    RedisTransport: ("redis", ["redis"]),
-    NatsTransport: ("nats", ["nats"]),
-    RabbitTransport: ("rabbit", ["aio_pika", "aiormq", "pamqp"]),
-}
-
-
-@pytest.mark.parametrize("transport", list(EXTRAS))
+@pytest.mark.parametrize("kind", names())
 def test_a_missing_client_library_is_refused_when_the_transport_is_created(
-    transport: type[Transport], monkeypatch: pytest.MonkeyPatch
+    kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before, the transport was made and ``async with bus`` failed later (ConnectError)."""
-    extra, packages = EXTRAS[transport]
+    broker = BROKERS[kind]
+    transport = broker.transport_class()
+    extra, packages = broker.extra, broker.client_modules
     for package in packages:
         with monkeypatch.context() as patch:
             patch.setitem(sys.modules, package, None)  # as if it were not installed
@@ -207,7 +206,7 @@ def test_a_missing_client_library_is_refused_when_the_transport_is_created(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.backends("asyncio")
 async def test_a_url_redis_py_cannot_read_is_a_configuration_error_when_entered() -> None:
     """A scheme of no broker asyncbus knows is left to the client, which refuses it
     on connecting: a ConfigurationError, not redis-py's raw ValueError."""

@@ -17,13 +17,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _kinds import make_transport, url_for  # type: ignore[import-not-found]
-from _private_brokers import (  # type: ignore[import-not-found]
-    PrivateServer,
-    private_nats,
-    private_rabbit,
-    private_redis,
-)
+from _brokers import BROKERS, make_transport, names, url_for  # type: ignore[import-not-found]
+from _private_brokers import PrivateServer  # type: ignore[import-not-found]
 from _proxy import TcpProxy  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope
@@ -39,20 +34,14 @@ MARGIN = 0.2
 BEFORE, DURING = 40, 16
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
-
-
-@pytest.fixture(scope="module", params=["redis", "nats", "rabbit"])
+@pytest.fixture(scope="module", params=names())
 async def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[str, PrivateServer]]:
     """One private server per broker, shared by this module's tests (prefixes apart)."""
     kind: str = request.param
     folder: Path = tmp_path_factory.mktemp(kind)
-    private = {"redis": private_redis, "nats": private_nats, "rabbit": private_rabbit}[kind]
-    async with private(folder) as running:
+    async with BROKERS[kind].start_private(folder) as running:
         yield kind, running
 
 

@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from _kinds import make_transport  # type: ignore[import-not-found]
+from _brokers import make_transport  # type: ignore[import-not-found]
 
 from asyncbus import Bus, DeadLetterReason, HandlerError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # the broker clients are asyncio libraries
 
 
 async def test_a_publish_no_group_matches_anywhere_is_a_no_subscribers_dead_letter(

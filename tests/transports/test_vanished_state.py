@@ -29,12 +29,6 @@ ROUNDS = 3
 PER_ROUND = 20
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    """The broker clients run on asyncio only."""
-    return "asyncio"
-
-
 async def _publish_until_confirmed(bus: Bus, topic: str, payload: Any, timeout: float) -> None:
     """Publish once the broker is back (a publish refused while it is away is retried)."""
     with anyio.fail_after(timeout):

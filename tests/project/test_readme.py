@@ -12,7 +12,6 @@ that it then fails. A block in any other section must run as a script and exit 0
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import re
 import shlex
@@ -26,9 +25,12 @@ from types import ModuleType
 import anyio
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 GUIDE = ROOT / "docs" / "guide.md"
+
+# Each block runs as written, in a subprocess (pytest -m readme runs these alone).
+pytestmark = pytest.mark.readme
 
 
 def python_blocks(path: Path = README) -> list[tuple[str, str]]:
@@ -186,49 +188,21 @@ def check_fastapi_app(code: str, tmp_path: Path) -> None:
         sys.modules.pop(name, None)
 
 
-BROKERS = {
-    "redis": ("Redis", 6379),
-    "nats": ("NATS", 4222),
-    "rabbit": ("RabbitMQ", 5672),
-}
+# The suite's table of brokers (tests/transports/_brokers.py): names, ports, clean-up.
+if str(ROOT / "tests" / "transports") not in sys.path:
+    sys.path.append(str(ROOT / "tests" / "transports"))
+brokers = importlib.import_module("_brokers")
 
 
 async def delete_broker_state(broker: str, prefix: str) -> None:
     """Remove everything the broker block declared under ``prefix``."""
-    if broker == "redis":
-        from redis.asyncio import Redis
-
-        client = Redis.from_url("redis://127.0.0.1:6379/0")
-        try:
-            keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
-            if keys:
-                await client.delete(*keys)
-        finally:
-            await client.aclose()
-    elif broker == "nats":
-        import nats
-        from nats.js.errors import NotFoundError
-
-        from asyncbus.transports import NatsTransport
-
-        transport = NatsTransport(prefix=prefix)
-        client = await nats.connect("nats://127.0.0.1:4222")
-        try:
-            for stream in (transport.stream, transport.dead_letter_stream):
-                with contextlib.suppress(NotFoundError):
-                    await client.jetstream().delete_stream(stream)
-        finally:
-            await client.close()
-    else:
-        from asyncbus.transports import RabbitTransport
-
-        await RabbitTransport("amqp://guest:guest@127.0.0.1/", prefix=prefix).delete_everything()
+    await brokers.forget(broker, brokers.BROKERS[broker].url(), prefix)
 
 
 def check_scaling_out(
     code: str, tmp_path: Path, broker: str, require_service: Callable[[str, int], None]
 ) -> None:
-    require_service(*BROKERS[broker])
+    require_service(brokers.BROKERS[broker].title, brokers.BROKERS[broker].port)
     prefix = f"readme-{uuid.uuid4().hex[:8]}"
     assert code.count('prefix="shop"') == 3
     script = tmp_path / "shop.py"
@@ -283,7 +257,7 @@ def test_a_readme_block_runs_as_written(section: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("broker", list(BROKERS))
+@pytest.mark.parametrize("broker", brokers.names())
 def test_the_readme_broker_block_runs_on_each_broker(
     broker: str, tmp_path: Path, require_service: Callable[[str, int], None]
 ) -> None:

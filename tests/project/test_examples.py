@@ -23,7 +23,7 @@ from types import ModuleType
 import anyio
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 #: script -> lines (regular expressions) its output must contain, in order.

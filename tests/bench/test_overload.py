@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "overload.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overload.py"
 
 
 @pytest.fixture(scope="module")

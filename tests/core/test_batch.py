@@ -1050,7 +1050,7 @@ async def test_a_batch_handler_in_a_worker_process_gets_the_list_once() -> None:
     import sys
     from pathlib import Path
 
-    tests_dir = str(Path(__file__).resolve().parent)
+    tests_dir = str(Path(__file__).resolve().parents[1])
     if tests_dir not in sys.path:
         sys.path.append(tests_dir)  # the worker imports the handler by module name
     handlers = importlib.import_module("_process_handlers")

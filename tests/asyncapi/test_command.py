@@ -192,7 +192,7 @@ def test_a_module_that_does_not_exist_is_named(
 
 
 def test_the_documents_of_the_examples_come_from_the_command(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "work_queue.json"
     result = command("examples.work_queue:bus", "-o", str(out), cwd=root)
     assert (result.returncode, result.stderr) == (0, "")

@@ -276,7 +276,7 @@ def test_the_traced_rows_run_every_workload_and_report_their_cost(loop: str) -> 
 def test_hot_path_costs_replaces_each_piece_of_a_publish_and_reports_it() -> None:
     # benchmarks/hot_path_costs.py swaps module globals of the publishing layer: when a
     # refactoring moves them, this fails instead of the script.
-    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     done = subprocess.run(
         [sys.executable, "hot_path_costs.py", "--messages", "300", "--rounds", "3"],
         cwd=benchmarks,

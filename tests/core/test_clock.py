@@ -8,22 +8,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 import pytest
-import trio.testing
 
 from asyncbus import Bus, DeadLetterReason, Envelope, PublishTimeout, Retry
 from asyncbus.middleware import deduplicate
 from asyncbus.middleware.deduplicate import MemoryDedupStore
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, Any]]:
-    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+pytestmark = [pytest.mark.anyio, pytest.mark.backends("trio-mock-clock")]
 
 
 async def test_dead_letters_expire_after_their_ttl_on_the_loop_clock() -> None:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.anyio
 # A process worker imports the handler by module name. The tests run with
 # --import-mode=importlib, which puts no test directory on sys.path, so put this one
 # there: anyio hands the parent's sys.path to each worker process it starts.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
+_TESTS_DIR = str(Path(__file__).resolve().parents[1])
 if _TESTS_DIR not in sys.path:
     sys.path.append(_TESTS_DIR)
 process_handlers = importlib.import_module("_process_handlers")

@@ -10,17 +10,11 @@ from typing import Any
 
 import anyio
 import pytest
-import trio.testing
 
 from asyncbus import Batch, Bus, Retry
 from asyncbus.middleware import timeout
 
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, Any]]:
-    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+pytestmark = [pytest.mark.anyio, pytest.mark.backends("trio-mock-clock")]
 
 
 async def test_a_batch_short_of_max_size_waits_max_wait_then_runs() -> None:

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from typing import Any
 
 import anyio
 import pytest
-import trio.testing
 
 from asyncbus import Adaptive, Admission, Bus, DeadLetterReason, StageStatistics
 
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, Any]]:
-    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+pytestmark = pytest.mark.backends("trio-mock-clock")
 
 
 class Downstream:

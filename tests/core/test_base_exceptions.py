@@ -23,7 +23,7 @@ from asyncbus import Adaptive, Bus, DeadLetterReason, Envelope, Retry
 
 pytestmark = pytest.mark.anyio
 
-_TESTS_DIR = str(Path(__file__).resolve().parent)
+_TESTS_DIR = str(Path(__file__).resolve().parents[1])
 if _TESTS_DIR not in sys.path:
     sys.path.append(_TESTS_DIR)
 process_handlers = importlib.import_module("_process_handlers")
