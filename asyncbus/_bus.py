@@ -48,6 +48,7 @@ from ._exceptions import (
 from ._failures import describe_error, loop_closing, stray_cancellation
 from ._groups import GroupListing
 from ._handling import current_handling
+from ._life import Life, State
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
 from ._modes.stale_groups import check_stale_after
@@ -57,6 +58,7 @@ from ._offload import (
     release_switch_interval,
     thread_pool_reason,
 )
+from ._options import PLAIN, make_options, publish_options
 from ._publishing import Publisher
 from ._replies import Replies
 from ._routing import Router
@@ -76,7 +78,6 @@ _now = time.time
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
-_State = Literal["new", "starting", "running", "closing", "closed"]
 
 
 class _DrainWaiter:
@@ -164,11 +165,11 @@ class _Services:
         From another thread (dead letters purged there), it is started on the loop.
         """
         bus = self._bus
-        task_group = bus._task_group
+        task_group = bus._life.task_group
         if task_group is None:
             return
-        if threading.get_ident() != bus._loop_thread:
-            portal = bus._portal
+        if threading.get_ident() != bus._life.loop_thread:
+            portal = bus._life.portal
             with contextlib.suppress(RuntimeError):  # the portal stopped: the bus did
                 if portal is not None:
                     portal.start_task_soon(self.start_background, function, *args)
@@ -305,10 +306,9 @@ class Bus:
         #: The event loop's clock (see ``_clock.py``), read for every duration the bus
         #: decides on; the running loop's own from start on.
         self._clock: Clock = time.monotonic
-        self._state: _State = "new"
+        #: Where the bus is in its life, as the publisher reads it.
+        self._life = Life()
         self._background = 0
-        self._task_group: TaskGroup | None = None
-        self._portal: BlockingPortal | None = None
         #: This process's heartbeat and the view of the deployment's (``cluster_statistics``).
         self._cluster = ClusterWatch(
             name,
@@ -318,7 +318,6 @@ class Bus:
             self._mode.cleanup_scope,
         )
         self._pool: WorkerPool | None = None
-        self._loop_thread: int | None = None
         self._report: ShutdownReport | None = None
         self._holds_switch_interval = False
         #: Whether this run of the bus said which pool its sync handlers run on.
@@ -346,7 +345,13 @@ class Bus:
         #: The transport's name for what this bus sends (``"memory"`` in its stages).
         self._system = self._mode.system
         self._publisher = Publisher(
-            name, self, self._mode, self._services, self._router, self._observers
+            name,
+            self._life,
+            self._wake_drainers,
+            self._mode,
+            self._services,
+            self._router,
+            self._observers,
         )
         self._replies = Replies(
             name,
@@ -363,7 +368,7 @@ class Bus:
             self._services,
             self._router,
             self._replies,
-            lambda: self._state,
+            lambda: self._life.state,
             ttl,
             maxlen,
             self._clock,
@@ -377,29 +382,29 @@ class Bus:
 
     def _tasks(self) -> TaskGroup:
         """The one task group that owns every task of the running bus."""
-        if self._task_group is None:
-            if self._state == "new":
+        if self._life.task_group is None:
+            if self._life.state == "new":
                 raise not_started("start tasks")
             raise BusClosedError("the bus is not running: use `async with bus:`")
-        return self._task_group
+        return self._life.task_group
 
     @property
     def running(self) -> bool:
         """Whether the bus accepts publishes from outside its handlers."""
-        return self._state == "running"
+        return self._life.state == "running"
 
     async def __aenter__(self) -> Bus:
-        if self._state in ("starting", "running", "closing"):
+        if self._life.state in ("starting", "running", "closing"):
             raise RuntimeError("this Bus is already running")
-        previous = self._state
-        self._state = "starting"
+        previous = self._life.state
+        self._life.state = "starting"
         self._started = anyio.Event()
         try:
             return await self._start_bus(previous)
         finally:
             self._started.set()
 
-    async def _start_bus(self, previous: _State) -> Bus:
+    async def _start_bus(self, previous: State) -> Bus:
         pool = WorkerPool(self.workers)
         try:
             # Every middleware factory runs here, before anything starts: one that
@@ -410,11 +415,11 @@ class Bus:
                 for subscription in stage.subscriptions
             ]
         except BaseException:  # deliberate: whatever a factory raises, undo the state
-            self._state = previous
+            self._life.state = previous
             raise
         self._pool = pool
         self._told_pool = False
-        self._loop_thread = threading.get_ident()
+        self._life.loop_thread = threading.get_ident()
         self._services.yield_now = fast_checkpoint()
         self._services.publish_yield = self._mode.publish_yield(self._services.yield_now)
         self._clock = loop_clock()
@@ -444,7 +449,7 @@ class Bus:
             await host.__aexit__(None, None, None)
             raise
         self._host = host
-        self._state = "running"
+        self._life.state = "running"
         try:
             built = {id(subscription) for _, subscription, _ in chains}
             for stage, subscription, chain in chains:
@@ -531,8 +536,8 @@ class Bus:
                 await self._mode.open(stack, self.dead_letters)
                 portal = await stack.enter_async_context(BlockingPortal())
                 async with anyio.create_task_group() as task_group:
-                    self._task_group = task_group
-                    self._portal = portal
+                    self._life.task_group = task_group
+                    self._life.portal = portal
                     for stage in self._stages.values():
                         stage.open()
                     if self._cluster.store is not None:
@@ -564,7 +569,7 @@ class Bus:
                         self._deadline_scope = None
                         with anyio.CancelScope(shield=True):
                             self._replies.close()
-                            self._portal = None
+                            self._life.portal = None
                             await portal.stop(cancel_remaining=True)
                         task_group.cancel_scope.cancel()
             if not asked:
@@ -579,8 +584,8 @@ class Bus:
                     )
                 )
         finally:
-            self._task_group = None
-            self._portal = None
+            self._life.task_group = None
+            self._life.portal = None
             self._runner = None
             report = self._finish(self._drained, quiet=self._left_running)
             if self._left_running:
@@ -624,7 +629,7 @@ class Bus:
         if self._fatal is None:
             self._fatal = error
             logger.error("bus %r stops: %s", self.name, describe_error(error), exc_info=error)
-        if self._state in ("running", "closing", "starting"):
+        if self._life.state in ("running", "closing", "starting"):
             self._request_stop(-math.inf)
 
     async def _halt(self, error: BaseException) -> NoReturn:
@@ -656,7 +661,7 @@ class Bus:
         self._exiting = True
         try:
             if exc_type is not None:
-                if self._state in ("running", "closing"):
+                if self._life.state in ("running", "closing"):
                     self._request_stop(-math.inf)  # on an exception: cancel at once
                     assert self._stopped is not None
                     with anyio.CancelScope(shield=True):
@@ -692,10 +697,10 @@ class Bus:
             number ``>= 0``; the bus is left as it was.
         """
         seconds = check_wait(timeout, "aclose(timeout)")
-        if self._state == "starting":
+        if self._life.state == "starting":
             assert self._started is not None
             await self._started.wait()
-        if self._state == "closed" or self._state == "new":
+        if self._life.state == "closed" or self._life.state == "new":
             self._raise_fatal()
             if self._report is None:
                 self._report = self._make_report(drained=True, abandoned=[])
@@ -719,8 +724,8 @@ class Bus:
 
     def _request_stop(self, deadline: float) -> None:
         """Ask the runner to stop: drain until ``deadline`` (the soonest asked), then cancel."""
-        if self._state in ("running", "starting"):
-            self._state = "closing"
+        if self._life.state in ("running", "starting"):
+            self._life.state = "closing"
         deadline = self._mode.close_by(deadline)  # (a broker keeps a grace to close)
         if deadline < self._stop_deadline:
             self._stop_deadline = deadline
@@ -768,7 +773,7 @@ class Bus:
             abandoned += stage.close(log=not quiet)
         self._services.failure_log.flush()
         self._background = 0
-        self._state = "closed"
+        self._life.state = "closed"
         # A call after this may run under another backend: yield through anyio again,
         # so it meets BusClosedError, not the old backend's yield.
         self._services.yield_now = self._services.publish_yield = checkpoint
@@ -822,7 +827,7 @@ class Bus:
     async def _wait_idle(self, *, strict: bool) -> None:
         while True:
             while not self._idle(strict):
-                if self._state == "closed":
+                if self._life.state == "closed":
                     return
                 waiter = _DrainWaiter(strict)
                 self._services.idle_waiters.append(waiter)
@@ -973,10 +978,10 @@ class Bus:
         return self._subscribe(subscription)
 
     def _subscribe(self, subscription: Subscription) -> Subscription:
-        if self._task_group is not None and threading.get_ident() != self._loop_thread:
+        if self._life.task_group is not None and threading.get_ident() != self._life.loop_thread:
             # From another thread (a sync handler's worker, say) while the bus runs: the
             # stage and its consumers are made on the event loop, or not at all.
-            portal = self._portal
+            portal = self._life.portal
             ran = False
 
             def on_loop() -> Subscription:
@@ -1000,7 +1005,7 @@ class Bus:
         if stage is not None:
             _check_joins(stage, subscription)
         chain = None
-        if self._task_group is not None:
+        if self._life.task_group is not None:
             assert self._pool is not None
             # Built before anything is registered: a middleware factory that raises
             # leaves the bus exactly as it was.
@@ -1015,7 +1020,7 @@ class Bus:
                 admission=subscription.admission,
                 controlled=isinstance(subscription.concurrency, Adaptive),
             )
-            if self._task_group is not None:
+            if self._life.task_group is not None:
                 stage.open()
             self._stages[key] = stage
             self._stages_by_name[stage.name] = stage
@@ -1088,9 +1093,19 @@ class Bus:
         """
         await self._services.publish_yield()
         try:
-            sent = self._publisher.publish(
-                topic, payload, headers, ttl, slip, key, id, timeout, priority
-            )
+            if (  # publish_options, inlined: the common publish has no options
+                not headers
+                and ttl is None
+                and not slip
+                and key is None
+                and id is None
+                and timeout is None
+                and priority is None
+            ):
+                options = PLAIN
+            else:
+                options = make_options((headers, ttl, slip, key, id, timeout, priority))
+            sent = self._publisher.publish(topic, payload, options)
             if isinstance(sent, Receipt):  # admitted inline: no coroutine of the publisher's
                 return sent
             return await sent
@@ -1137,7 +1152,7 @@ class Bus:
         await self._services.publish_yield()
         try:
             sent = self._publisher.publish_many(
-                topic, payloads, headers, ttl, slip, key, timeout, priority
+                topic, payloads, publish_options(headers, ttl, slip, key, None, timeout, priority)
             )
             if isinstance(sent, list):  # admitted inline
                 return sent
@@ -1173,7 +1188,7 @@ class Bus:
             is admitted.
         """
         return self._publisher.publish_nowait(
-            topic, payload, headers, ttl, slip, key, id, timeout, priority
+            topic, payload, publish_options(headers, ttl, slip, key, id, timeout, priority)
         )
 
     def publish_threadsafe(
@@ -1198,7 +1213,7 @@ class Bus:
         full ``BLOCK`` stage included (without waiting for their futures).
         """
         return self._publisher.publish_threadsafe(
-            topic, payload, headers, ttl, slip, key, id, timeout, priority
+            topic, payload, publish_options(headers, ttl, slip, key, id, timeout, priority)
         )
 
     # -- requests ---------------------------------------------------------------
@@ -1250,8 +1265,8 @@ class Bus:
         From another thread it waits for the loop to run it; on the loop's thread, or
         when the bus is not running, it runs here.
         """
-        portal = self._portal
-        if portal is None or threading.get_ident() == self._loop_thread:
+        portal = self._life.portal
+        if portal is None or threading.get_ident() == self._life.loop_thread:
             return read()
         try:
             return portal.call(read)
@@ -1298,7 +1313,7 @@ class Bus:
         :raises TransportError: awaited, when the transport cannot list groups or the
             broker fails; plainly, when the transport cannot list groups.
         """
-        running = self._state in ("running", "closing")
+        running = self._life.state in ("running", "closing")
         mode = self._mode
         return GroupListing(mode.groups_now(running), functools.partial(mode.groups, running))
 
@@ -1318,11 +1333,11 @@ class Bus:
         :raises TransportError: when the transport cannot delete groups, or the broker fails.
         """
         return await self._mode.delete_group(
-            pattern, group, force, self._state in ("running", "closing")
+            pattern, group, force, self._life.state in ("running", "closing")
         )
 
     def __repr__(self) -> str:
-        return f"<Bus {self.name!r} {self._state}, {len(self._stages)} stages>"
+        return f"<Bus {self.name!r} {self._life.state}, {len(self._stages)} stages>"
 
 
 def _check_joins(

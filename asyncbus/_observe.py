@@ -65,7 +65,7 @@ def task_group(bus: Bus) -> TaskGroup:
 
 def bus_state(bus: Bus) -> str:
     """``new``, ``running``, ``closing`` (aclose began: draining) or ``closed``."""
-    return bus._state
+    return bus._life.state
 
 
 def stages_subscribed(bus: Bus) -> bool:

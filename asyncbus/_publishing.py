@@ -37,6 +37,7 @@ from ._exceptions import BusClosedError, ConfigurationError, not_started
 from ._handling import current_handling, handled_envelope
 from ._modes import Mode, ModeHost
 from ._offload import offloaded_envelope
+from ._options import PLAIN, PublishOptions
 from ._replies import Replies
 from ._routing import Router, validate_topic
 from ._stage import Stage
@@ -44,27 +45,11 @@ from ._stage import Stage
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from anyio.abc import TaskGroup
-    from anyio.from_thread import BlockingPortal
+    from ._life import Life
 
-__all__ = ["PublishHost", "PublishServices", "Publisher", "ThreadsafePublish"]
+__all__ = ["PublishServices", "Publisher", "ThreadsafePublish"]
 
 _now = time.time
-
-
-class PublishHost(Protocol):
-    """The life cycle a :class:`Publisher` reads (implemented by the bus)."""
-
-    @property
-    def _state(self) -> str: ...
-    @property
-    def _loop_thread(self) -> int | None: ...
-    @property
-    def _task_group(self) -> TaskGroup | None: ...
-    @property
-    def _portal(self) -> BlockingPortal | None: ...
-
-    def _wake_drainers(self) -> None: ...
 
 
 class PublishServices(ModeHost, Protocol):
@@ -109,9 +94,11 @@ class ThreadsafePublish:
                 future.set_exception(error)
             else:
                 future.set_result(receipt)  # type: ignore[arg-type]
-        host = publisher._host
-        if publisher._services.idle_waiters and threading.get_ident() == host._loop_thread:
-            host._wake_drainers()
+        if (
+            publisher._services.idle_waiters
+            and threading.get_ident() == publisher._life.loop_thread
+        ):
+            publisher._wake_drainers()
 
     def cut_off(self, _: concurrent.futures.Future[None]) -> None:
         """The portal's task ended; if it never ran, the bus stopped first."""
@@ -122,7 +109,7 @@ class Publisher:
     """Builds, routes and receipts what one bus publishes (one per bus)."""
 
     __slots__ = (
-        "_host",
+        "_life",
         "_mode",
         "_observers",
         "_router",
@@ -130,6 +117,7 @@ class Publisher:
         "_services",
         "_system",
         "_threadsafe_lock",
+        "_wake_drainers",
         "name",
         "replies",
         "threadsafe_pending",
@@ -138,14 +126,17 @@ class Publisher:
     def __init__(
         self,
         name: str,
-        host: PublishHost,
+        life: Life,
+        wake_drainers: Callable[[], None],
         mode: Mode,
         services: PublishServices,
         router: Router[Stage],
         observers: list[Callable[[Envelope], None]],
     ) -> None:
         self.name = name
-        self._host = host
+        self._life = life
+        #: Releases the ``drain()`` calls whose wait is over (the bus's).
+        self._wake_drainers = wake_drainers
         self._mode = mode
         self._services = services
         self._router = router
@@ -161,7 +152,7 @@ class Publisher:
 
     def check_open(self) -> None:
         """Raise :class:`BusClosedError` unless the bus accepts a publish now."""
-        state = self._host._state
+        state = self._life.state
         if state == "running" or (state == "closing" and current_handling() is not None):
             return
         raise _refusal(state)
@@ -170,21 +161,18 @@ class Publisher:
         self,
         topic: str,
         payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Iterable[str] | str,
-        key: str | None,
-        id: str | None,
+        options: PublishOptions,
         reply_to: str | None = None,
-        priority: Priority | int | None = None,
         cause: Envelope | None = None,
     ) -> Envelope:
-        """A new envelope to send; one sent while ``cause`` is handled continues its
-        conversation (same ``correlation_id``, ``causation_id`` = its id)."""
+        """A new envelope to send, with ``options`` checked; one sent while ``cause`` is
+        handled continues its conversation (same ``correlation_id``, ``causation_id`` =
+        its id)."""
         if type(topic) is not str:
             validate_topic(topic)  # a ConfigurationError, before it is used as a key
         where = f"publish({topic!r})"
-        frozen_headers, route, ttl = _options(topic, headers, ttl, slip, key, priority, where)
+        frozen_headers, route, ttl = _options(topic, options, where)
+        id = options.id
         for hop in route:  # a hop the broker cannot carry is refused now, not when forwarded
             self._mode.check_topic(hop)
         if id is not None and (not isinstance(id, str) or not id):
@@ -224,41 +212,23 @@ class Publisher:
         return self._mode.send(envelope, timeout, progress)
 
     def publish(
-        self,
-        topic: str,
-        payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Sequence[str],
-        key: str | None,
-        id: str | None,
-        timeout: float | None,
-        priority: Priority | int | None,
+        self, topic: str, payload: Any, options: PublishOptions
     ) -> Receipt | Awaitable[Receipt]:
         """``Bus.publish`` after its yield: build the envelope and admit it.
 
         :returns: the receipt when every stage took it inline, else what to await for it
             (no coroutine of its own: the common publish costs the bus one frame).
         """
-        if self._host._state != "running":  # checked after the yield: aclose may have begun
+        if self._life.state != "running":  # checked after the yield: aclose may have begun
             self.check_open()
         if type(topic) is not str:
             validate_topic(topic)  # a ConfigurationError, before it is used as a key
+        timeout = options.timeout
         if timeout is not None:
             timeout = check_wait(timeout, f"publish({topic!r}): timeout")
         cause = handled_envelope()  # published by a handler: continue its conversation
-        if (
-            headers
-            or ttl is not None
-            or slip
-            or key is not None
-            or id is not None
-            or priority is not None
-            or cause is not None
-        ):
-            envelope = self.envelope(
-                topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
-            )
+        if options is not PLAIN or cause is not None:
+            envelope = self.envelope(topic, payload, options, cause=cause)
         else:
             envelope_id = new_id()
             envelope = make_envelope(
@@ -280,6 +250,7 @@ class Publisher:
         if not self._observers and self._mode.admits_inline:
             # The common case, without the general path's calls: every stage has room.
             stages = self._routes.get(topic) or self._router.route(topic)
+            # (Stage.has_room and admit_if_room, inlined: this runs once per publish.)
             if len(stages) == 1:
                 stage = stages[0]
                 if stage.queued < stage.capacity and not stage.room_waiters:
@@ -305,34 +276,27 @@ class Publisher:
         )
 
     def publish_many(
-        self,
-        topic: str,
-        payloads: Iterable[Any],
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Sequence[str],
-        key: str | None,
-        timeout: float | None,
-        priority: Priority | int | None,
+        self, topic: str, payloads: Iterable[Any], options: PublishOptions
     ) -> list[Receipt] | Awaitable[list[Receipt]]:
         """``Bus.publish_many`` after its yield: one envelope per payload, admitted in order.
 
         :returns: the receipts when every stage took every envelope inline, else what
             to await for them.
         """
-        host = self._host
-        if host._state != "running":  # checked after the yield: aclose may have begun
+        life = self._life
+        if life.state != "running":  # checked after the yield: aclose may have begun
             self.check_open()
-        if threading.get_ident() != host._loop_thread:
+        if threading.get_ident() != life.loop_thread:
             raise RuntimeError(
                 f"publish_many({topic!r}) was called from a thread other than the event "
                 "loop's: use bus.publish_threadsafe(...) from other threads"
             )
         validate_topic(topic)
         where = f"publish_many({topic!r})"
+        timeout = options.timeout
         if timeout is not None:
             timeout = check_wait(timeout, f"{where}: timeout")
-        frozen_headers, route, ttl = _options(topic, headers, ttl, slip, key, priority, where)
+        frozen_headers, route, ttl = _options(topic, options, where)
         for hop in route:  # a hop the broker cannot carry is refused now, not when forwarded
             self._mode.check_topic(hop)
         if isinstance(payloads, _ONE_PAYLOAD) or not isinstance(payloads, Iterable):
@@ -358,7 +322,7 @@ class Publisher:
             # The common case: every stage has room for all of them, nobody waits.
             stages = self._routes.get(topic) or self._router.route(topic)
             count = len(envelopes)
-            if stages and all(
+            if stages and all(  # Stage.has_room(count), inlined: once per call
                 stage.capacity - stage.queued >= count and not stage.room_waiters
                 for stage in stages
             ):
@@ -368,33 +332,20 @@ class Publisher:
                 return make_receipts(envelopes, names)
         return self._mode.send_many(envelopes, timeout)
 
-    def publish_nowait(
-        self,
-        topic: str,
-        payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Sequence[str],
-        key: str | None,
-        id: str | None,
-        timeout: float | None,
-        priority: Priority | int | None,
-    ) -> Receipt:
+    def publish_nowait(self, topic: str, payload: Any, options: PublishOptions) -> Receipt:
         """``Bus.publish_nowait``: admit everywhere now, or nowhere."""
         self.check_open()
-        if threading.get_ident() != self._host._loop_thread:
+        if threading.get_ident() != self._life.loop_thread:
             # The stages' queues and wake-ups belong to the loop: touched from another
             # thread, a consumer may never wake (trio) or the loop never notice.
             raise RuntimeError(
                 f"publish_nowait({topic!r}) was called from a thread other than the event "
                 "loop's: use bus.publish_threadsafe(...) from other threads"
             )
-        if timeout is not None:
-            check_wait(timeout, f"publish_nowait({topic!r}): timeout")
+        if options.timeout is not None:
+            check_wait(options.timeout, f"publish_nowait({topic!r}): timeout")
         self._mode.check_nowait()
-        envelope = self.envelope(
-            topic, payload, headers, ttl, slip, key, id, priority=priority, cause=handled_envelope()
-        )
+        envelope = self.envelope(topic, payload, options, cause=handled_envelope())
         instrumentation = self._services.instrumentation
         if instrumentation is not None:
             return _instrument.send_now(
@@ -403,52 +354,30 @@ class Publisher:
         return self._mode.send_now(envelope)
 
     def publish_threadsafe(
-        self,
-        topic: str,
-        payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Sequence[str],
-        key: str | None,
-        id: str | None,
-        timeout: float | None,
-        priority: Priority | int | None,
+        self, topic: str, payload: Any, options: PublishOptions
     ) -> concurrent.futures.Future[Receipt]:
         """``Bus.publish_threadsafe``: run the publish on the loop, its outcome in a future."""
-        host = self._host
+        life = self._life
         handling = current_handling()
         inside = handling is not None
         # What the call is made in, captured here (the publish itself runs on the loop):
         # the envelope it handles, if made by a handler (in a worker thread, the one
         # its offloaded handler was given), and the context observers read.
-        cause = offloaded_envelope() if threading.get_ident() != host._loop_thread else None
+        cause = offloaded_envelope() if threading.get_ident() != life.loop_thread else None
         if cause is None and handling is not None:
             cause = handling.envelope
         context = contextvars.copy_context() if self._services.instrumentation is not None else None
         future: concurrent.futures.Future[Receipt] = concurrent.futures.Future()
         job = ThreadsafePublish(self, future)
-        arguments = (
-            inside,
-            cause,
-            context,
-            topic,
-            payload,
-            headers,
-            ttl,
-            slip,
-            key,
-            id,
-            timeout,
-            priority,
-        )
+        arguments = (inside, cause, context, topic, payload, options)
         try:
-            task_group = host._task_group
-            if threading.get_ident() == host._loop_thread and task_group is not None:
+            task_group = life.task_group
+            if threading.get_ident() == life.loop_thread and task_group is not None:
                 task_group.start_soon(self._publish_into, job, *arguments)
                 return future
-            portal = host._portal
+            portal = life.portal
             if portal is None:
-                raise _refusal(host._state)
+                raise _refusal(life.state)
             portal.start_task_soon(self._publish_into, job, *arguments).add_done_callback(
                 job.cut_off
             )
@@ -485,22 +414,15 @@ class Publisher:
         context: contextvars.Context | None,
         topic: str,
         payload: Any,
-        headers: Mapping[str, str] | None,
-        ttl: float | None,
-        slip: Sequence[str],
-        key: str | None,
-        id: str | None,
-        timeout: float | None,
-        priority: Priority | int | None,
+        options: PublishOptions,
     ) -> Receipt:
-        state = self._host._state
+        state = self._life.state
         if not (state == "running" or (state == "closing" and inside)):
             raise _refusal(state)
+        timeout = options.timeout
         if timeout is not None:
             timeout = check_wait(timeout, f"publish_threadsafe({topic!r}): timeout")
-        envelope = self.envelope(
-            topic, payload, headers, ttl, slip, key, id, priority=priority, cause=cause
-        )
+        envelope = self.envelope(topic, payload, options, cause=cause)
         route = functools.partial(self.route, progress=job)
         instrumentation = self._services.instrumentation
         if context is None or instrumentation is None:
@@ -533,30 +455,18 @@ class Publisher:
         seconds = check_wait(timeout, f"request({topic!r}): timeout")
         envelope_id = new_id()
         reply_to = await replies.address(envelope_id)
+        options = PublishOptions(headers=headers, ttl=ttl, slip=slip, id=envelope_id)
         envelope = self.envelope(
-            topic,
-            payload,
-            headers,
-            ttl,
-            slip,
-            None,
-            envelope_id,
-            reply_to=reply_to,
-            cause=handled_envelope(),
+            topic, payload, options, reply_to=reply_to, cause=handled_envelope()
         )
         return await replies.wait_for(envelope, seconds)
 
 
 def _options(
-    topic: str,
-    headers: Mapping[str, str] | None,
-    ttl: float | None,
-    slip: Iterable[str] | str,
-    key: str | None,
-    priority: Priority | int | None,
-    where: str,
+    topic: str, options: PublishOptions, where: str
 ) -> tuple[Mapping[str, str], tuple[str, ...], float | None]:
     """The checked headers (key and priority included), slip and ttl of a publish."""
+    headers, key, priority = options.headers, options.key, options.priority
     if headers or key is not None or priority is not None:
         fields = dict(check_headers(headers or {}, where))
         if key is not None:
@@ -566,9 +476,10 @@ def _options(
         frozen_headers: Mapping[str, str] = MappingProxyType(fields)
     else:
         frozen_headers = EMPTY_HEADERS
-    route = check_slip(slip, where)
+    route = check_slip(options.slip, where)
     for hop in route:
         validate_topic(hop)
+    ttl = options.ttl
     if ttl is not None:
         ttl = check_seconds(ttl, f"{where}: ttl")
     return frozen_headers, route, ttl

@@ -315,13 +315,27 @@ class Stage:
 
     # -- the door ---------------------------------------------------------------
 
-    def has_room(self) -> bool:
-        """Whether a publish can be admitted now without waiting or dropping."""
-        return self.queued < self.capacity and not self.room_waiters
+    # The room test lives here only: a new arrival may take a place when one is free
+    # and nobody stands in line for room (room freed is handed to the line first).
+
+    def has_room(self, count: int = 1) -> bool:
+        """Whether ``count`` new envelopes can be admitted now without waiting or dropping."""
+        return not self.room_waiters and self.capacity - self.queued >= count
+
+    def free_room(self) -> int:
+        """How many new envelopes can be admitted now without waiting (0 while some wait)."""
+        return 0 if self.room_waiters else self.capacity - self.queued
+
+    def admit_if_room(self, envelope: Envelope) -> bool:
+        """Admit ``envelope`` when :meth:`has_room`; whether it was (the door's quick path)."""
+        if self.queued < self.capacity and not self.room_waiters:
+            self.admit(envelope)
+            return True
+        return False
 
     def offer(self, envelope: Envelope) -> DoorOutcome:
         """Admit ``envelope`` now if the policy allows it, without waiting."""
-        if self.queued < self.capacity and not self.room_waiters:
+        if self.queued < self.capacity and not self.room_waiters:  # has_room, inlined
             self.admit(envelope)
             return DoorOutcome.ACCEPTED
         policy = self.backpressure
@@ -356,8 +370,7 @@ class Stage:
         """
         if self.closed:
             raise BusClosedError(f"stage {self.name!r} stopped before it had room")
-        if self.queued < self.capacity and not self.room_waiters:
-            self.admit(envelope)
+        if self.admit_if_room(envelope):
             return
         # Counted while it waits: drain() does not call the bus idle meanwhile.
         self.entering += 1
@@ -593,7 +606,7 @@ class Stage:
         again = envelope.evolve(attempt=envelope.attempt + step)
         if self.closed:
             return
-        if self.queued < self.capacity and not self.room_waiters:
+        if self.has_room():
             self._reenter(envelope, again)
             return
         try:

@@ -215,9 +215,7 @@ class LocalMode:
         topic = envelopes[0].topic
         stages = self.router.route(topic)
         count = len(envelopes)
-        if stages and all(
-            stage.capacity - stage.queued >= count and not stage.room_waiters for stage in stages
-        ):
+        if stages and all(stage.has_room(count) for stage in stages):
             if self.observers:
                 for envelope in envelopes:
                     self.observe(envelope)
@@ -232,13 +230,7 @@ class LocalMode:
             while index < count:
                 stages = self.router.route(topic)
                 # As many of the rest as every stage has room for (nobody waiting): at once.
-                room = min(
-                    (
-                        0 if stage.room_waiters else stage.capacity - stage.queued
-                        for stage in stages
-                    ),
-                    default=0,
-                )
+                room = min((stage.free_room() for stage in stages), default=0)
                 full = [
                     stage
                     for stage in stages

@@ -275,7 +275,7 @@ async def test_a_publish_refused_while_the_bus_closes_yields(
             await anyio.lowlevel.checkpoint()
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(bus.aclose)  # drains: waits for the handler
-            while bus._state != "closing":
+            while bus._life.state != "closing":
                 await anyio.lowlevel.checkpoint()
             runs = await publish_runs(refused, 10)
             release.set()
