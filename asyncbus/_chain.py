@@ -187,8 +187,8 @@ def build_chain(
         defaults.append(timeout_middleware(subscription.timeout))
     layers = [layer for layer in defaults if getattr(layer, "asyncbus_builtin", None) not in listed]
     layers += user
-    if layers and layers[0] is defaults[0]:
-        # Outermost, the default dead-letter layer would catch exactly what the
+    if layers and getattr(layers[0], "asyncbus_as_the_consumer", False):
+        # Outermost, the built-in dead-letter layer would catch exactly what the
         # consumer catches and give the same verdict for it (``escaped_verdict``):
         # skip the extra frame. (A user's own dead-letter layer stays.)
         layers = layers[1:]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from . import _instrument
 from ._carry import with_headers
 from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
+from ._door import DoorOutcome
 from ._envelope import HEADER_REPLAYED, Envelope, Receipt, make_receipt
 from ._exceptions import BusClosedError, not_started
 from ._failures import short_traceback
@@ -23,7 +24,7 @@ from ._handling import current_handling
 from ._modes import Mode, ModeHost
 from ._replies import Replies
 from ._routing import Router
-from ._stage import DoorOutcome, Stage
+from ._stage import Stage
 
 __all__ = ["DeadLettering"]
 

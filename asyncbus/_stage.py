@@ -14,7 +14,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from enum import Enum
 from itertools import repeat, starmap
 from typing import Any, Protocol
 
@@ -24,9 +23,11 @@ from ._admission import Admission
 from ._backpressure import Backpressure
 from ._control import StageControl
 from ._dead_letters import DeadLetter, DeadLetterReason
+from ._door import DoorOutcome, RoomWaiter
 from ._envelope import Envelope
 from ._exceptions import BusClosedError
 from ._handling import Handling
+from ._ledger import Ledger
 from ._logging import FailureLog
 from ._stats import LatencyHistogram, StageStatistics
 from ._subscription import Subscription
@@ -34,9 +35,6 @@ from .transports.base import Delivery
 
 __all__ = [
     "Backpressure",
-    "DoorOutcome",
-    "Ledger",
-    "RoomWaiter",
     "Stage",
     "StageHost",
     "tries_before",
@@ -71,100 +69,6 @@ class StageHost(Protocol):
         self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
     ) -> None:
         """Run ``function(*args)`` in the bus's task group."""
-
-
-class DoorOutcome(Enum):
-    """What happened at a stage's door."""
-
-    ACCEPTED = "accepted"
-    REJECTED = "rejected"
-    DROPPED = "dropped"
-    BLOCKED = "blocked"
-
-
-class RoomWaiter:
-    """One place in a stage's line for room: a publish, a retry, a batch or the pump.
-
-    The line is first come, first served: room that appears is handed to the first
-    in line, and nobody behind it (nor a new publish) may take it. A waiter with
-    ``enter`` is admitted by the hand-over itself, in its turn, before its task runs
-    again, so publishes keep their order in the queue; one without ``enter`` holds
-    the room (``need`` places) until it takes it (:meth:`Stage.take_room`).
-
-    :ivar need: places it waits for (several for a batch).
-    :ivar bound: the most the queue may hold for it, ``None`` for the capacity.
-    :ivar handed: whether it was handed its room (and, with ``enter``, admitted).
-    """
-
-    __slots__ = ("bound", "enter", "event", "handed", "need")
-
-    def __init__(
-        self,
-        need: int = 1,
-        enter: Callable[[], None] | None = None,
-        bound: Callable[[], int] | None = None,
-    ) -> None:
-        self.need = need
-        self.enter = enter
-        self.bound = bound
-        self.handed = False
-        self.event = anyio.Event()
-
-
-class Ledger:
-    """Where every envelope admitted to a stage ended, counted in one place.
-
-    ``published == acked + dead_lettered + abandoned + depth + in_flight`` at every
-    moment (depth and in flight are the stage's); ``dropped``, ``expired`` and
-    ``shed`` are parts of ``dead_lettered``; ``rejected`` (at the door) is never in
-    ``published``; ``failed`` and ``retried`` count attempts, not envelopes;
-    ``deferred`` counts the times an envelope was put back by a :class:`Defer`.
-    """
-
-    __slots__ = (
-        "abandoned",
-        "acked",
-        "dead_lettered",
-        "deferred",
-        "dropped",
-        "expired",
-        "failed",
-        "published",
-        "rejected",
-        "retried",
-        "shed",
-    )
-
-    def __init__(self) -> None:
-        self.published = self.acked = self.failed = self.retried = 0
-        self.dead_lettered = self.rejected = self.dropped = self.expired = 0
-        self.abandoned = self.shed = self.deferred = 0
-
-    def dead(self, reason: DeadLetterReason) -> None:
-        """Count one envelope dead-lettered for ``reason``."""
-        self.dead_lettered += 1
-        if reason is DeadLetterReason.DROPPED:
-            self.dropped += 1
-        elif reason is DeadLetterReason.EXPIRED:
-            self.expired += 1
-        elif reason is DeadLetterReason.OVERLOAD:
-            self.shed += 1
-
-    def dead_unsettled(self, reason: DeadLetterReason) -> None:
-        """A dead letter the broker did not take: it comes back, so it ends abandoned."""
-        self.dead_lettered -= 1
-        if reason is DeadLetterReason.DROPPED:
-            self.dropped -= 1
-        elif reason is DeadLetterReason.EXPIRED:
-            self.expired -= 1
-        elif reason is DeadLetterReason.OVERLOAD:
-            self.shed -= 1
-        self.abandoned += 1
-
-    def ack_lost(self) -> None:
-        """An ack the broker never got: the envelope comes back, so it ends abandoned."""
-        self.acked -= 1
-        self.abandoned += 1
 
 
 class Stage:

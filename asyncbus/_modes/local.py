@@ -13,11 +13,12 @@ import anyio.lowlevel
 from .._cluster import Heartbeats
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore
+from .._door import DoorOutcome, RoomWaiter
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
 from .._groups import GroupInfo, local_groups, subscribed_here
 from .._routing import Router
-from .._stage import Backpressure, DoorOutcome, RoomWaiter, Stage
+from .._stage import Backpressure, Stage
 from .mode import ModeHost, Progress
 
 __all__ = ["LocalMode"]

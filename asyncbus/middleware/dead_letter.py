@@ -35,4 +35,7 @@ def dead_letter() -> Middleware:
 
         return handle
 
+    # Outermost, it decides exactly as the consumer does with what escapes a chain: the
+    # chain leaves it out there (a user's own dead-letter layer is never left out).
+    wrap.asyncbus_as_the_consumer = True  # type: ignore[attr-defined]
     return mark_builtin(wrap, "dead_letter")
