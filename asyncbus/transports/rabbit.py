@@ -161,6 +161,7 @@ from ._kit.options import (
 )
 from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, HEADER_DELIVERIES, checked_max_deliveries
 from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
+from ._rabbit_channel import ConsumerChannel, retrieve, spurious_cancel
 from ._rabbit_consumer import (
     BACKOFF_MIN,
     LOST,
@@ -168,11 +169,8 @@ from ._rabbit_consumer import (
     PREFETCH_MAX,
     QUEUED_HEADER,
     RELEASE_TIMEOUT,
-    ConsumerChannel,
     RabbitDelivery,
     Subscription,
-    retrieve,
-    spurious_cancel,
 )
 from ._rabbit_dead_letters import STALE, DeadLetterNews, DeadLetterScan
 from ._rabbit_groups import GroupRegister
