@@ -38,16 +38,9 @@ also describes the bus: its AsyncAPI document at ``/asyncapi.json``, shown as a 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
-import hashlib
-import hmac
-import html
-import importlib.resources
-import json
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -61,7 +54,6 @@ try:
     from starlette.requests import HTTPConnection, Request
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
-    from starlette.types import ASGIApp, Receive, Scope, Send
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "asyncbus.integrations.starlette needs the 'starlette' extra: "
@@ -77,6 +69,16 @@ from .._groups import GroupInfo, group_document
 from .._observe import bus_state, stages_subscribed
 from ..asyncapi import document
 from ..transports.base import BacklogReader
+from ._admin_pages import ASYNCAPI_PAGE, AUTHORISED, DASHBOARD, BearerAuth
+from ._admin_requests import (
+    Problem,
+    ids_of,
+    json_object,
+    on_http_exception,
+    on_problem,
+    on_server_error,
+    query_int,
+)
 from ._json import json_safe
 
 __all__ = ["admin_app", "get_bus", "lifespan"]
@@ -85,22 +87,14 @@ logger = logging.getLogger("asyncbus.integrations.starlette")
 
 _STATE_ATTRIBUTE = "asyncbus"
 _REASONS = tuple(reason.value for reason in DeadLetterReason)
-_MAX_BODY = 1 << 20
-_MAX_IDS = 10_000
 _DEFAULT_LIMIT = 100
 _MAX_LIMIT = 1000
 #: Seconds the transport has to answer a liveness probe.
 _HEALTH_DEADLINE = 1.0
-#: Routes served without the token: probes reveal nothing but status and a fixed reason.
-_PROBES = frozenset({"/healthz", "/readyz"})
 #: The reasons /healthz gives for a broker that does not answer (the detail is logged,
 #: and shown to a caller that presents the token).
 _BROKER_SILENT = "broker did not answer"
 _BROKER_FAILED = "broker failed"
-#: Key in the request's state: the probe's caller presented the token.
-_AUTHORISED = "asyncbus_authorised"
-#: Pages a browser opens: they also take the token as ``?token=`` (and send it on).
-_PAGES = frozenset({"", "/", "/asyncapi"})
 #: What ``admin_app(asyncapi={...})`` may pass on to :func:`asyncbus.asyncapi.document`.
 _DOCUMENT_OPTIONS = frozenset({"title", "version", "description", "publications"})
 
@@ -195,86 +189,7 @@ def _dead_letter_json(entry: DeadLetter) -> dict[str, Any]:
     }
 
 
-# -- errors -----------------------------------------------------------------------
-
-
-class _Problem(Exception):
-    """A client error, answered as ``{"error": message, **extra}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.extra = extra
-
-
-def _error(status: int, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": message, **extra}, status_code=status)
-
-
-async def _on_problem(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, _Problem)
-    return _error(exc.status, exc.message, **exc.extra)
-
-
-async def _on_http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
-
-
-async def _on_server_error(request: Request, exc: Exception) -> Response:
-    return _error(500, f"internal error: {type(exc).__name__}")
-
-
 # -- the admin API ----------------------------------------------------------------
-
-
-def _query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
-    if not low <= value <= high:
-        raise _Problem(400, f"query parameter {name!r} must be an integer in [{low}, {high}]")
-    return value
-
-
-async def _json_object(request: Request, fields: frozenset[str]) -> dict[str, Any]:
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
-        raise _Problem(415, "the request body must be JSON (Content-Type: application/json)")
-    body = bytearray()
-    async with contextlib.aclosing(request.stream()) as chunks:
-        async for chunk in chunks:
-            body += chunk
-            if len(body) > _MAX_BODY:
-                raise _Problem(413, f"the request body is over {_MAX_BODY} bytes")
-    try:
-        value = json.loads(body)
-    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
-        raise _Problem(400, f"malformed JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise _Problem(422, f"the body must be a JSON object, got {type(value).__name__}")
-    unexpected = sorted(set(value) - fields)
-    if unexpected:
-        raise _Problem(
-            422,
-            f"unexpected field(s) {', '.join(map(repr, unexpected))}; "
-            f"expected {' or '.join(map(repr, sorted(fields)))}",
-        )
-    return value
-
-
-def _ids(body: Mapping[str, Any]) -> list[str]:
-    ids = body.get("ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
-        raise _Problem(422, '"ids" must be a non-empty list of envelope id strings')
-    if len(ids) > _MAX_IDS:
-        raise _Problem(422, f'"ids" holds {len(ids)} ids; at most {_MAX_IDS} per request')
-    return list(dict.fromkeys(ids))
 
 
 class _AdminApi:
@@ -307,10 +222,10 @@ class _AdminApi:
             raise _unknown_ids(unknown)
 
     async def page(self, request: Request) -> Response:
-        return HTMLResponse(_DASHBOARD[0], headers=_DASHBOARD[1])
+        return HTMLResponse(DASHBOARD[0], headers=DASHBOARD[1])
 
     async def asyncapi_page(self, request: Request) -> Response:
-        return HTMLResponse(_ASYNCAPI_PAGE[0], headers=_ASYNCAPI_PAGE[1])
+        return HTMLResponse(ASYNCAPI_PAGE[0], headers=ASYNCAPI_PAGE[1])
 
     async def asyncapi_document(self, request: Request) -> Response:
         spec = document(self.bus, **self.asyncapi)
@@ -322,12 +237,12 @@ class _AdminApi:
     async def dead_letters(self, request: Request) -> Response:
         reason = request.query_params.get("reason") or None
         if reason is not None and reason not in _REASONS:
-            raise _Problem(400, f"unknown reason {reason!r}; expected one of {', '.join(_REASONS)}")
+            raise Problem(400, f"unknown reason {reason!r}; expected one of {', '.join(_REASONS)}")
         order = request.query_params.get("order", "oldest")
         if order not in ("oldest", "newest"):
-            raise _Problem(400, "query parameter 'order' must be 'oldest' or 'newest'")
-        limit = _query_int(request, "limit", _DEFAULT_LIMIT, 1, _MAX_LIMIT)
-        offset = _query_int(request, "offset", 0, 0, 2**62)
+            raise Problem(400, "query parameter 'order' must be 'oldest' or 'newest'")
+        limit = query_int(request, "limit", _DEFAULT_LIMIT, 1, _MAX_LIMIT)
+        offset = query_int(request, "offset", 0, 0, 2**62)
         queue = self.bus.dead_letters
         everything = queue.list()
         matching = queue.list(reason=reason, topic=request.query_params.get("topic") or None)
@@ -353,13 +268,13 @@ class _AdminApi:
         await self._unknown([id])
         entries = [entry for entry in self.bus.dead_letters.list() if entry.envelope.id == id]
         if not entries:
-            raise _Problem(404, f"not in the dead-letter queue: {id}", unknown_ids=[id])
+            raise Problem(404, f"not in the dead-letter queue: {id}", unknown_ids=[id])
         return JSONResponse({"id": id, "items": [_dead_letter_json(e) for e in entries]})
 
     async def replay(self, request: Request) -> Response:
-        ids = _ids(await _json_object(request, frozenset({"ids"})))
+        ids = ids_of(await json_object(request, frozenset({"ids"})))
         if not self.bus.running:
-            raise _Problem(409, "the bus is not running; replay needs a running bus")
+            raise Problem(409, "the bus is not running; replay needs a running bus")
         # Replay takes entries out of the queue before re-sending them: finish even if
         # the client goes away, so none is lost half-way. What is not in the queue
         # (over a broker: not in the broker's store, whichever process lists it) is
@@ -402,28 +317,28 @@ class _AdminApi:
         try:
             groups = await self.bus.groups()
         except BusClosedError as error:
-            raise _Problem(409, str(error)) from None
+            raise Problem(409, str(error)) from None
         except TransportError as error:
-            raise _Problem(502, f"the broker did not list its groups: {error}") from None
+            raise Problem(502, f"the broker did not list its groups: {error}") from None
         return JSONResponse(
             {"groups": [_group_json(info) for info in groups]},
             headers={"Cache-Control": "no-store"},
         )
 
     async def delete_group(self, request: Request) -> Response:
-        body = await _json_object(request, frozenset({"pattern", "group", "force"}))
+        body = await json_object(request, frozenset({"pattern", "group", "force"}))
         pattern, group, force = body.get("pattern"), body.get("group"), body.get("force", False)
         if not isinstance(pattern, str) or not isinstance(group, str) or not pattern or not group:
-            raise _Problem(422, '"pattern" and "group" must be non-empty strings')
+            raise Problem(422, '"pattern" and "group" must be non-empty strings')
         if not isinstance(force, bool):
-            raise _Problem(422, '"force" must be true or false')
+            raise Problem(422, '"force" must be true or false')
         try:
             with anyio.CancelScope(shield=True):
                 deleted = await self.bus.delete_group(pattern, group, force=force)
         except (BusClosedError, ConfigurationError) as error:
-            raise _Problem(409, str(error)) from None
+            raise Problem(409, str(error)) from None
         except TransportError as error:
-            raise _Problem(502, f"the broker did not delete the group: {error}") from None
+            raise Problem(502, f"the broker did not delete the group: {error}") from None
         return JSONResponse({"deleted": deleted, "name": f"{pattern}@{group}"})
 
     async def healthz(self, request: Request) -> Response:
@@ -436,7 +351,7 @@ class _AdminApi:
             # The broker's own words name its user, address and stages: the log and
             # the token holder get them, an anonymous probe only the reason.
             reason, detail = problem
-            if request.scope.get("state", {}).get(_AUTHORISED):
+            if request.scope.get("state", {}).get(AUTHORISED):
                 return _status(503, "down", reason, detail=detail)
             return _status(503, "down", reason)
         # Draining is alive: a liveness probe failing now would kill it mid-drain.
@@ -464,12 +379,12 @@ class _AdminApi:
         return _status(200, "ready")
 
     async def purge(self, request: Request) -> Response:
-        body = await _json_object(request, frozenset({"ids", "all"}))
+        body = await json_object(request, frozenset({"ids", "all"}))
         if "all" in body:
             if body["all"] is not True or "ids" in body:
-                raise _Problem(422, 'send either {"all": true} or {"ids": [...]}, not both')
+                raise Problem(422, 'send either {"all": true} or {"ids": [...]}, not both')
             return JSONResponse({"purged": self.bus.dead_letters.purge()})
-        ids = _ids(body)
+        ids = ids_of(body)
         await self._check_known(ids)
         return JSONResponse({"purged": self.bus.dead_letters.purge(*ids)})
 
@@ -498,8 +413,8 @@ def _group_json(info: GroupInfo) -> dict[str, Any]:
     return {**group_document(info), "local": info.local}
 
 
-def _unknown_ids(ids: list[str]) -> _Problem:
-    return _Problem(
+def _unknown_ids(ids: list[str]) -> Problem:
+    return Problem(
         404,
         f"not in the dead-letter queue: {', '.join(ids)}; nothing was changed",
         unknown_ids=ids,
@@ -539,64 +454,6 @@ async def _transport_problem(bus: Bus) -> tuple[str, str] | None:
     except Exception as error:
         return _BROKER_FAILED, f"{transport.name} failed: {type(error).__name__}: {error}"
     return None
-
-
-class _BearerAuth:
-    """ASGI middleware: every request needs ``Authorization: Bearer <token>``.
-
-    The pages (the dashboard, the AsyncAPI page) also take ``?token=``, so a browser can
-    open them; their scripts send the token on as a header. The probes answer anyone.
-    """
-
-    def __init__(self, app: ASGIApp, *, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        connection = HTTPConnection(scope)
-        scheme, _, credentials = connection.headers.get("authorization", "").partition(" ")
-        presented: str | None = credentials.strip() if scheme.lower() == "bearer" else None
-        if _route_path(scope) in _PROBES:
-            # Open to anyone; the token holder is also told the detail of a failure.
-            authorised = presented is not None and self._matches(presented)
-            # (A new state: the one in the scope may be shared with other requests.)
-            scope = {**scope, "state": {**scope.get("state", {}), _AUTHORISED: authorised}}
-            await self.app(scope, receive, send)
-            return
-        page = _route_path(scope) in _PAGES
-        if presented is None and page:
-            presented = connection.query_params.get("token")
-        if presented is not None and self._matches(presented):
-            await self.app(scope, receive, send)
-            return
-        if page and "text/html" in connection.headers.get("accept", ""):
-            # A person with a browser: a page that says what to do, not JSON.
-            await _locked_page(
-                scope.get("root_path", "") + (_route_path(scope) or "/"), bool(presented)
-            )(scope, receive, send)
-            return
-        message = "wrong bearer token" if presented else "missing bearer token"
-        response = JSONResponse(
-            {"error": f"{message}: send 'Authorization: Bearer <token>'"},
-            status_code=401,
-            headers={"WWW-Authenticate": 'Bearer realm="asyncbus"'},
-        )
-        await response(scope, receive, send)
-
-    def _matches(self, presented: str) -> bool:
-        return hmac.compare_digest(presented.encode(), self.token)
-
-
-def _route_path(scope: Scope) -> str:
-    # The path below the mount point (what starlette's routing matches against).
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root) :]
-    return path
 
 
 def admin_app(
@@ -689,14 +546,14 @@ def admin_app(
     if options is not None:
         routes.append(Route("/asyncapi", api.asyncapi_page, methods=["GET"]))
         routes.append(Route("/asyncapi.json", api.asyncapi_document, methods=["GET"]))
-    middleware = [Middleware(_BearerAuth, token=token)] if token is not None else []
+    middleware = [Middleware(BearerAuth, token=token)] if token is not None else []
     return Starlette(
         routes=routes,
         middleware=middleware,
         exception_handlers={
-            _Problem: _on_problem,
-            HTTPException: _on_http_exception,
-            Exception: _on_server_error,
+            Problem: on_problem,
+            HTTPException: on_http_exception,
+            Exception: on_server_error,
         },
     )
 
@@ -735,81 +592,3 @@ def _metrics_endpoint(bus: Bus) -> Callable[[Request], Awaitable[Response]]:
         return Response(body, media_type=media_type, headers={"Cache-Control": "no-store"})
 
     return metrics
-
-
-# -- the pages ----------------------------------------------------------------------
-
-
-def _page_headers(html: str) -> dict[str, str]:
-    """Strict headers for a page of ours: its one inline ``<style>`` (and ``<script>``,
-    if it has one) allowed by hash, nothing else."""
-
-    def digest(tag: str) -> str:
-        match = re.search(rf"<{tag}>(.*?)</{tag}>", html, re.DOTALL)
-        if match is None:
-            return "'none'"
-        return f"'sha256-{base64.b64encode(hashlib.sha256(match[1].encode()).digest()).decode()}'"
-
-    policy = (
-        f"default-src 'none'; script-src {digest('script')}; style-src {digest('style')}; "
-        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
-        "frame-ancestors 'none'"
-    )
-    return {
-        "Content-Security-Policy": policy,
-        "Cache-Control": "no-store",
-        "Referrer-Policy": "no-referrer",
-        "X-Content-Type-Options": "nosniff",
-        "X-Frame-Options": "DENY",
-    }
-
-
-def _load_page(name: str) -> tuple[str, dict[str, str]]:
-    """The page ``name`` of this package: its HTML and the headers to serve it with."""
-    html = importlib.resources.files(__package__).joinpath(name).read_text("utf-8")
-    for tag in ("script", "style"):
-        if f"<{tag}>" not in html:  # pragma: no cover - the file ships with the package
-            raise RuntimeError(f"asyncbus {name} has no <{tag}> element")
-    return html, _page_headers(html)
-
-
-_DASHBOARD = _load_page("dashboard.html")
-_ASYNCAPI_PAGE = _load_page("asyncapi.html")
-
-#: What a browser that opened the dashboard without the right token is shown.
-_LOCKED_PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="data:,">
-<title>asyncbus dashboard: {title}</title>
-<style>
-body {{ font: 15px/1.5 system-ui, sans-serif; max-width: 40rem; margin: 3rem auto;
-  padding: 0 1.5rem; color-scheme: light dark; }}
-code {{ font-size: .9em; }}
-</style>
-</head>
-<body>
-<h1>{title}</h1>
-<p>{what}</p>
-<p>This dashboard is locked with the token its application gave to
-<code>admin_app(bus, token=...)</code> (often read from an environment variable, such as
-<code>ADMIN_TOKEN</code>). Open it with that token at the end of the address:</p>
-<p><code>{path}?token=&lt;token&gt;</code></p>
-<p>The page passes the token on to the API it polls. Scripts and API clients send it as a
-header instead: <code>Authorization: Bearer &lt;token&gt;</code>.</p>
-</body>
-</html>
-"""
-
-
-def _locked_page(path: str, wrong: bool) -> HTMLResponse:
-    """The 401 page of a browser that came without the token, or with another one."""
-    if wrong:
-        title, what = "Wrong token", "The token in the address is not this dashboard's."
-    else:
-        title, what = "Token needed", "The address has no token, and this dashboard needs one."
-    page = _LOCKED_PAGE.format(title=title, what=what, path=html.escape(path))
-    headers = {**_page_headers(page), "WWW-Authenticate": 'Bearer realm="asyncbus"'}
-    return HTMLResponse(page, status_code=401, headers=headers)
