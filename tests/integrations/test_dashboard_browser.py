@@ -344,6 +344,11 @@ async def test_at_1280_px_every_stage_column_is_in_view_and_the_totals_say_what_
                         depth=1000,
                         in_flight=256,
                         limit=256,
+                        # The widest timings a loaded machine shows (not today's).
+                        latency_p50=0.1234,
+                        latency_p99=0.9876,
+                        wait_p99=0.5555,
+                        deferred=12_345,
                     )
                 await page.route(
                     "**/stats",
