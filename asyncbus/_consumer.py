@@ -24,7 +24,7 @@ import anyio
 from . import _instrument
 from ._control import Crew
 from ._dead_letters import DeadLetter, DeadLetterReason
-from ._delivering import DeliveryHost, reject_delivery, settle_delivery
+from ._delivering import DeliveryHost, entry_for_broker, reject_delivery, settle_delivery
 from ._envelope import Envelope
 from ._failures import stray_cancellation
 from ._handling import Handling, HandlingHost
@@ -347,9 +347,9 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
             envelope, reason, None, stage.name, attempts, stored=delivery is not None
         )
         if delivery is not None:
-            if entry is None:  # a $deadletter envelope: not queued again; the broker is told
-                entry = DeadLetter(envelope, reason, None, stage.name, attempts, time.time())
-            held.append((entry, delivery))
+            held.append(
+                (entry_for_broker(entry, envelope, reason, None, stage.name, attempts), delivery)
+            )
     if stage.room_waiters:
         stage.hand_room()
     host.settled(stage)

@@ -28,6 +28,7 @@ __all__ = [
     "PUMP_BACKOFF_MAX",
     "PUMP_BACKOFF_MIN",
     "DeliveryHost",
+    "entry_for_broker",
     "pump",
     "reject_delivery",
     "settle_delivery",
@@ -220,16 +221,31 @@ async def _refuse(stage: Stage, delivery: Delivery, error: str, host: DeliveryHo
     entry = host.dead_letter(
         envelope, DeadLetterReason.REJECTED, error, stage.name, envelope.attempt, stored=True
     )
-    if entry is None:  # a $deadletter envelope: not queued again, but the broker is told
-        entry = DeadLetter(
-            envelope, DeadLetterReason.REJECTED, error, stage.name, envelope.attempt, time.time()
-        )
+    told = entry_for_broker(
+        entry, envelope, DeadLetterReason.REJECTED, error, stage.name, envelope.attempt
+    )
     try:
         with anyio.CancelScope(shield=True):
-            await reject_delivery(delivery, entry)
+            await reject_delivery(delivery, told)
     except Exception:
         # Left unsettled: the broker delivers it again, and it is refused again.
         logger.warning("could not reject %s with the broker", envelope.id, exc_info=True)
+
+
+def entry_for_broker(
+    entry: DeadLetter | None,
+    envelope: Envelope,
+    reason: DeadLetterReason,
+    error: str | None,
+    stage: str,
+    attempts: int,
+) -> DeadLetter:
+    """The dead letter a rejected delivery hands its broker: the bus's ``entry``, or for a
+    ``$deadletter`` envelope (which the bus records none of: one never begets another)
+    one made here from the same details."""
+    if entry is not None:
+        return entry
+    return DeadLetter(envelope, reason, error, stage, attempts, time.time())
 
 
 async def reject_delivery(delivery: Delivery, entry: DeadLetter) -> None:

@@ -250,7 +250,7 @@ class Publisher:
         if not self._observers and self._mode.admits_inline:
             # The common case, without the general path's calls: every stage has room.
             stages = self._routes.get(topic) or self._router.route(topic)
-            # (Stage.has_room and admit_if_room, inlined: this runs once per publish.)
+            # (Stage.has_room, inlined: this runs once per publish.)
             if len(stages) == 1:
                 stage = stages[0]
                 if stage.queued < stage.capacity and not stage.room_waiters:
@@ -322,10 +322,7 @@ class Publisher:
             # The common case: every stage has room for all of them, nobody waits.
             stages = self._routes.get(topic) or self._router.route(topic)
             count = len(envelopes)
-            if stages and all(  # Stage.has_room(count), inlined: once per call
-                stage.capacity - stage.queued >= count and not stage.room_waiters
-                for stage in stages
-            ):
+            if stages and all(stage.has_room(count) for stage in stages):
                 for stage in stages:
                     stage.admit_many(envelopes)
                 names = stages[0].names if len(stages) == 1 else self._router.names(topic)

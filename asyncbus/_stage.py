@@ -230,13 +230,6 @@ class Stage:
         """How many new envelopes can be admitted now without waiting (0 while some wait)."""
         return 0 if self.room_waiters else self.capacity - self.queued
 
-    def admit_if_room(self, envelope: Envelope) -> bool:
-        """Admit ``envelope`` when :meth:`has_room`; whether it was (the door's quick path)."""
-        if self.queued < self.capacity and not self.room_waiters:
-            self.admit(envelope)
-            return True
-        return False
-
     def offer(self, envelope: Envelope) -> DoorOutcome:
         """Admit ``envelope`` now if the policy allows it, without waiting."""
         if self.queued < self.capacity and not self.room_waiters:  # has_room, inlined
@@ -274,7 +267,8 @@ class Stage:
         """
         if self.closed:
             raise BusClosedError(f"stage {self.name!r} stopped before it had room")
-        if self.admit_if_room(envelope):
+        if self.has_room():
+            self.admit(envelope)
             return
         # Counted while it waits: drain() does not call the bus idle meanwhile.
         self.entering += 1
