@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _brokers import forget  # type: ignore[import-not-found]
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -48,24 +49,12 @@ ACK_TIMEOUT = 1.0
 WORKER = Path(__file__).with_name("_redis_worker.py")
 
 
-async def _delete_keys(url: str, prefix: str) -> None:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(url)
-    try:
-        keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
-
-
 @pytest.fixture
 async def clean_prefix(redis_url: str, unique_prefix: str) -> AsyncIterator[str]:
     """``unique_prefix``, whose keys are deleted after the test."""
     yield unique_prefix
     with anyio.CancelScope(shield=True):
-        await _delete_keys(redis_url, unique_prefix)
+        await forget("redis", redis_url, unique_prefix)
 
 
 @pytest.fixture
