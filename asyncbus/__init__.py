@@ -43,9 +43,12 @@ from ._runtime import FREE_THREADED as FREE_THREADED
 from ._runtime import run as run
 from ._stage import Backpressure as Backpressure
 from ._stats import BusStatistics as BusStatistics
+from ._stats import ScheduleStatistics as ScheduleStatistics
 from ._stats import ShutdownReport as ShutdownReport
 from ._stats import StageStatistics as StageStatistics
 from ._subscription import Subscription as Subscription
+from ._time.held import ScheduledEnvelope as ScheduledEnvelope
+from ._time.periodic import Schedule as Schedule
 from ._types import Handler as Handler
 from ._types import Middleware as Middleware
 from ._verdicts import DeadLetterNow as DeadLetterNow
@@ -121,6 +124,9 @@ __all__ = [
     "Reject",
     "Retry",
     "RetryAfter",
+    "Schedule",
+    "ScheduleStatistics",
+    "ScheduledEnvelope",
     "SerializationError",
     "ShutdownReport",
     "Skip",

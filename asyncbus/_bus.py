@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
+from datetime import datetime, timedelta, tzinfo
 from types import TracebackType
 from typing import Any, Literal, NoReturn, TypeVar, overload
 
@@ -29,7 +30,7 @@ from ._batch import Batch
 from ._batching import start_consumers
 from ._carry import ContextVarCarrier, checked_contextvars
 from ._chain import adapt_handler, build_chain
-from ._checks import check_count, check_seconds, check_wait
+from ._checks import check_count, check_headers, check_seconds, check_wait
 from ._clock import Clock, loop_clock
 from ._cluster import ClusterStatistics, ClusterWatch, check_heartbeat
 from ._dead_lettering import DeadLettering
@@ -58,14 +59,17 @@ from ._offload import (
     release_switch_interval,
     thread_pool_reason,
 )
-from ._options import PLAIN, make_options, publish_options
+from ._options import PLAIN, PublishOptions, make_options, publish_options
 from ._publishing import Publisher
 from ._replies import Replies
-from ._routing import Router
+from ._routing import Router, validate_topic
 from ._runtime import FREE_THREADED, current_backend, fast_checkpoint
 from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
+from ._time.held import ScheduledEnvelope
+from ._time.periodic import CatchUp, Schedule, make_schedule, periodic_topic
+from ._time.service import Timekeeping
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
 from .transports.base import Transport
@@ -362,6 +366,8 @@ class Bus:
             self._wait_subscribed,
         )
         self._publisher.replies = self._replies
+        #: Envelopes published for later and periodic schedules (see ``_time``).
+        self._time = Timekeeping(self._publisher, self._mode.time_keeper, self._mode.claim_store)
         self._dead_lettering = DeadLettering(
             name,
             self._mode,
@@ -542,6 +548,7 @@ class Bus:
                         stage.open()
                     if self._cluster.store is not None:
                         task_group.start_soon(self._cluster.run)
+                    self._time.start(task_group, self._life.is_running)
                     task_status.started()
                     try:
                         await self._wait_for_stop_request()
@@ -703,13 +710,13 @@ class Bus:
         if self._life.state == "closed" or self._life.state == "new":
             self._raise_fatal()
             if self._report is None:
-                self._report = self._make_report(drained=True, abandoned=[])
+                self._report = self._make_report(drained=True, abandoned=[], scheduled=[])
             return self._report
         deadline = math.inf if seconds is None else anyio.current_time() + seconds
         inside = self._called_from_inside()
         self._request_stop(deadline)
         if inside:
-            return self._make_report(drained=False, abandoned=[])
+            return self._make_report(drained=False, abandoned=[], scheduled=[])
         assert self._stopped is not None
         try:
             await self._stopped.wait()
@@ -771,6 +778,7 @@ class Bus:
         abandoned: list[str] = []
         for stage in self._stages.values():
             abandoned += stage.close(log=not quiet)
+        scheduled = self._time.keeper.abandon()
         self._services.failure_log.flush()
         self._background = 0
         self._life.state = "closed"
@@ -780,10 +788,14 @@ class Bus:
         for waiter in self._services.idle_waiters:
             waiter.event.set()
         self._services.idle_waiters.clear()
-        self._report = self._make_report(drained=drained and not abandoned, abandoned=abandoned)
+        self._report = self._make_report(
+            drained=drained and not abandoned, abandoned=abandoned, scheduled=scheduled
+        )
         return self._report
 
-    def _make_report(self, *, drained: bool, abandoned: list[str]) -> ShutdownReport:
+    def _make_report(
+        self, *, drained: bool, abandoned: list[str], scheduled: list[str]
+    ) -> ShutdownReport:
         stages = self._stages.values()
         return ShutdownReport(
             drained=drained,
@@ -791,6 +803,7 @@ class Bus:
             completed=sum(stage.ledger.acked for stage in stages),
             dead_lettered=sum(stage.ledger.dead_lettered for stage in stages),
             abandoned=abandoned,
+            scheduled=scheduled,
         )
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -1068,9 +1081,16 @@ class Bus:
         id: str | None = None,
         timeout: float | None = None,
         priority: Priority | int | None = None,
+        delay: float | None = None,
+        at: datetime | None = None,
     ) -> Receipt:
         """Publish ``payload`` on ``topic`` to every matching stage (once per group).
 
+        :param delay: publish it this many seconds from now instead (see ``at``).
+        :param at: publish it at this timezone-aware datetime instead: the envelope is
+            held (by the bus in memory, by the broker otherwise) and published when
+            due, as a publish at that moment would be; the receipt says when
+            (``receipt.scheduled``) and ``bus.cancel_scheduled(receipt.id)`` cancels it.
         :param slip: topics the result is forwarded to, one after another.
         :param priority: a :class:`Priority` class (or its int, 0 to 2); stages with
             admission control serve higher classes first and shed lower ones first.
@@ -1093,6 +1113,14 @@ class Bus:
         """
         await self._services.publish_yield()
         try:
+            if delay is not None or at is not None:
+                return await self._publish_later(
+                    topic,
+                    payload,
+                    publish_options(headers, ttl, slip, key, id, timeout, priority),
+                    delay,
+                    at,
+                )
             if (  # publish_options, inlined: the common publish has no options
                 not headers
                 and ttl is None
@@ -1127,8 +1155,12 @@ class Bus:
         key: str | None = None,
         timeout: float | None = None,
         priority: Priority | int | None = None,
+        delay: float | None = None,
+        at: datetime | None = None,
     ) -> list[Receipt]:
         """Publish one envelope per payload on ``topic``; their receipts, in payload order.
+
+        ``delay``/``at`` hold them all until then, as for :meth:`publish`.
 
         Each envelope gets a fresh id (in order) and the same options, which mean what
         they mean for :meth:`publish` and are checked once. In memory each stage admits
@@ -1151,9 +1183,12 @@ class Bus:
         """
         await self._services.publish_yield()
         try:
-            sent = self._publisher.publish_many(
-                topic, payloads, publish_options(headers, ttl, slip, key, None, timeout, priority)
-            )
+            options = publish_options(headers, ttl, slip, key, None, timeout, priority)
+            if delay is not None or at is not None:
+                due = self._time.due(delay, at, f"publish_many({topic!r})")
+                assert due is not None
+                return await self._time.publish_many(topic, payloads, options, due)
+            sent = self._publisher.publish_many(topic, payloads, options)
             if isinstance(sent, list):  # admitted inline
                 return sent
             return await sent
@@ -1227,14 +1262,125 @@ class Bus:
         timeout: float | None = 30.0,
         headers: Mapping[str, str] | None = None,
         ttl: float | None = None,
+        delay: float | None = None,
+        at: datetime | None = None,
     ) -> Any:
         """Publish and wait for the return value of the last stage of the route.
+
+        ``delay``/``at`` hold the request until then, as for :meth:`publish`;
+        ``timeout`` counts from the call, the wait for it included.
 
         :raises HandlerError: when no stage subscribes, a stage rejects it at the door,
             or it is dead-lettered anywhere on the route (the first failure wins).
         :raises TimeoutError: when no reply came within ``timeout``; the work goes on.
         """
-        return await self._publisher.request(topic, payload, slip, timeout, headers, ttl)
+        due = self._time.due(delay, at, f"request({topic!r})")
+        hold = self._time.hold_request(due) if due is not None else None
+        return await self._publisher.request(topic, payload, slip, timeout, headers, ttl, hold)
+
+    async def _publish_later(
+        self, topic: str, payload: Any, options: PublishOptions, delay: Any, at: Any
+    ) -> Receipt:
+        due = self._time.due(delay, at, f"publish({topic!r})")
+        assert due is not None
+        return await self._time.publish(topic, payload, options, due)
+
+    # -- time -------------------------------------------------------------------
+
+    async def cancel_scheduled(self, id: str) -> bool:
+        """Cancel an envelope published with ``delay=``/``at=`` (``receipt.id``).
+
+        :returns: ``True`` if it was still pending (it will never be published),
+            ``False`` if it was published already, cancelled before, or unknown.
+            Over a broker the broker's claim decides, in whichever process asks.
+        """
+        return await self._time.cancel(id)
+
+    def scheduled(self) -> list[ScheduledEnvelope]:
+        """The envelopes published with ``delay=``/``at=`` that are not due yet, soonest
+        first (over a broker: the ones this process published; the broker holds every
+        process's)."""
+        return self._on_loop(self._time.listed)
+
+    def schedule(
+        self,
+        topic: str,
+        *,
+        every: timedelta | float | None = None,
+        cron: str | None = None,
+        payload: Any = None,
+        name: str | None = None,
+        timezone: tzinfo | str | None = None,
+        jitter: timedelta | float | None = None,
+        catch_up: CatchUp = "skip",
+        headers: Mapping[str, str] | None = None,
+    ) -> Schedule:
+        """Publish ``payload`` on ``topic`` at every tick, once per deployment.
+
+        Replicas running the same code share the schedule by ``name`` (default: the
+        topic and the timing): each tick is claimed in the broker and published by one
+        of them (in memory, by this process). Ticks of ``every`` are counted from the
+        epoch; ``cron`` (the ``cron`` extra) is read in ``timezone`` (default UTC),
+        daylight-saving changes included. Each envelope's id is ``"{name}@{tick ms}"``
+        and its header ``asyncbus-tick`` the tick.
+
+        :param jitter: seconds (or a timedelta): each tick waits a random part of it.
+        :param catch_up: ticks missed (the bus was down or late): ``"skip"`` them,
+            publish the latest ``"one"``, or ``"all"`` of them.
+        :raises ConfigurationError: not exactly one of ``every``/``cron``, a bad
+            expression, time zone, jitter or ``catch_up``, or a name already scheduled.
+        """
+        made = make_schedule(
+            topic,
+            every=every,
+            cron=cron,
+            payload=payload,
+            name=name,
+            timezone=timezone,
+            jitter=jitter,
+            catch_up=catch_up,
+            headers=check_headers(headers or {}, f"schedule({topic!r})"),
+        )
+        validate_topic(topic)
+        self._mode.check_topic(topic)
+        return self._on_loop(lambda: self._time.add(made))
+
+    def periodic(
+        self,
+        *,
+        every: timedelta | float | None = None,
+        cron: str | None = None,
+        name: str | None = None,
+        timezone: tzinfo | str | None = None,
+        jitter: timedelta | float | None = None,
+        catch_up: CatchUp = "skip",
+        payload: Any = None,
+        **subscribe_options: Any,
+    ) -> Callable[[F], F]:
+        """Decorator: call the handler at every tick, once per deployment.
+
+        The handler is subscribed (with ``subscribe_options``) to the topic
+        ``periodic.{name}`` and a :meth:`schedule` of that name publishes ``payload``
+        there; ``name`` defaults to the handler's ``module.qualname``.
+        """
+
+        def decorator(function: F) -> F:
+            label = name or f"{function.__module__}.{function.__qualname__}"
+            topic = periodic_topic(label)
+            self.schedule(
+                topic,
+                every=every,
+                cron=cron,
+                payload=payload,
+                name=label,
+                timezone=timezone,
+                jitter=jitter,
+                catch_up=catch_up,
+            )
+            self.subscribe(topic, function, **subscribe_options)
+            return function
+
+        return decorator
 
     # -- statistics -------------------------------------------------------------
 
@@ -1295,6 +1441,10 @@ class Bus:
             dead_letter_queue=len(self.dead_letters),
             free_threaded=FREE_THREADED,
             deferred=total("deferred"),
+            scheduled=self._time.keeper.count,
+            schedules=tuple(
+                schedule.statistics() for schedule in self._time.schedules.by_name.values()
+            ),
         )
 
     # -- groups -----------------------------------------------------------------

@@ -57,7 +57,7 @@ _STAGE_FIELDS = {field.name for field in dataclasses.fields(StageStatistics)}
 _TOTAL_FIELDS = [
     field.name
     for field in dataclasses.fields(BusStatistics)
-    if field.name not in ("stages", "free_threaded")
+    if field.name not in ("stages", "free_threaded", "schedules")
 ]
 #: Stage figures that are not summed across processes: the names, and what does not add
 #: up (the highest of the processes' is kept).
@@ -140,6 +140,7 @@ def _stage_from(data: dict[str, Any]) -> StageStatistics:
 
 def _encode(process: ProcessStatistics) -> bytes:
     statistics = dataclasses.asdict(process.statistics)
+    del statistics["schedules"]  # (each replica runs the same: not a figure to sum)
     record = {
         "v": _VERSION,
         "instance": process.instance,
@@ -187,7 +188,7 @@ def _decode(raw: bytes, now: float, mine: str) -> ProcessStatistics | None:
 
 def sum_statistics(processes: Iterable[ProcessStatistics]) -> BusStatistics:
     """The processes' statistics summed (see :attr:`ClusterStatistics.totals`)."""
-    totals = dict.fromkeys(_TOTAL_FIELDS, 0)
+    totals: dict[str, Any] = dict.fromkeys(_TOTAL_FIELDS, 0)
     stages: dict[str, dict[str, Any]] = {}
     free_threaded = False
     for process in processes:

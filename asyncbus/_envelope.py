@@ -9,6 +9,7 @@ import sysconfig
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from itertools import islice
 from types import MappingProxyType
 from typing import Any, cast
@@ -142,13 +143,16 @@ def _unpickle_envelope(*values: Any) -> Envelope:
 class Receipt:
     """What a publish did, stage by stage (stage names are ``"pattern@group"``).
 
-    It is truthy when no stage rejected or dropped the envelope.
+    It is truthy when no stage rejected or dropped the envelope. A publish given
+    ``delay=`` or ``at=`` reached no stage yet: its receipt says when it is due
+    (``scheduled``, an aware UTC datetime); ``id`` cancels it (``bus.cancel_scheduled``).
     """
 
     id: str
     accepted: tuple[str, ...] = ()
     rejected: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    scheduled: datetime | None = None
 
     def __bool__(self) -> bool:
         return not (self.rejected or self.dropped)
@@ -214,7 +218,7 @@ class _EnvelopeSlots:
 class _ReceiptSlots:
     """A :class:`Receipt` under construction (see :class:`_EnvelopeSlots`)."""
 
-    __slots__ = ("id", "accepted", "rejected", "dropped")  # noqa: RUF023 (Receipt's order)
+    __slots__ = ("id", "accepted", "rejected", "dropped", "scheduled")  # noqa: RUF023
 
     def __init__(
         self,
@@ -227,6 +231,7 @@ class _ReceiptSlots:
         self.accepted = accepted
         self.rejected = rejected
         self.dropped = dropped
+        self.scheduled = None
         self.__class__ = Receipt  # type: ignore[assignment]
 
 
@@ -262,7 +267,7 @@ CLASS_ASSIGNMENT_STOPS_THE_WORLD = bool(sysconfig.get_config_var("Py_GIL_DISABLE
     _set_reply_to,
     _set_sender,
 ) = (Envelope.__dict__[name].__set__ for name in Envelope.__slots__)
-_set_receipt_id, _set_accepted, _set_rejected, _set_dropped = (
+_set_receipt_id, _set_accepted, _set_rejected, _set_dropped, _set_scheduled = (
     Receipt.__dict__[name].__set__ for name in Receipt.__slots__
 )
 
@@ -308,6 +313,7 @@ def _receipt_by_setters(
     _set_accepted(receipt, accepted)
     _set_rejected(receipt, rejected)
     _set_dropped(receipt, dropped)
+    _set_scheduled(receipt, None)
     return receipt
 
 
@@ -437,6 +443,7 @@ def make_receipts(envelopes: Sequence[Envelope], accepted: tuple[str, ...]) -> l
         receipt.accepted = accepted
         receipt.rejected = ()
         receipt.dropped = ()
+        receipt.scheduled = None
         receipt.__class__ = final  # type: ignore[assignment]
         append(receipt)  # type: ignore[arg-type]
     return receipts

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ._stats import StageStatistics
 
 __all__ = [
+    "INTERNAL_GROUP_PREFIX",
     "GroupAdmin",
     "GroupInfo",
     "GroupListing",
@@ -147,10 +148,19 @@ def group_document(info: GroupInfo) -> dict[str, Any]:
     }
 
 
+#: Groups of the bus's own machinery in a broker (scheduled envelopes wait in
+#: ``_asyncbus.scheduled``): never listed by ``bus.groups()``.
+INTERNAL_GROUP_PREFIX = "_asyncbus."
+
+
 def list_groups(found: Iterable[GroupInfo], mine: Container[str]) -> list[GroupInfo]:
     """The broker's groups ``found``, marked ``local`` when their stage name is in
-    ``mine``, sorted by pattern then group."""
-    listed = [replace(info, local=info.name in mine) for info in found]
+    ``mine``, sorted by pattern then group (the bus's own groups left out)."""
+    listed = [
+        replace(info, local=info.name in mine)
+        for info in found
+        if not info.group.startswith(INTERNAL_GROUP_PREFIX)
+    ]
     return sorted(listed, key=group_order)
 
 

@@ -30,3 +30,7 @@ class Life:
     loop_thread: int | None = None
     task_group: TaskGroup | None = None
     portal: BlockingPortal | None = None
+
+    def is_running(self) -> bool:
+        """Whether the bus runs (started, no stop asked for)."""
+        return self.state == "running"

@@ -283,37 +283,10 @@ class Publisher:
         :returns: the receipts when every stage took every envelope inline, else what
             to await for them.
         """
-        life = self._life
-        if life.state != "running":  # checked after the yield: aclose may have begun
-            self.check_open()
-        if threading.get_ident() != life.loop_thread:
-            raise RuntimeError(
-                f"publish_many({topic!r}) was called from a thread other than the event "
-                "loop's: use bus.publish_threadsafe(...) from other threads"
-            )
-        validate_topic(topic)
-        where = f"publish_many({topic!r})"
         timeout = options.timeout
+        envelopes = self.build_many(topic, payloads, options)
         if timeout is not None:
-            timeout = check_wait(timeout, f"{where}: timeout")
-        frozen_headers, route, ttl = _options(topic, options, where)
-        for hop in route:  # a hop the broker cannot carry is refused now, not when forwarded
-            self._mode.check_topic(hop)
-        if isinstance(payloads, _ONE_PAYLOAD) or not isinstance(payloads, Iterable):
-            raise ConfigurationError(
-                f"{where}: payloads must be an iterable of payloads, got {type(payloads).__name__}"
-            )
-        cause = handled_envelope()  # published by a handler: continue its conversation
-        envelopes = make_envelopes(
-            topic,
-            payloads,
-            frozen_headers,
-            _now(),
-            ttl,
-            route,
-            None if cause is None else (cause.correlation_id, cause.id),
-            self.name,
-        )
+            timeout = check_wait(timeout, f"publish_many({topic!r}): timeout")
         if not envelopes:
             return self._mode.send_none()
         if self._services.instrumentation is not None:
@@ -328,6 +301,55 @@ class Publisher:
                 names = stages[0].names if len(stages) == 1 else self._router.names(topic)
                 return make_receipts(envelopes, names)
         return self._mode.send_many(envelopes, timeout)
+
+    def build_many(
+        self, topic: str, payloads: Iterable[Any], options: PublishOptions
+    ) -> list[Envelope]:
+        """``publish_many``'s envelopes, built and checked, not sent (the bus is open,
+        on its event loop's thread, and the broker can carry the topic)."""
+        life = self._life
+        if life.state != "running":  # checked after the yield: aclose may have begun
+            self.check_open()
+        if threading.get_ident() != life.loop_thread:
+            raise RuntimeError(
+                f"publish_many({topic!r}) was called from a thread other than the event "
+                "loop's: use bus.publish_threadsafe(...) from other threads"
+            )
+        validate_topic(topic)
+        self._mode.check_topic(topic)
+        where = f"publish_many({topic!r})"
+        if options.timeout is not None:
+            check_wait(options.timeout, f"{where}: timeout")
+        frozen_headers, route, ttl = _options(topic, options, where)
+        for hop in route:  # a hop the broker cannot carry is refused now, not when forwarded
+            self._mode.check_topic(hop)
+        if isinstance(payloads, _ONE_PAYLOAD) or not isinstance(payloads, Iterable):
+            raise ConfigurationError(
+                f"{where}: payloads must be an iterable of payloads, got {type(payloads).__name__}"
+            )
+        cause = handled_envelope()  # published by a handler: continue its conversation
+        return make_envelopes(
+            topic,
+            payloads,
+            frozen_headers,
+            _now(),
+            ttl,
+            route,
+            None if cause is None else (cause.correlation_id, cause.id),
+            self.name,
+        )
+
+    def build_one(self, topic: str, payload: Any, options: PublishOptions) -> Envelope:
+        """``publish``'s envelope, built and checked, not sent (see `build_many`)."""
+        if self._life.state != "running":
+            self.check_open()
+        if type(topic) is not str:
+            validate_topic(topic)
+        if options.timeout is not None:
+            check_wait(options.timeout, f"publish({topic!r}): timeout")
+        envelope = self.envelope(topic, payload, options, cause=handled_envelope())
+        self._mode.check_topic(topic)
+        return envelope
 
     def publish_nowait(self, topic: str, payload: Any, options: PublishOptions) -> Receipt:
         """``Bus.publish_nowait``: admit everywhere now, or nowhere."""
@@ -443,8 +465,10 @@ class Publisher:
         timeout: float | None,
         headers: Mapping[str, str] | None,
         ttl: float | None,
+        hold: Callable[[Envelope], Awaitable[Receipt]] | None = None,
     ) -> Any:
-        """``Bus.request``: publish with a reply address, then wait for the reply."""
+        """``Bus.request``: publish with a reply address (or ``hold`` it until it is
+        due), then wait for the reply."""
         replies = self.replies
         assert replies is not None, "the bus sets its replies before it starts"
         await self._services.yield_now()  # first, like publish: aclose may begin meanwhile
@@ -456,7 +480,8 @@ class Publisher:
         envelope = self.envelope(
             topic, payload, options, reply_to=reply_to, cause=handled_envelope()
         )
-        return await replies.wait_for(envelope, seconds)
+        self._mode.check_topic(topic)
+        return await replies.wait_for(envelope, seconds, hold)
 
 
 def _options(

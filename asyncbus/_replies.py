@@ -71,8 +71,14 @@ class Replies:
         """Where the reply to request ``request_id`` is to go."""
         return await self._mode.reply_address(request_id, self._open_inbox)
 
-    async def wait_for(self, envelope: Envelope, seconds: float | None) -> Any:
-        """Send request ``envelope`` and wait (up to ``seconds``) for its reply's value.
+    async def wait_for(
+        self,
+        envelope: Envelope,
+        seconds: float | None,
+        hold: Callable[[Envelope], Awaitable[Receipt]] | None = None,
+    ) -> Any:
+        """Send request ``envelope`` (or ``hold`` it until it is due) and wait (up to
+        ``seconds``, counted from now) for its reply's value.
 
         :raises HandlerError: it is rejected at a door or dead-lettered on its route.
         :raises TimeoutError: no reply came in time.
@@ -83,7 +89,10 @@ class Replies:
         self._requests[reply_to] = pending
         try:
             with anyio.fail_after(seconds):
-                receipt = await self._send("request", envelope, None)
+                if hold is not None:
+                    receipt = await hold(envelope)
+                else:
+                    receipt = await self._send("request", envelope, None)
                 if pending.error is None and not pending.event.is_set():
                     if receipt.rejected:
                         raise rejected_at_the_door(envelope, receipt.rejected)

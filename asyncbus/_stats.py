@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 
 __all__ = [
     "BusStatistics",
@@ -151,6 +152,11 @@ class BusStatistics:
     free_threaded: bool = False
     #: Times envelopes were put back by a ``Defer`` verdict, every stage's.
     deferred: int = 0
+    #: Envelopes published with ``delay=``/``at=`` that are not due yet (over a broker,
+    #: those this process scheduled; the broker holds every process's).
+    scheduled: int = 0
+    #: Every periodic schedule of the bus (``bus.schedule``, ``@bus.periodic``).
+    schedules: tuple[ScheduleStatistics, ...] = ()
 
     def stage(self, name: str) -> StageStatistics:
         """Return the statistics of the stage called ``name`` (``"pattern@group"``).
@@ -164,11 +170,37 @@ class BusStatistics:
 
 
 @dataclass(frozen=True, slots=True)
+class ScheduleStatistics:
+    """One periodic schedule: when it fires, what it did last.
+
+    :ivar name: the schedule's name (the same in every replica).
+    :ivar topic: where its ticks are published.
+    :ivar when: ``"every 300 s"`` or ``"cron */5 * * * * (Europe/Paris)"``.
+    :ivar next_fire: its next tick, an aware UTC datetime (``None`` before the start).
+    :ivar last_fire: the last tick published, by this process or another replica.
+    :ivar last_outcome: ``"published"``, ``"published elsewhere"``, ``"skipped"``
+        (a missed tick, ``catch_up="skip"``) or ``"failed: ..."``.
+    :ivar fired: ticks this process published.
+    """
+
+    name: str
+    topic: str
+    when: str
+    next_fire: datetime | None
+    last_fire: datetime | None
+    last_outcome: str | None
+    fired: int
+
+
+@dataclass(frozen=True, slots=True)
 class ShutdownReport:
     """What :meth:`Bus.aclose` found: ``published == completed + dead_lettered + len(abandoned)``.
 
     :ivar drained: whether everything finished before the deadline.
     :ivar abandoned: ids of the envelopes cancelled at the deadline (one per stage).
+    :ivar scheduled: ids of the envelopes published with ``delay=``/``at=`` that were
+        not due yet: in memory they are abandoned with the bus (never published); over
+        a broker the broker keeps them and this list is empty.
     """
 
     drained: bool
@@ -176,3 +208,4 @@ class ShutdownReport:
     completed: int
     dead_lettered: int
     abandoned: list[str]
+    scheduled: list[str] = field(default_factory=list)

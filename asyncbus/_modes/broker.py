@@ -15,7 +15,7 @@ import anyio.lowlevel
 
 from .._cluster import Heartbeats
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
-from .._dedup import DedupStore
+from .._dedup import DedupStore, MemoryDedupStore
 from .._delivering import pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, ConfigurationError, EncodeError
@@ -29,6 +29,9 @@ from .._groups import (
 )
 from .._routing import compile_pattern
 from .._stage import Stage
+from .._time.broker import CLAIMS_WINDOW, BrokerKeeper
+from .._time.due import BusTime
+from .._time.held import Fire, Keeper
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
 from ..transports.base import DedupStoreProvider, GroupAdmin, Transport, TransportSettings
@@ -408,6 +411,18 @@ class BrokerMode:
         if not isinstance(self.transport, DedupStoreProvider):
             return None
         return self.transport.dedup_store(window)
+
+    def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:
+        """The broker holds scheduled envelopes (see :mod:`asyncbus._time.broker`)."""
+        store, _ = self.claim_store()
+        return BrokerKeeper(clock, fire, self.port, self.transport, store)
+
+    def claim_store(self) -> tuple[DedupStore, bool]:
+        """The broker's claim store (``deduplicate()``'s), else this process's own."""
+        store = self.dedup_store(CLAIMS_WINDOW)
+        if store is None:
+            return MemoryDedupStore(), False
+        return store, True
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """The transport's shielded scope, bounded by its close deadline."""

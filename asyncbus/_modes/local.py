@@ -12,13 +12,15 @@ import anyio.lowlevel
 
 from .._cluster import Heartbeats
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
-from .._dedup import DedupStore
+from .._dedup import DedupStore, MemoryDedupStore
 from .._door import DoorOutcome, RoomWaiter
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
 from .._groups import GroupInfo, local_groups, subscribed_here
 from .._routing import Router
 from .._stage import Backpressure, Stage
+from .._time.due import BusTime
+from .._time.held import Fire, Keeper, LocalKeeper
 from .mode import ModeHost, Progress
 
 __all__ = ["LocalMode"]
@@ -355,6 +357,14 @@ class LocalMode:
     def dedup_store(self, window: float) -> DedupStore | None:
         """No broker: each ``deduplicate()`` keeps its own memory."""
         return None
+
+    def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:
+        """This process holds scheduled envelopes (abandoned at the close)."""
+        return LocalKeeper(clock, fire)
+
+    def claim_store(self) -> tuple[DedupStore, bool]:
+        """This process's own claims: it is the only replica there is."""
+        return MemoryDedupStore(), False
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope (nothing is settled with a broker in memory)."""

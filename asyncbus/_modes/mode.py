@@ -21,6 +21,8 @@ from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt
 from .._groups import GroupInfo
 from .._stage import Stage
+from .._time.due import BusTime
+from .._time.held import Fire, Keeper
 
 __all__ = ["CLOSE_GRACE", "INBOX", "Mode", "ModeHost", "Progress"]
 
@@ -135,6 +137,15 @@ class Mode(Protocol):
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""
+
+    def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:
+        """Where envelopes published with ``delay=``/``at=`` wait until they are due
+        (``fire`` publishes one then): this process in memory, the broker otherwise."""
+
+    def claim_store(self) -> tuple[DedupStore, bool]:
+        """The store where scheduled envelopes and the ticks of periodic schedules are
+        claimed, and whether every replica shares it (the broker's) or it is this
+        process's own."""
 
     def heartbeats(self) -> Heartbeats | None:
         """Where this process's heartbeats go for the deployment's view

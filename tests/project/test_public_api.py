@@ -145,7 +145,14 @@ def test_bus_statistics_can_be_made_without_the_later_totals() -> None:
 
 def test_shutdown_report_abandoned_is_a_list_of_ids() -> None:
     names = [field.name for field in dataclasses.fields(ShutdownReport)]
-    assert names == ["drained", "published", "completed", "dead_lettered", "abandoned"]
+    assert names == [
+        "drained",
+        "published",
+        "completed",
+        "dead_lettered",
+        "abandoned",
+        "scheduled",
+    ]
 
     async def main() -> ShutdownReport:
         bus = Bus()

@@ -1,0 +1,247 @@
+"""Scheduled envelopes kept by the broker until they are due (the bus over a broker).
+
+A scheduled publish goes to one internal group of the broker, ``_asyncbus.scheduled``
+(pattern and group alike), with its real topic and due instant in headers; every bus
+over that broker consumes the group (competing consumers), so the envelope survives
+its publisher and is published by whichever process holds it when it comes due:
+
+* a delivery more than :data:`HOLD_AHEAD` seconds early goes back with the broker's
+  own delayed redelivery (``nack(delay=...)``: Redis's delayed set, a JetStream
+  delayed ``NAK``, RabbitMQ's retry queues), a little short of the due time since a
+  broker may round a delay up (RabbitMQ by up to 6.25 %); a few such hops bring it
+  within :data:`HOLD_AHEAD`;
+* then it is kept in hand on the event loop's timer and, when due, claimed, published
+  to its topic as a publish at that moment would be (routed to the groups that exist
+  then), marked done, and acked.
+
+The claim makes cancelling exact: a scheduled id is claimed ``pending`` in the
+broker's claim store when it is published (the store of ``deduplicate()``: a Redis
+key, a JetStream KV entry); firing claims it as the same owner, cancelling takes it
+over; whoever marks it done first wins, the other sees it done. A process killed
+between the publish and the mark leaves the claim to expire and the envelope to be
+delivered again: it is published a second time with the same id (the receivers'
+``deduplicate()`` drops it). Without a shared store (RabbitMQ) the claims are this
+process's own: a cancel holds when this process is the one that fires it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+
+from .._dedup import Claim, DedupStore
+from .._envelope import Envelope
+from .._exceptions import ConfigurationError
+from .._failures import describe_error
+from .._groups import INTERNAL_GROUP_PREFIX
+from ..transports.base import BaseDelivery
+from .due import HEADER_DUE, BusTime, as_datetime, due_header, guarded, read_due
+from .held import Fire, ScheduledEnvelope, retopic
+
+__all__ = [
+    "HEADER_TOPIC",
+    "HOLD_AHEAD",
+    "SCHEDULED",
+    "BrokerKeeper",
+]
+
+logger = logging.getLogger("asyncbus.schedule")
+
+#: The internal topic, pattern and group of scheduled envelopes in a broker.
+SCHEDULED = INTERNAL_GROUP_PREFIX + "scheduled"
+#: Header of a scheduled envelope held in the broker: the topic it is published to.
+HEADER_TOPIC = "asyncbus-scheduled-topic"
+#: Seconds before its due time a scheduled envelope is kept in hand (on a local timer).
+HOLD_AHEAD = 2.0
+#: A delayed redelivery may come this much late (RabbitMQ's buckets: 6.25 %).
+ROUNDING = 1.07
+#: Deliveries of scheduled envelopes one process holds at once.
+PREFETCH = 5_000
+#: Seconds a claim outlives its envelope's due time, and a done mark is remembered.
+PENDING_GRACE = DONE_TTL = 7 * 24 * 3600.0
+#: Seconds a firing claim lasts (a publish that takes longer may be repeated).
+FIRE_LEASE = 60.0
+#: The claim store's window (the longest a NATS KV entry is kept).
+CLAIMS_WINDOW = 60 * 24 * 3600.0
+#: The owner of a scheduled id's claim until it fires: every firing process.
+PENDING = "scheduled"
+#: Pauses between two subscriptions of the scheduled group after a failure.
+BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
+
+
+def _key(envelope_id: str) -> str:
+    return f"_asyncbus.scheduled/{envelope_id}"
+
+
+class BrokerKeeper:
+    """Publishes scheduled envelopes to the broker's scheduled group and fires those
+    this process receives when they are due (see the module's docstring)."""
+
+    def __init__(
+        self, clock: BusTime, fire: Fire, port: Any, transport: Any, store: DedupStore
+    ) -> None:
+        self._clock = clock
+        self._fire = fire
+        self._port = port
+        self._transport = transport
+        self._store = store
+        #: What this process scheduled and has not seen come due: ``bus.scheduled()``.
+        self._mine: dict[str, tuple[Envelope, float]] = {}
+        self._running: Callable[[], bool] = lambda: True
+
+    @property
+    def count(self) -> int:
+        """Envelopes this process scheduled that are not due yet."""
+        self._prune()
+        return len(self._mine)
+
+    def abandon(self) -> list[str]:
+        """Nothing is abandoned: the broker keeps what is not due."""
+        self._mine.clear()
+        return []
+
+    def _prune(self) -> None:
+        now = self._clock.now() if self._mine else 0.0
+        for envelope_id in [i for i, (_, due) in self._mine.items() if due <= now]:
+            del self._mine[envelope_id]
+
+    def listed(self) -> list[ScheduledEnvelope]:
+        """What this process scheduled that is not due yet, soonest first (the broker
+        holds other processes' too)."""
+        self._prune()
+        items = sorted(self._mine.values(), key=lambda item: item[1])
+        return [
+            ScheduledEnvelope(envelope.id, envelope.topic, as_datetime(due), envelope)
+            for envelope, due in items
+        ]
+
+    async def hold(self, envelopes: Sequence[Envelope], due: float) -> None:
+        """Claim each id ``pending``, then hand ``envelopes`` to the broker's scheduled
+        group (each under its due instant and topic).
+
+        :raises ConfigurationError: an id that was scheduled and fired or cancelled
+            before (within the claims' memory): it would never fire.
+        """
+        lease = max(due - self._clock.now(), 0.0) + PENDING_GRACE
+        for envelope in envelopes:
+            if await self._store.claim(_key(envelope.id), PENDING, lease) is not Claim.CLAIMED:
+                raise ConfigurationError(
+                    f"publish({envelope.topic!r}): the id {envelope.id!r} was scheduled "
+                    "before and has fired or been cancelled: give a new id"
+                )
+        held = [_held(envelope, due) for envelope in envelopes]
+        await self._port.publish_to_group(SCHEDULED, SCHEDULED, held)
+        for envelope in envelopes:
+            self._mine[envelope.id] = (envelope, due)
+
+    async def cancel(self, envelope_id: str) -> bool:
+        """Take the scheduled id over before it fires; whether it was still pending."""
+        key, owner = _key(envelope_id), f"cancel-{random.getrandbits(64):x}"
+        store = self._store
+        found = await store.claim(key, owner, FIRE_LEASE)
+        if found is Claim.CLAIMED:  # nobody had it: not scheduled (or long gone)
+            await store.release(key, owner)
+            return False
+        if found is Claim.DONE:
+            return False
+        await store.release(key, PENDING)  # pending (or firing right now: it may win)
+        if await store.claim(key, owner, FIRE_LEASE) is not Claim.CLAIMED:
+            return False
+        await store.done(key, owner, DONE_TTL)
+        self._mine.pop(envelope_id, None)
+        return True
+
+    async def run(self, running: Callable[[], bool]) -> None:
+        """Consume the scheduled group until cancelled, subscribing again after a
+        failure (a pause that doubles up to a few seconds); fire only while
+        ``running()`` (what is in hand at the close goes back to the broker)."""
+        self._running = running
+        backoff = BACKOFF_MIN
+        while True:
+            began = anyio.current_time()
+            try:
+                async with (
+                    self._transport.subscribe(
+                        SCHEDULED, group=SCHEDULED, prefetch=PREFETCH
+                    ) as deliveries,
+                    anyio.create_task_group() as holding,
+                ):
+                    async for delivery in deliveries:
+                        holding.start_soon(guarded, self._take, delivery)
+                return
+            except Exception as error:  # deliberate: nothing the broker does ends the bus
+                if anyio.current_time() - began > BACKOFF_MAX:
+                    backoff = BACKOFF_MIN
+                logger.warning(
+                    "scheduled envelopes: subscribing to the broker failed, trying again: %s",
+                    describe_error(error),
+                )
+            await anyio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _take(self, delivery: Any) -> None:
+        """One delivery of the scheduled group: back to the broker, or in hand until due."""
+        try:
+            refused = delivery.error if isinstance(delivery, BaseDelivery) else None
+            envelope: Envelope = delivery.envelope
+            due = read_due(envelope.headers.get(HEADER_DUE))
+            topic = envelope.headers.get(HEADER_TOPIC)
+            if refused is not None or due is None or not topic:
+                why = refused or "no due time or topic: not a scheduled envelope"
+                logger.error("a scheduled envelope was unreadable, dead-lettered: %s", why)
+                await delivery.reject("rejected", error=f"scheduled envelope: {why}")
+                return
+            remaining = due - self._clock.now()
+            if remaining > HOLD_AHEAD:
+                await delivery.nack(delay=(remaining - HOLD_AHEAD / 2) / ROUNDING)
+                return
+            if remaining > 0:
+                await anyio.sleep(remaining)
+            if self._running():  # (closing: it goes back to the broker with the close)
+                await self._fire_held(delivery, envelope, topic)
+        except Exception as error:  # the broker failed us: it delivers it again
+            logger.warning("scheduled envelope: %s; it comes back", describe_error(error))
+
+    async def _fire_held(self, delivery: Any, envelope: Envelope, topic: str) -> None:
+        key = _key(envelope.id)
+        found = await self._store.claim(key, PENDING, FIRE_LEASE)
+        if found is not Claim.CLAIMED:  # cancelled (or fired already)
+            await delivery.ack()
+            self._mine.pop(envelope.id, None)
+            return
+        try:
+            await self._fire(_released(envelope, topic))
+        except Exception as error:
+            logger.error(
+                "scheduled envelope %s for %r could not be published, trying again in 1 s: %s",
+                envelope.id,
+                topic,
+                describe_error(error),
+            )
+            await delivery.nack(delay=1.0)
+            return
+        self._mine.pop(envelope.id, None)
+        await self._store.done(key, PENDING, DONE_TTL)
+        await delivery.ack()
+
+
+def _held(envelope: Envelope, due: float) -> Envelope:
+    """``envelope`` as the broker's scheduled group keeps it."""
+    headers = dict(envelope.headers)
+    headers[HEADER_DUE] = due_header(due)
+    headers[HEADER_TOPIC] = envelope.topic
+    return retopic(envelope, SCHEDULED, headers)
+
+
+def _released(envelope: Envelope, topic: str) -> Envelope:
+    """A held envelope as it is published: its own topic and headers back."""
+    headers = {
+        name: value
+        for name, value in envelope.headers.items()
+        if name not in (HEADER_DUE, HEADER_TOPIC)
+    }
+    return retopic(envelope, topic, headers)
