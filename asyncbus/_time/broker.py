@@ -193,11 +193,13 @@ class BrokerKeeper:
             if refused is not None or due is None or not topic:
                 why = refused or "no due time or topic: not a scheduled envelope"
                 logger.error("a scheduled envelope was unreadable, dead-lettered: %s", why)
-                await delivery.reject("rejected", error=f"scheduled envelope: {why}")
+                with self._transport.cleanup_scope():
+                    await delivery.reject("rejected", error=f"scheduled envelope: {why}")
                 return
             remaining = due - self._clock.now()
             if remaining > HOLD_AHEAD:
-                await delivery.nack(delay=(remaining - HOLD_AHEAD / 2) / ROUNDING)
+                with self._transport.cleanup_scope():
+                    await delivery.nack(delay=(remaining - HOLD_AHEAD / 2) / ROUNDING)
                 return
             if remaining > 0:
                 await anyio.sleep(remaining)
@@ -207,6 +209,12 @@ class BrokerKeeper:
             logger.warning("scheduled envelope: %s; it comes back", describe_error(error))
 
     async def _fire_held(self, delivery: Any, envelope: Envelope, topic: str) -> None:
+        """Claim, publish, mark and ack, shielded: a close in the middle waits for it
+        (bounded by the transport's close deadline)."""
+        with self._transport.cleanup_scope():
+            await self._fire_claimed(delivery, envelope, topic)
+
+    async def _fire_claimed(self, delivery: Any, envelope: Envelope, topic: str) -> None:
         key = _key(envelope.id)
         found = await self._store.claim(key, PENDING, FIRE_LEASE)
         if found is not Claim.CLAIMED:  # cancelled (or fired already)

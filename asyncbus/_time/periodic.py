@@ -240,7 +240,7 @@ class Schedules:
             await store.done(known, self._owner, DONE_TTL)  # a new schedule: none missed
             return []
         missed: list[float] = []
-        tick = schedule.ticks.before(now - LATE)
+        tick = schedule.ticks.before(schedule.ticks.after(now))  # the last tick so far
         for _ in range(MAX_CATCH_UP):
             found = await store.claim(_tick_key(schedule, tick), self._owner, TICK_LEASE * 12)
             if found is not Claim.CLAIMED:

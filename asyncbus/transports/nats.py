@@ -592,15 +592,21 @@ class NatsTransport(Transport):
                 consumer.request = None
                 consumer.wake()
         # Keep-alives stop; lingering inboxes unsubscribe (shielded, by the deadline).
+        # Whatever interrupts that (a cancellation of the closing task), the connection
+        # is closed below all the same: never a socket left open.
         try:
             await self._tasks.aclose()
         finally:
             # What is still queued (a write cut short puts its acks back) is lost.
             self._acks.close()
+            await self._close_connection(nc, publisher)
+
+    async def _close_connection(self, nc: Any, publisher: Any) -> None:
+        """Flush (by the deadline), stop the publisher and close ``nc`` (shielded)."""
         with self.cleanup_scope():
             try:
                 with anyio.move_on_after(self.request_timeout):
-                    await nc.flush(timeout=self.request_timeout)  # type: ignore[arg-type]
+                    await nc.flush(timeout=self.request_timeout)
             except Exception:
                 logger.debug("flush before close failed", exc_info=True)
         with anyio.CancelScope(shield=True):

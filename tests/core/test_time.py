@@ -16,12 +16,19 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncbus import Bus, ConfigurationError, DeadLetterReason, Envelope, HandlerError
-from asyncbus import BusClosedError, ScheduledEnvelope
+from asyncbus import (
+    Bus,
+    BusClosedError,
+    ConfigurationError,
+    DeadLetterReason,
+    Envelope,
+    HandlerError,
+    ScheduledEnvelope,
+)
 
 pytestmark = pytest.mark.anyio
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 
 
 class Seen:

@@ -23,7 +23,7 @@ from asyncbus import Bus, ConfigurationError, Envelope, Schedule
 
 pytestmark = [pytest.mark.anyio, pytest.mark.backends("trio-mock-clock")]
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 BERLIN = ZoneInfo("Europe/Berlin")
 
 
