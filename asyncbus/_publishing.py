@@ -150,6 +150,11 @@ class Publisher:
         #: ``publish_threadsafe`` calls not settled yet (``drain()`` waits for them).
         self.threadsafe_pending = 0
 
+    @property
+    def system(self) -> str:
+        """The transport's name for what this bus sends (``"memory"`` in its stages)."""
+        return self._system
+
     def check_open(self) -> None:
         """Raise :class:`BusClosedError` unless the bus accepts a publish now."""
         state = self._life.state

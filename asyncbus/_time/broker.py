@@ -5,23 +5,32 @@ A scheduled publish goes to one internal group of the broker, ``_asyncbus.schedu
 over that broker consumes the group (competing consumers), so the envelope survives
 its publisher and is published by whichever process holds it when it comes due:
 
-* a delivery more than :data:`HOLD_AHEAD` seconds early goes back with the broker's
-  own delayed redelivery (``nack(delay=...)``: Redis's delayed set, a JetStream
-  delayed ``NAK``, RabbitMQ's retry queues), a little short of the due time since a
-  broker may round a delay up (RabbitMQ by up to 6.25 %); a few such hops bring it
-  within :data:`HOLD_AHEAD`;
+* a delivery more than :data:`HOLD_AHEAD` seconds early (and a second more) goes back
+  with the broker's own delayed redelivery (``nack(delay=...)``: Redis's delayed set,
+  a JetStream delayed ``NAK``, RabbitMQ's retry queues), to come back
+  :data:`HOLD_AHEAD` seconds before it is due: a broker may redeliver late (RabbitMQ
+  rounds a delay up by up to 6.25 %; a loaded JetStream server 2.9 was measured
+  redelivering a thousand a second over a second late), and a few such hops bring it
+  within reach;
 * then it is kept in hand on the event loop's timer and, when due, claimed, published
   to its topic as a publish at that moment would be (routed to the groups that exist
   then), marked done, and acked.
 
-The claim makes cancelling exact: a scheduled id is claimed ``pending`` in the
-broker's claim store when it is published (the store of ``deduplicate()``: a Redis
-key, a JetStream KV entry); firing claims it as the same owner, cancelling takes it
-over; whoever marks it done first wins, the other sees it done. A process killed
-between the publish and the mark leaves the claim to expire and the envelope to be
-delivered again: it is published a second time with the same id (the receivers'
-``deduplicate()`` drops it). Without a shared store (RabbitMQ) the claims are this
-process's own: a cancel holds when this process is the one that fires it.
+Claims keep each envelope published once and make cancelling hold in every process,
+in the broker's claim store (the store of ``deduplicate()``: a Redis key, a JetStream KV
+entry) under the envelope's id. The process that holds an envelope claims the id when
+it is due and marks it done once published; a cancel claims it and marks it done at
+once (so a cancel holds until the due instant). Whoever claims first
+wins: a cancel that finds the id taken or done returns ``False``, a process that finds
+it done drops its copy, one that finds it taken looks again later (its holder may have
+died). An id is one message: scheduled twice, it is published once, and an id that was
+published or cancelled is not published again while the store remembers it (a week).
+A process killed between the publish and the mark leaves its claim to expire and the
+envelope to be delivered again: it is published a second time with the same id (the
+receivers' ``deduplicate()`` drops it). Over a broker ``cancel_scheduled`` cannot tell
+an id nobody scheduled from a pending one: both give ``True`` (and the id is then
+spent). Without a shared store (RabbitMQ) the claims are this process's own: a cancel
+holds when this process is the one that publishes the envelope.
 """
 
 from __future__ import annotations
@@ -35,11 +44,18 @@ import anyio
 
 from .._dedup import Claim, DedupStore
 from .._envelope import Envelope
-from .._exceptions import ConfigurationError
 from .._failures import describe_error
 from .._groups import INTERNAL_GROUP_PREFIX
 from ..transports.base import BaseDelivery
-from .due import HEADER_DUE, BusTime, as_datetime, due_header, guarded, read_due
+from .due import (
+    HEADER_DUE,
+    BusTime,
+    as_datetime,
+    concurrently,
+    due_header,
+    guarded,
+    read_due,
+)
 from .held import Fire, ScheduledEnvelope, retopic
 
 __all__ = [
@@ -56,19 +72,20 @@ SCHEDULED = INTERNAL_GROUP_PREFIX + "scheduled"
 #: Header of a scheduled envelope held in the broker: the topic it is published to.
 HEADER_TOPIC = "asyncbus-scheduled-topic"
 #: Seconds before its due time a scheduled envelope is kept in hand (on a local timer).
-HOLD_AHEAD = 2.0
+HOLD_AHEAD = 3.0
 #: A delayed redelivery may come this much late (RabbitMQ's buckets: 6.25 %).
 ROUNDING = 1.07
-#: Deliveries of scheduled envelopes one process holds at once.
-PREFETCH = 5_000
-#: Seconds a claim outlives its envelope's due time, and a done mark is remembered.
-PENDING_GRACE = DONE_TTL = 7 * 24 * 3600.0
+#: Deliveries of scheduled envelopes one process holds at once (in hand for up to
+#: :data:`HOLD_AHEAD` and a second more: room for several thousand a second).
+PREFETCH = 10_000
+#: Seconds a published or cancelled id is remembered.
+DONE_TTL = 7 * 24 * 3600.0
 #: Seconds a firing claim lasts (a publish that takes longer may be repeated).
 FIRE_LEASE = 60.0
 #: The claim store's window (the longest a NATS KV entry is kept).
-CLAIMS_WINDOW = 60 * 24 * 3600.0
-#: The owner of a scheduled id's claim until it fires: every firing process.
-PENDING = "scheduled"
+CLAIMS_WINDOW = DONE_TTL
+#: Seconds before a delivery whose id another process holds is looked at again.
+BUSY_AGAIN = 5.0
 #: Pauses between two subscriptions of the scheduled group after a failure.
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0
 
@@ -92,6 +109,8 @@ class BrokerKeeper:
         #: What this process scheduled and has not seen come due: ``bus.scheduled()``.
         self._mine: dict[str, tuple[Envelope, float]] = {}
         self._running: Callable[[], bool] = lambda: True
+        #: This process's owner name for the ids it takes to fire.
+        self._owner = f"firing-{random.getrandbits(64):x}"
 
     @property
     def count(self) -> int:
@@ -120,38 +139,20 @@ class BrokerKeeper:
         ]
 
     async def hold(self, envelopes: Sequence[Envelope], due: float) -> None:
-        """Claim each id ``pending``, then hand ``envelopes`` to the broker's scheduled
-        group (each under its due instant and topic).
-
-        :raises ConfigurationError: an id that was scheduled and fired or cancelled
-            before (within the claims' memory): it would never fire.
-        """
-        lease = max(due - self._clock.now(), 0.0) + PENDING_GRACE
-        for envelope in envelopes:
-            if await self._store.claim(_key(envelope.id), PENDING, lease) is not Claim.CLAIMED:
-                raise ConfigurationError(
-                    f"publish({envelope.topic!r}): the id {envelope.id!r} was scheduled "
-                    "before and has fired or been cancelled: give a new id"
-                )
+        """Hand ``envelopes`` to the broker's scheduled group (each under its due
+        instant and topic)."""
         held = [_held(envelope, due) for envelope in envelopes]
         await self._port.publish_to_group(SCHEDULED, SCHEDULED, held)
         for envelope in envelopes:
             self._mine[envelope.id] = (envelope, due)
 
     async def cancel(self, envelope_id: str) -> bool:
-        """Take the scheduled id over before it fires; whether it was still pending."""
+        """Claim the id before a process takes it to publish it; whether it was still
+        pending (see the module's docstring)."""
         key, owner = _key(envelope_id), f"cancel-{random.getrandbits(64):x}"
-        store = self._store
-        found = await store.claim(key, owner, FIRE_LEASE)
-        if found is Claim.CLAIMED:  # nobody had it: not scheduled (or long gone)
-            await store.release(key, owner)
-            return False
-        if found is Claim.DONE:
-            return False
-        await store.release(key, PENDING)  # pending (or firing right now: it may win)
-        if await store.claim(key, owner, FIRE_LEASE) is not Claim.CLAIMED:
-            return False
-        await store.done(key, owner, DONE_TTL)
+        if await self._store.claim(key, owner, FIRE_LEASE) is not Claim.CLAIMED:
+            return False  # published, being published, or cancelled before
+        await self._store.done(key, owner, DONE_TTL)
         self._mine.pop(envelope_id, None)
         return True
 
@@ -197,44 +198,48 @@ class BrokerKeeper:
                     await delivery.reject("rejected", error=f"scheduled envelope: {why}")
                 return
             remaining = due - self._clock.now()
-            if remaining > HOLD_AHEAD:
+            if remaining > HOLD_AHEAD + 1.0:
                 with self._transport.cleanup_scope():
-                    await delivery.nack(delay=(remaining - HOLD_AHEAD / 2) / ROUNDING)
+                    await delivery.nack(delay=(remaining - HOLD_AHEAD) / ROUNDING)
                 return
-            if remaining > 0:
-                await anyio.sleep(remaining)
-            if self._running():  # (closing: it goes back to the broker with the close)
-                await self._fire_held(delivery, envelope, topic)
+            await self._hold_then_fire(delivery, envelope, topic, due)
         except Exception as error:  # the broker failed us: it delivers it again
             logger.warning("scheduled envelope: %s; it comes back", describe_error(error))
 
-    async def _fire_held(self, delivery: Any, envelope: Envelope, topic: str) -> None:
-        """Claim, publish, mark and ack, shielded: a close in the middle waits for it
-        (bounded by the transport's close deadline)."""
-        with self._transport.cleanup_scope():
-            await self._fire_claimed(delivery, envelope, topic)
-
-    async def _fire_claimed(self, delivery: Any, envelope: Envelope, topic: str) -> None:
-        key = _key(envelope.id)
-        found = await self._store.claim(key, PENDING, FIRE_LEASE)
-        if found is not Claim.CLAIMED:  # cancelled (or fired already)
-            await delivery.ack()
+    async def _hold_then_fire(
+        self, delivery: Any, envelope: Envelope, topic: str, due: float
+    ) -> None:
+        """Wait until due, then claim the id (a cancel may still take it until then),
+        publish, mark it done and ack."""
+        remaining = due - self._clock.now()
+        if remaining > 0:
+            await anyio.sleep(remaining)
+        if not self._running():
+            return  # closing: it goes back to the broker with the close
+        key, store, owner = _key(envelope.id), self._store, self._owner
+        with self._transport.cleanup_scope():  # a close in the middle waits (bounded)
+            found = await store.claim(key, owner, FIRE_LEASE)
+            if found is Claim.DONE:  # cancelled, or published already
+                self._mine.pop(envelope.id, None)
+                await delivery.ack()
+                return
+            if found is Claim.BUSY:  # a cancel under way, or a holder that may have died
+                await delivery.nack(delay=BUSY_AGAIN)
+                return
+            try:
+                await self._fire(_released(envelope, topic))
+            except Exception as error:
+                logger.error(
+                    "scheduled envelope %s for %r could not be published, again in 1 s: %s",
+                    envelope.id,
+                    topic,
+                    describe_error(error),
+                )
+                await store.release(key, owner)
+                await delivery.nack(delay=1.0)
+                return
             self._mine.pop(envelope.id, None)
-            return
-        try:
-            await self._fire(_released(envelope, topic))
-        except Exception as error:
-            logger.error(
-                "scheduled envelope %s for %r could not be published, trying again in 1 s: %s",
-                envelope.id,
-                topic,
-                describe_error(error),
-            )
-            await delivery.nack(delay=1.0)
-            return
-        self._mine.pop(envelope.id, None)
-        await self._store.done(key, PENDING, DONE_TTL)
-        await delivery.ack()
+            await concurrently(lambda: store.done(key, owner, DONE_TTL), delivery.ack)
 
 
 def _held(envelope: Envelope, due: float) -> Envelope:

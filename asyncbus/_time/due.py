@@ -31,6 +31,7 @@ __all__ = [
     "BusTime",
     "as_datetime",
     "check_due",
+    "concurrently",
     "due_header",
     "guarded",
     "read_due",
@@ -131,3 +132,21 @@ async def guarded(run: Callable[..., Awaitable[None]], *args: Any) -> None:
             if not stray_cancellation():
                 raise
             _logger.warning("a task of the bus's timers was cancelled from outside; it goes on")
+
+
+async def concurrently(*calls: Callable[[], Awaitable[object]]) -> None:
+    """Await every call at once; the first failure is raised as it is (no group), once
+    all have ended."""
+    failures: list[BaseException] = []
+
+    async def run(call: Callable[[], Awaitable[object]]) -> None:
+        try:
+            await call()
+        except Exception as error:
+            failures.append(error)
+
+    async with anyio.create_task_group() as tasks:
+        for call in calls:
+            tasks.start_soon(run, call)
+    if failures:
+        raise failures[0]

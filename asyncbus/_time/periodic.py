@@ -150,6 +150,9 @@ class Schedules:
         self._clock = clock
         self._publish = publish
         self.by_name: dict[str, Schedule] = {}
+        #: The broker's name when it keeps no claims every replica shares (RabbitMQ):
+        #: each replica then publishes every tick (said once per schedule).
+        self.unshared: str | None = None
         #: Set when a schedule is added or a tick queued (made when the schedules run).
         self._wake: anyio.Event | None = None
         self._owner = f"{random.getrandbits(64):x}"
@@ -212,6 +215,14 @@ class Schedules:
         down (over a shared store, unless ``catch_up="skip"``)."""
         now = self._clock.now()
         self._plan_next(schedule, now, queue)
+        if self.unshared is not None:
+            logger.warning(
+                "schedule %r: %s keeps no claims the replicas share, so every replica "
+                "running it publishes each tick (under the same id: deduplicate() on the "
+                "consumers drops the copies); run it in one replica",
+                schedule.name,
+                self.unshared,
+            )
         if not shared or schedule.catch_up == "skip":
             return
         try:

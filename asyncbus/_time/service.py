@@ -51,6 +51,8 @@ class Timekeeping:
         they are cancelled (the bus's stop), while ``running()``."""
         self.clock.start()
         store, shared = self._claim_store()
+        system = self._publisher.system
+        self.schedules.unshared = None if shared or system == "memory" else system
         tasks.start_soon(guarded, self.keeper.run, running, name="asyncbus scheduled envelopes")
         tasks.start_soon(
             guarded, self.schedules.run, running, shared, store, name="asyncbus schedules"

@@ -18,6 +18,7 @@ import pytest
 from _brokers import SHARED_PORTS, forget, make_transport, names, url_for  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope
+from asyncbus._time.broker import CLAIMS_WINDOW
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -65,7 +66,9 @@ async def test_a_scheduled_publish_outlives_its_publisher_and_is_published_once_
             publisher = Bus(transport=make_transport(kind, url, unique_prefix), name="publisher")
             async with publisher:
                 soon = await publisher.publish("jobs", "soon", delay=0.5)
-                later = await publisher.publish("jobs", "later", delay=3.5)  # comes back once
+                later = await publisher.publish(
+                    "jobs", "later", delay=5.5
+                )  # back to the broker once
                 assert [s.id for s in publisher.scheduled()] == [soon.id, later.id]
                 report = await publisher.aclose()
             assert report.scheduled == []  # the broker keeps them
@@ -115,7 +118,6 @@ async def test_cancel_scheduled_holds_in_every_process(
             kept = await one.publish("jobs", "kept", delay=1.5)
             assert await other.cancel_scheduled(cancelled.id) is True
             assert await one.cancel_scheduled(cancelled.id) is False  # already
-            assert await other.cancel_scheduled("never-scheduled") is False
             await arrivals.wait_for(1)
             assert await other.cancel_scheduled(kept.id) is False  # published already
             await one.drain(timeout=10)
@@ -182,7 +184,7 @@ async def test_a_replica_that_dies_holding_a_tick_does_not_make_it_disappear(
         async with bus:
             # a replica that died right after claiming the next tick but one (its lease
             # runs on): claimed before this bus's own turn comes
-            store = bus.transport.dedup_store(60 * 24 * 3600.0)  # type: ignore[attr-defined]
+            store = bus.transport.dedup_store(CLAIMS_WINDOW)  # type: ignore[attr-defined]
             next_tick = (int(time.time()) + 3) * 1000
             await store.claim(f"_asyncbus.periodic.beat/{next_tick}", "a-dead-replica", 5.0)
             while next_tick not in _ticks(arrivals):
@@ -226,4 +228,3 @@ async def test_ticks_missed_while_every_replica_was_down_are_caught_up(
     assert len(ticks) == len(set(ticks))
     assert ticks == list(range(ticks[0], ticks[0] + 500 * len(ticks), 500))  # none missing
     assert sum(1 for tick in ticks if stopped < tick / 1000 < stopped + 2.2) >= 4
-
