@@ -449,11 +449,14 @@ def make_receipts(envelopes: Sequence[Envelope], accepted: tuple[str, ...]) -> l
     return receipts
 
 
-def replace_headers(envelope: Envelope, headers: Mapping[str, str]) -> Envelope:
-    """A copy of ``envelope`` with ``headers`` (the same id: the same message)."""
+def replace_headers(
+    envelope: Envelope, headers: Mapping[str, str], topic: str | None = None
+) -> Envelope:
+    """A copy of ``envelope`` with ``headers`` (and ``topic``, if given): the same id,
+    the same message."""
     return make_envelope(
         envelope.id,
-        envelope.topic,
+        envelope.topic if topic is None else topic,
         envelope.payload,
         headers,
         envelope.timestamp,

@@ -38,12 +38,13 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import anyio
 
 from .._dedup import Claim, DedupStore
-from .._envelope import Envelope
+from .._envelope import EMPTY_HEADERS, Envelope, replace_headers
 from .._failures import describe_error
 from .._groups import INTERNAL_GROUP_PREFIX
 from ..transports.base import BaseDelivery
@@ -56,7 +57,7 @@ from .due import (
     guarded,
     read_due,
 )
-from .held import Fire, ScheduledEnvelope, retopic
+from .held import Fire, ScheduledEnvelope
 
 __all__ = [
     "HEADER_TOPIC",
@@ -247,7 +248,7 @@ def _held(envelope: Envelope, due: float) -> Envelope:
     headers = dict(envelope.headers)
     headers[HEADER_DUE] = due_header(due)
     headers[HEADER_TOPIC] = envelope.topic
-    return retopic(envelope, SCHEDULED, headers)
+    return replace_headers(envelope, MappingProxyType(headers), SCHEDULED)
 
 
 def _released(envelope: Envelope, topic: str) -> Envelope:
@@ -257,4 +258,4 @@ def _released(envelope: Envelope, topic: str) -> Envelope:
         for name, value in envelope.headers.items()
         if name not in (HEADER_DUE, HEADER_TOPIC)
     }
-    return retopic(envelope, topic, headers)
+    return replace_headers(envelope, MappingProxyType(headers) if headers else EMPTY_HEADERS, topic)

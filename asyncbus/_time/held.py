@@ -12,19 +12,18 @@ import datetime as dt
 import heapq
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Protocol
 
 import anyio
 
-from .._envelope import EMPTY_HEADERS, Envelope, Receipt, make_envelope
+from .._envelope import Envelope, Receipt
 from .._exceptions import ConfigurationError
 from .._failures import describe_error
 from .due import BusTime, as_datetime
 
-__all__ = ["Fire", "Keeper", "LocalKeeper", "ScheduledEnvelope", "retopic"]
+__all__ = ["Fire", "Keeper", "LocalKeeper", "ScheduledEnvelope"]
 
 logger = logging.getLogger("asyncbus.schedule")
 
@@ -70,24 +69,6 @@ class Keeper(Protocol):
 
     def abandon(self) -> list[str]:
         """The bus closed: the ids of what this process still held (then nothing)."""
-
-
-def retopic(envelope: Envelope, topic: str, headers: Mapping[str, str]) -> Envelope:
-    """``envelope`` on ``topic`` with ``headers`` (the same id: the same message)."""
-    return make_envelope(
-        envelope.id,
-        topic,
-        envelope.payload,
-        MappingProxyType(dict(headers)) if headers else EMPTY_HEADERS,
-        envelope.timestamp,
-        envelope.ttl,
-        envelope.attempt,
-        envelope.slip,
-        envelope.correlation_id,
-        envelope.causation_id,
-        envelope.reply_to,
-        envelope.sender,
-    )
 
 
 class _Held:

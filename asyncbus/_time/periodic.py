@@ -94,8 +94,6 @@ class Schedule:
         self.last_fire: dt.datetime | None = None
         self.last_outcome: str | None = None
         self.fired = 0
-        #: The next tick this process looks at (epoch seconds; None: not started).
-        self.next_tick: float | None = None
 
     def statistics(self) -> ScheduleStatistics:
         """What this schedule did so far."""
@@ -203,7 +201,6 @@ class Schedules:
 
     def _plan_next(self, schedule: Schedule, after: float, queue: list[Any]) -> None:
         tick = schedule.ticks.after(after)
-        schedule.next_tick = tick
         schedule.next_fire = as_datetime(tick)
         spread = random.uniform(0.0, schedule.jitter) if schedule.jitter else 0.0
         self._enqueue(queue, schedule, tick, 0, tick + spread)

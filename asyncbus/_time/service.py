@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -139,8 +139,3 @@ class Timekeeping:
 
 def _receipt(envelope: Envelope, due: float) -> Receipt:
     return Receipt(envelope.id, scheduled=as_datetime(due))
-
-
-def frozen(headers: Mapping[str, str] | None) -> Mapping[str, str]:
-    """``headers`` as a read-only mapping."""
-    return MappingProxyType(dict(headers or {}))
