@@ -199,8 +199,9 @@ class ShutdownReport:
     :ivar drained: whether everything finished before the deadline.
     :ivar abandoned: ids of the envelopes cancelled at the deadline (one per stage).
     :ivar scheduled: ids of the envelopes published with ``delay=``/``at=`` that were
-        not due yet: in memory they are abandoned with the bus (never published); over
-        a broker the broker keeps them and this list is empty.
+        not due yet: in memory (and over a transport that is not durable) they are
+        abandoned with the bus, never published; a broker keeps them and this list is
+        empty.
     """
 
     drained: bool

@@ -16,7 +16,7 @@ import time
 from urllib.parse import urlsplit
 
 from .._exceptions import ConfigurationError, ConnectError, TransportError
-from .._groups import GroupInfo, delete_group, group_document
+from .._groups import GroupInfo, delete_group, group_document, list_groups
 from .._routing import compile_pattern
 from ..transports._kit import redact
 from ..transports._registry import TRANSPORTS, by_scheme
@@ -173,8 +173,7 @@ async def _run(arguments: argparse.Namespace) -> int:
     if not isinstance(transport, GroupAdmin):  # (every broker transport is one)
         return _fail(f"the {transport.name} transport cannot list groups", 2)
     async with transport:
-        groups = await transport.groups()
-        groups.sort(key=lambda info: (info.pattern, info.group))
+        groups = list_groups(await transport.groups(), ())  # (the bus's own left out)
         if arguments.action == "list":
             if arguments.format == "json":
                 print(json.dumps([group_document(info) for info in groups], indent=2))

@@ -31,7 +31,7 @@ from .._routing import compile_pattern
 from .._stage import Stage
 from .._time.broker import CLAIMS_WINDOW, BrokerKeeper
 from .._time.due import BusTime
-from .._time.held import Fire, Keeper
+from .._time.held import Fire, Keeper, LocalKeeper
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
 from ..transports.base import DedupStoreProvider, GroupAdmin, Transport, TransportSettings
@@ -413,7 +413,11 @@ class BrokerMode:
         return self.transport.dedup_store(window)
 
     def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:
-        """The broker holds scheduled envelopes (see :mod:`asyncbus._time.broker`)."""
+        """The broker holds scheduled envelopes (see :mod:`asyncbus._time.broker`) when
+        it keeps what it is given (``capabilities.durable``); over a transport that does
+        not, this process holds them, as in memory, and abandons them at the close."""
+        if not self.transport.capabilities.durable:
+            return LocalKeeper(clock, fire)
         store, _ = self.claim_store()
         return BrokerKeeper(clock, fire, self.port, self.transport, store)
 

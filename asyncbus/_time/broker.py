@@ -49,6 +49,7 @@ from .._failures import describe_error
 from .._groups import INTERNAL_GROUP_PREFIX
 from ..transports.base import BaseDelivery
 from .due import (
+    DONE_TTL,
     HEADER_DUE,
     BusTime,
     as_datetime,
@@ -79,8 +80,6 @@ ROUNDING = 1.07
 #: Deliveries of scheduled envelopes one process holds at once (in hand for up to
 #: :data:`HOLD_AHEAD` and a second more: room for several thousand a second).
 PREFETCH = 10_000
-#: Seconds a published or cancelled id is remembered.
-DONE_TTL = 7 * 24 * 3600.0
 #: Seconds a firing claim lasts (a publish that takes longer may be repeated).
 FIRE_LEASE = 60.0
 #: The claim store's window (the longest a NATS KV entry is kept).

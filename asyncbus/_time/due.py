@@ -27,6 +27,7 @@ from .._failures import stray_cancellation
 _logger = logging.getLogger("asyncbus.schedule")
 
 __all__ = [
+    "DONE_TTL",
     "HEADER_DUE",
     "BusTime",
     "as_datetime",
@@ -39,6 +40,9 @@ __all__ = [
 
 #: Header of an envelope held until it is due: the instant, in epoch seconds.
 HEADER_DUE = "asyncbus-due"
+#: Seconds a claim marked done is remembered: a scheduled id published or cancelled, a
+#: tick published, a schedule known.
+DONE_TTL = 7 * 24 * 3600.0
 
 #: The longest delay accepted (about 30 years): beyond it a typo, not a plan.
 MAX_DELAY = 1e9

@@ -33,7 +33,7 @@ from .._dedup import Claim, DedupStore
 from .._exceptions import ConfigurationError
 from .._failures import describe_error
 from .._stats import ScheduleStatistics
-from .due import BusTime, as_datetime, guarded
+from .due import DONE_TTL, BusTime, as_datetime, guarded
 from .ticks import Ticks, ticks_of
 
 __all__ = ["CATCH_UP", "CatchUp", "Schedule", "Schedules"]
@@ -46,8 +46,6 @@ CATCH_UP = ("skip", "one", "all")
 MAX_CATCH_UP = 1_000
 #: Seconds a replica's claim of a tick lasts: another publishes it after a crash.
 TICK_LEASE = 5.0
-#: Seconds a tick is remembered as done (and a schedule as known).
-DONE_TTL = 7 * 24 * 3600.0
 #: A tick more than this late (seconds) counts as missed.
 LATE = 1.0
 #: Header of a tick's envelope: the tick, as ISO 8601 in the schedule's time zone.

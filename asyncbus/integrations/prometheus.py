@@ -42,7 +42,13 @@ Every metric is labelled ``bus`` (the bus's name), and the per-stage ones ``stag
   ``asyncbus_backlog_refreshed_timestamp_seconds`` (when it was last read);
 * ``asyncbus_dead_letters`` (in the queue now, by ``reason``),
   ``asyncbus_dead_letters_evicted_total`` (evicted from the full queue) and
-  ``asyncbus_bus_running`` (1 while the bus accepts publishes).
+  ``asyncbus_bus_running`` (1 while the bus accepts publishes);
+* time: ``asyncbus_scheduled`` (envelopes published with ``delay=``/``at=`` and not due
+  yet, this process's) and, per periodic schedule (labels ``bus``, ``schedule``,
+  ``topic``), ``asyncbus_schedule_next_fire_timestamp_seconds``,
+  ``_last_fire_timestamp_seconds``, ``_fired_total`` (ticks this process published) and
+  ``_last_outcome`` (1, labelled ``outcome``: ``published``, ``published elsewhere``,
+  ``skipped`` or ``failed``).
 
 The two histograms come from the bus's own fixed logarithmic buckets, exposed at
 every octave from 1 µs (1, 2, 4 µs … about 71 minutes), over the envelopes the bus
@@ -369,6 +375,54 @@ def _families(readings: list[_Reading]) -> Iterator[Metric]:
     yield dead
     yield evicted
     yield running
+    yield from _time_families(readings)
+
+
+def _time_families(readings: list[_Reading]) -> Iterator[Metric]:
+    """Scheduled envelopes and periodic schedules (``bus.scheduled()``, ``statistics()
+    .schedules``)."""
+    scheduled = GaugeMetricFamily(
+        "asyncbus_scheduled",
+        "Envelopes published with delay=/at= that are not due yet (this process's).",
+        labels=("bus",),
+    )
+    labels = ("bus", "schedule", "topic")
+    next_fire = GaugeMetricFamily(
+        "asyncbus_schedule_next_fire_timestamp_seconds",
+        "The schedule's next tick (epoch seconds).",
+        labels=labels,
+    )
+    last_fire = GaugeMetricFamily(
+        "asyncbus_schedule_last_fire_timestamp_seconds",
+        "The schedule's last tick published, by this process or another replica.",
+        labels=labels,
+    )
+    fired = CounterMetricFamily(
+        "asyncbus_schedule_fired", "Ticks of the schedule this process published.", labels=labels
+    )
+    outcome = GaugeMetricFamily(
+        "asyncbus_schedule_last_outcome",
+        "1 for what became of the schedule's last tick: published, published elsewhere, "
+        "skipped or failed.",
+        labels=(*labels, "outcome"),
+    )
+    for reading in readings:
+        scheduled.add_metric((reading.bus,), reading.statistics.scheduled)
+        for schedule in reading.statistics.schedules:
+            named = (reading.bus, schedule.name, schedule.topic)
+            if schedule.next_fire is not None:
+                next_fire.add_metric(named, schedule.next_fire.timestamp())
+            if schedule.last_fire is not None:
+                last_fire.add_metric(named, schedule.last_fire.timestamp())
+            fired.add_metric(named, schedule.fired)
+            if schedule.last_outcome is not None:
+                kind = schedule.last_outcome.partition(":")[0]
+                outcome.add_metric((*named, kind), 1)
+    yield scheduled
+    yield next_fire
+    yield last_fire
+    yield fired
+    yield outcome
 
 
 def exposition(bus: Bus) -> Callable[[], tuple[bytes, str]]:

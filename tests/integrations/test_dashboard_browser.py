@@ -248,6 +248,50 @@ async def test_dashboard_shows_the_limit_and_shedding_live(
     assert (stage.published, stage.acked, stage.shed, stage.dead_lettered) == (7, 3, 4, 4)
 
 
+@pytest.mark.timeout(120)
+async def test_dashboard_shows_schedules_and_scheduled_envelopes(chromium: Path) -> None:
+    from playwright.async_api import expect
+
+    bus = Bus()
+    ticked = anyio.Event()
+
+    @bus.periodic(every=0.1, name="often", group="janitor")
+    async def often(payload: Any) -> None:
+        ticked.set()
+
+    hourly = bus.schedule("reports", every=3600, name="hourly")
+    with anyio.fail_after(90):
+        async with bus, serving(admin_app(bus, token=TOKEN)) as url:
+            await bus.publish("reports", 1, delay=600)
+            await ticked.wait()
+            async with browser_page(chromium) as page:
+                await page.goto(f"{url}/?token={TOKEN}")
+                await expect(page.locator('[data-total="scheduled"]')).to_have_text("1")
+                row = page.locator('#schedules tr[data-schedule="often"]')
+                await expect(row.locator('td[data-field="topic"]')).to_have_text("periodic.often")
+                await expect(row.locator('td[data-field="when"]')).to_have_text("every 0.1 s")
+                await expect(row.locator('td[data-field="last_outcome"]')).to_have_text("published")
+                await expect(row.locator('td[data-field="last_fire"]')).to_have_text(
+                    re.compile(r"^\d+ s ago$")
+                )
+                other = page.locator('#schedules tr[data-schedule="hourly"]')
+                await expect(other.locator('td[data-field="when"]')).to_have_text("every 3600 s")
+                await expect(other.locator('td[data-field="next_fire"]')).to_have_text(
+                    re.compile(r"^in \d+ (s|min|h)$")
+                )
+                # (an en dash: no tick yet)
+                await expect(other.locator('td[data-field="last_fire"]')).to_have_text("\u2013")
+                await expect(other.locator('td[data-field="fired"]')).to_have_text("0")
+                await expect(page.locator("#no-schedules")).to_be_hidden()
+
+                hourly.last_outcome = "failed: TransportError: the broker is down"
+                outcome = other.locator('td[data-field="last_outcome"]')
+                await expect(outcome).to_have_text("failed: TransportError: the broker is down")
+                await expect(outcome).to_have_class(re.compile(r"\bbad\b"))
+                assert await bus.cancel_scheduled(bus.scheduled()[0].id)
+                await expect(page.locator('[data-total="scheduled"]')).to_have_text("0")
+
+
 async def reserve_stock(order: dict[str, Any]) -> None:
     """A handler with the default group (its module and name), as most services have."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -323,12 +324,17 @@ async def test_the_grafana_dashboard_queries_only_metrics_the_collector_exposes(
         raise RuntimeError("broken")
 
     bus.subscribe("jobs", broken, group="w")
+    failing = bus.schedule("reports", every=3600, name="hourly")
     collector = BusCollector(bus)
     registry = CollectorRegistry()
     registry.register(collector)
     with anyio.fail_after(20):
         async with bus:
             await bus.publish("jobs", 1)
+            await bus.publish("jobs", 2, delay=3600)
+            # What a tick that failed to publish leaves (this one is an hour away).
+            failing.last_fire = datetime.now(UTC)
+            failing.last_outcome = "failed: the broker is down"
             await bus.drain()
             await collector.refresh_backlog()
             exposed = set(parse(generate_latest(registry).decode()))
@@ -371,3 +377,48 @@ async def test_one_collector_reports_several_buses_and_a_registry_takes_one() ->
         "orders": 1,
         "billing": 1,
     }
+
+
+async def test_scheduled_envelopes_and_periodic_schedules_are_exposed() -> None:
+    bus = Bus(name="clock")
+    ticked = anyio.Event()
+
+    @bus.periodic(every=0.05, name="often", group="janitor")
+    async def often(payload: Any) -> None:
+        ticked.set()
+
+    bus.schedule("reports", every=3600, name="hourly")
+    registry = CollectorRegistry()
+    registry.register(BusCollector(bus))
+    with anyio.fail_after(20):
+        async with bus:
+            await bus.publish("reports", 1, delay=600)
+            await bus.publish("reports", 2, delay=900)
+            await ticked.wait()
+            # Read on the bus's own loop, with no await between: one moment's numbers.
+            samples = parse(generate_latest(registry).decode())
+            statistics = bus.statistics()
+    assert [(s.labels, s.value) for s in samples["asyncbus_scheduled"]] == [({"bus": "clock"}, 2)]
+    schedules = {schedule.name: schedule for schedule in statistics.schedules}
+    often_stats, hourly = schedules["often"], schedules["hourly"]
+    assert often_stats.next_fire is not None and often_stats.last_fire is not None
+    assert hourly.next_fire is not None and hourly.last_fire is None
+
+    def by_schedule(name: str) -> dict[str, float]:
+        return {s.labels["schedule"]: s.value for s in samples[name]}
+
+    assert by_schedule("asyncbus_schedule_next_fire_timestamp_seconds") == {
+        "often": often_stats.next_fire.timestamp(),
+        "hourly": hourly.next_fire.timestamp(),
+    }
+    assert by_schedule("asyncbus_schedule_last_fire_timestamp_seconds") == {
+        "often": often_stats.last_fire.timestamp()
+    }
+    assert by_schedule("asyncbus_schedule_fired_total") == {
+        "often": often_stats.fired,
+        "hourly": 0,
+    }
+    assert [
+        (s.labels["schedule"], s.labels["topic"], s.labels["outcome"], s.value)
+        for s in samples["asyncbus_schedule_last_outcome"]
+    ] == [("often", "periodic.often", "published", 1)]
