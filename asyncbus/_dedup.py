@@ -28,7 +28,11 @@ import anyio
 
 from ._clock import Clock
 
-__all__ = ["Claim", "DedupStore", "MemoryDedupStore"]
+__all__ = ["TICK_KEY_PREFIX", "Claim", "DedupStore", "MemoryDedupStore"]
+
+#: Where the keys of periodic ticks begin (``{prefix}{schedule name}/{tick ms}``, and
+#: ``{prefix}{schedule name}/known``).
+TICK_KEY_PREFIX = "_asyncbus.periodic."
 
 
 class Claim(StrEnum):

@@ -34,7 +34,13 @@ from .._time.due import BusTime
 from .._time.held import Fire, Keeper, LocalKeeper
 from ..transports._bound import BoundTransport
 from ..transports._codec import Codec, encode_payload
-from ..transports.base import DedupStoreProvider, GroupAdmin, Transport, TransportSettings
+from ..transports.base import (
+    DedupStoreProvider,
+    GroupAdmin,
+    TickClaimsProvider,
+    Transport,
+    TransportSettings,
+)
 from .dead_letters import BrokerStore, watch
 from .local import LocalMode
 from .mode import CLOSE_GRACE, INBOX, Progress
@@ -418,15 +424,19 @@ class BrokerMode:
         not, this process holds them, as in memory, and abandons them at the close."""
         if not self.transport.capabilities.durable:
             return LocalKeeper(clock, fire)
-        store, _ = self.claim_store()
+        store = self.dedup_store(CLAIMS_WINDOW) or MemoryDedupStore()
         return BrokerKeeper(clock, fire, self.port, self.transport, store)
 
     def claim_store(self) -> tuple[DedupStore, bool]:
-        """The broker's claim store (``deduplicate()``'s), else this process's own."""
+        """Where periodic ticks are claimed: the broker's shared store (``deduplicate()``'s),
+        else its tick claims (RabbitMQ: one replica leads each schedule), else this
+        process's own."""
         store = self.dedup_store(CLAIMS_WINDOW)
-        if store is None:
-            return MemoryDedupStore(), False
-        return store, True
+        if store is not None:
+            return store, True
+        if isinstance(self.transport, TickClaimsProvider):
+            return self.transport.tick_claims(), True
+        return MemoryDedupStore(), False
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """The transport's shielded scope, bounded by its close deadline."""

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import anyio
 
 from .._checks import check_seconds
-from .._dedup import Claim, DedupStore
+from .._dedup import TICK_KEY_PREFIX, Claim, DedupStore
 from .._exceptions import ConfigurationError
 from .._failures import describe_error
 from .._stats import ScheduleStatistics
@@ -46,6 +46,9 @@ CATCH_UP = ("skip", "one", "all")
 MAX_CATCH_UP = 1_000
 #: Seconds a replica's claim of a tick lasts: another publishes it after a crash.
 TICK_LEASE = 5.0
+#: Seconds after its tick a replica stops asking about a tick another one keeps
+#: claimed (a dead replica's lease has run out long before).
+BUSY_PATIENCE = 3 * TICK_LEASE
 #: A tick more than this late (seconds) counts as missed.
 LATE = 1.0
 #: Header of a tick's envelope: the tick, as ISO 8601 in the schedule's time zone.
@@ -273,7 +276,12 @@ class Schedules:
             schedule.last_fire, schedule.last_outcome = as_datetime(tick), "published elsewhere"
             return
         if found is Claim.BUSY:  # another replica publishes it: look again after its lease
-            self._enqueue(queue, schedule, tick, tries + 1, self._clock.now() + TICK_LEASE)
+            now = self._clock.now()
+            if now - tick > BUSY_PATIENCE:  # it keeps it: trust it (it retries, or fails)
+                schedule.last_fire, schedule.last_outcome = as_datetime(tick), "published elsewhere"
+                return
+            recheck = getattr(store, "busy_recheck", TICK_LEASE)
+            self._enqueue(queue, schedule, tick, tries + 1, now + recheck)
             return
         await self._fire_claimed(schedule, tick, store, tries, queue)
 
@@ -352,11 +360,11 @@ async def _quietly(call: Awaitable[None]) -> None:
 
 
 def _tick_key(schedule: Schedule, tick: float) -> str:
-    return f"_asyncbus.periodic.{schedule.name}/{round(tick * 1000)}"
+    return f"{TICK_KEY_PREFIX}{schedule.name}/{round(tick * 1000)}"
 
 
 def _known_key(schedule: Schedule) -> str:
-    return f"_asyncbus.periodic.{schedule.name}/known"
+    return f"{TICK_KEY_PREFIX}{schedule.name}/known"
 
 
 def periodic_topic(name: str) -> str:

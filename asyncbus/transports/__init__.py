@@ -35,6 +35,7 @@ from .base import KeepAlive as KeepAlive
 from .base import RoutedPublisher as RoutedPublisher
 from .base import SharedDeadLetters as SharedDeadLetters
 from .base import SubscriptionControl as SubscriptionControl
+from .base import TickClaimsProvider as TickClaimsProvider
 from .base import TopicLimits as TopicLimits
 from .base import Transport as Transport
 from .base import TransportSettings as TransportSettings
@@ -68,6 +69,7 @@ __all__ = [
     "RoutedPublisher",
     "SharedDeadLetters",
     "SubscriptionControl",
+    "TickClaimsProvider",
     "TopicLimits",
     "Transport",
     "TransportSettings",

@@ -7,8 +7,8 @@ protocol (``ack``, ``nack``, ``reject`` with one signature). What only some brok
 offer is an optional protocol of its own, checked once (``isinstance``) when the bus
 binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
 :class:`BacklogReader`, :class:`DeadLetterStore` (and :class:`SharedDeadLetters`),
-:class:`DedupStoreProvider`, :class:`AcksWrittenBehind`, :class:`KeepAlive`,
-:class:`GroupAdmin`. Everything
+:class:`DedupStoreProvider`, :class:`TickClaimsProvider`, :class:`AcksWrittenBehind`,
+:class:`KeepAlive`, :class:`GroupAdmin`. Everything
 else (retry, expiry, timeouts, slips, requests, statistics) is the bus's, written once.
 """
 
@@ -50,6 +50,7 @@ __all__ = [
     "RoutedPublisher",
     "SharedDeadLetters",
     "SubscriptionControl",
+    "TickClaimsProvider",
     "TopicLimits",
     "Transport",
     "TransportSettings",
@@ -446,6 +447,16 @@ class DedupStoreProvider(Protocol):
 
     def dedup_store(self, window: float) -> DedupStore:
         """The store; ``window`` is the seconds a handled envelope is remembered."""
+
+
+@runtime_checkable
+class TickClaimsProvider(Protocol):
+    """A transport whose broker cannot keep a shared ``deduplicate()`` store but can
+    still make one replica publish each tick of a periodic schedule (RabbitMQ: a lock
+    per schedule that goes with its holder's connection)."""
+
+    def tick_claims(self) -> DedupStore:
+        """A store for the periodic runner's keys only (``_asyncbus.periodic.*``)."""
 
 
 @runtime_checkable

@@ -182,6 +182,7 @@ from ._rabbit_names import (
     delay_bucket_ms,
     escape,
 )
+from ._rabbit_ticks import TickLeader
 from ._registry import registered
 from .base import Capabilities, DeadLetterChange, Delivery, TopicLimits, Transport
 
@@ -1338,6 +1339,13 @@ class RabbitTransport(Transport):
                 else:
                     wait = min(wait, first._deadline - now)
             await anyio.sleep(max(wait, 0.001))
+
+    # -- periodic ticks -------------------------------------------------------
+
+    def tick_claims(self) -> TickLeader:
+        """Periodic ticks claimed by leading (:mod:`._rabbit_ticks`): one replica per
+        schedule holds its lock queue and publishes its ticks."""
+        return TickLeader(self)
 
     # -- groups ---------------------------------------------------------------
 

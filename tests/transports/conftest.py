@@ -100,6 +100,7 @@ if _HERE not in sys.path:
     sys.path.append(_HERE)
 
 from _brokers import BROKERS, names  # type: ignore[import-not-found]  # noqa: E402
+from _private_brokers import PrivateServer  # type: ignore[import-not-found]  # noqa: E402
 
 
 @pytest.fixture(params=names())
@@ -119,3 +120,15 @@ async def url(kind: str, unique_prefix: str) -> AsyncIterator[str]:
     yield shared
     with anyio.CancelScope(shield=True):
         await broker.forget(shared, unique_prefix)
+
+
+@pytest.fixture(scope="module", params=names())
+async def private_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[str, PrivateServer]]:
+    """Each broker in turn as a private server on a port of its own (for faults: a proxy
+    in front of it, a stop), shared by one module's tests (prefixes keep them apart)."""
+    kind: str = request.param
+    folder: Path = tmp_path_factory.mktemp(kind)
+    async with BROKERS[kind].start_private(folder) as running:
+        yield kind, running

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import anyio
 import pytest
-from _brokers import BROKERS, make_transport, names, url_for  # type: ignore[import-not-found]
+from _brokers import make_transport, url_for  # type: ignore[import-not-found]
 from _private_brokers import PrivateServer  # type: ignore[import-not-found]
 from _proxy import TcpProxy  # type: ignore[import-not-found]
 
@@ -32,17 +30,6 @@ ACK_TIMEOUT = 2.0
 MARGIN = 0.2
 #: Acked before the fault, and handled while the broker cannot hear.
 BEFORE, DURING = 40, 16
-
-
-@pytest.fixture(scope="module", params=names())
-async def server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[str, PrivateServer]]:
-    """One private server per broker, shared by this module's tests (prefixes apart)."""
-    kind: str = request.param
-    folder: Path = tmp_path_factory.mktemp(kind)
-    async with BROKERS[kind].start_private(folder) as running:
-        yield kind, running
 
 
 def _bus(kind: str, url: str, prefix: str) -> Bus:
@@ -73,9 +60,9 @@ async def _handled_again(kind: str, url: str, prefix: str, expected: list[str]) 
 
 @pytest.mark.parametrize("fault", ["refuse", "blackhole"])
 async def test_what_was_handled_while_the_broker_could_not_hear_is_exactly_what_is_abandoned(
-    server: tuple[str, PrivateServer], fault: str, unique_prefix: str
+    private_server: tuple[str, PrivateServer], fault: str, unique_prefix: str
 ) -> None:
-    kind, broker = server
+    kind, broker = private_server
     before = [f"before-{n}" for n in range(BEFORE)]
     during = [f"during-{n}" for n in range(DURING)]
     holding = anyio.Event()
@@ -121,9 +108,9 @@ async def test_what_was_handled_while_the_broker_could_not_hear_is_exactly_what_
 
 @pytest.mark.parametrize("fault", ["refuse", "blackhole"])
 async def test_aclose_returns_within_its_timeout_however_the_broker_is_gone(
-    server: tuple[str, PrivateServer], fault: str, unique_prefix: str
+    private_server: tuple[str, PrivateServer], fault: str, unique_prefix: str
 ) -> None:
-    kind, broker = server
+    kind, broker = private_server
     ids = [f"job-{n}" for n in range(6)]
     started = anyio.Event()
     with TcpProxy(broker.port) as proxy:
