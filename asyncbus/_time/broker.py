@@ -77,6 +77,9 @@ HEADER_TOPIC = "asyncbus-scheduled-topic"
 HOLD_AHEAD = 3.0
 #: A delayed redelivery may come this much late (RabbitMQ's buckets: 6.25 %).
 ROUNDING = 1.07
+#: Longest wait asked of the broker at once (RabbitMQ holds a message at most about
+#: 49 days): a longer delay comes back once a day and is handed back again.
+LONGEST_HOP = 86_400.0
 #: Deliveries of scheduled envelopes one process holds at once (in hand for up to
 #: :data:`HOLD_AHEAD` and a second more: room for several thousand a second).
 PREFETCH = 10_000
@@ -108,6 +111,8 @@ class BrokerKeeper:
         self._store = store
         #: What this process scheduled and has not seen come due: ``bus.scheduled()``.
         self._mine: dict[str, tuple[Envelope, float]] = {}
+        #: Deliveries that came early and were handed back to the broker.
+        self.handed_back = 0
         self._running: Callable[[], bool] = lambda: True
         #: This process's owner name for the ids it takes to fire.
         self._owner = f"firing-{random.getrandbits(64):x}"
@@ -199,8 +204,10 @@ class BrokerKeeper:
                 return
             remaining = due - self._clock.now()
             if remaining > HOLD_AHEAD + 1.0:
+                hop = min((remaining - HOLD_AHEAD) / ROUNDING, LONGEST_HOP)
                 with self._transport.cleanup_scope():
-                    await delivery.nack(delay=(remaining - HOLD_AHEAD) / ROUNDING)
+                    await delivery.nack(delay=hop)
+                self.handed_back += 1
                 return
             await self._hold_then_fire(delivery, envelope, topic, due)
         except Exception as error:  # the broker failed us: it delivers it again

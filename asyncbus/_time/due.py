@@ -36,6 +36,7 @@ __all__ = [
     "due_header",
     "guarded",
     "read_due",
+    "seconds_of",
 ]
 
 #: Header of an envelope held until it is due: the instant, in epoch seconds.
@@ -76,16 +77,22 @@ class BusTime:
         return self._origin_loop + (due - self._origin_wall)
 
 
+def seconds_of(value: Any) -> Any:
+    """A :class:`datetime.timedelta` as its seconds; anything else as it is (to check)."""
+    return value.total_seconds() if isinstance(value, dt.timedelta) else value
+
+
 def check_due(delay: Any, at: Any, now: float, where: str) -> float | None:
     """The epoch instant a publish given ``delay`` or ``at`` is due (``None``: neither).
 
     :param now: epoch seconds now (:meth:`BusTime.now`).
     :raises ConfigurationError: both given; ``delay`` not a finite number of seconds
-        ``>= 0``; ``at`` not a timezone-aware :class:`datetime.datetime`.
+        (or a timedelta) ``>= 0``; ``at`` not a timezone-aware :class:`datetime.datetime`.
     """
     if at is None:
         if delay is None:
             return None
+        delay = seconds_of(delay)
         return now + check_seconds(delay, f"{where}: delay", zero=True, maximum=MAX_DELAY)
     if delay is not None:
         raise ConfigurationError(f"{where}: give delay= or at=, not both")

@@ -33,7 +33,7 @@ from .._dedup import TICK_KEY_PREFIX, Claim, DedupStore
 from .._exceptions import ConfigurationError
 from .._failures import describe_error
 from .._stats import ScheduleStatistics
-from .due import DONE_TTL, BusTime, as_datetime, guarded
+from .due import DONE_TTL, BusTime, as_datetime, guarded, seconds_of
 from .ticks import Ticks, ticks_of
 
 __all__ = ["CATCH_UP", "CatchUp", "Schedule", "Schedules"]
@@ -134,9 +134,9 @@ def make_schedule(
         name = f"{topic} {ticks.describe()}"
     if not isinstance(name, str) or not name or len(name) > 200:
         raise ConfigurationError(f"{where}: name must be a non-empty string, got {name!r}")
-    if isinstance(jitter, dt.timedelta):
-        jitter = jitter.total_seconds()
-    spread = 0.0 if jitter is None else check_seconds(jitter, f"{where}: jitter", zero=True)
+    spread = (
+        0.0 if jitter is None else check_seconds(seconds_of(jitter), f"{where}: jitter", zero=True)
+    )
     if catch_up not in CATCH_UP:
         raise ConfigurationError(f"{where}: catch_up must be one of {CATCH_UP}, got {catch_up!r}")
     return Schedule(name, topic, payload, ticks, spread, catch_up, headers)

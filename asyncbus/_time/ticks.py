@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .._checks import check_seconds
 from .._exceptions import ConfigurationError
+from .due import seconds_of
 
 __all__ = ["Cron", "Every", "Ticks", "check_timezone", "ticks_of"]
 
@@ -110,7 +111,7 @@ def ticks_of(every: Any, cron: Any, zone: Any, where: str) -> Ticks:
     if every is not None:
         if zone is not None:
             check_timezone(zone, where)  # (checked all the same; intervals ignore it)
-        seconds = every.total_seconds() if isinstance(every, dt.timedelta) else every
+        seconds = seconds_of(every)
         return Every(check_seconds(seconds, f"{where}: every", maximum=1e9))
     if not isinstance(cron, str):
         raise ConfigurationError(f"{where}: cron must be a string, got {cron!r}")

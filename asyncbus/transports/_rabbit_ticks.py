@@ -30,10 +30,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -41,9 +41,14 @@ from .._dedup import TICK_KEY_PREFIX, Claim, MemoryDedupStore
 from .._exceptions import DecodeError
 
 if TYPE_CHECKING:
-    from aiormq.abc import AbstractChannel
+    from aiormq.abc import AbstractChannel, AbstractConnection
 
-    from .rabbit import RabbitTransport, _Link
+
+class Link(Protocol):
+    """What the leader needs of the transport's link: its publishing connection."""
+
+    publisher: AbstractConnection
+
 
 __all__ = ["KEPT", "TickLeader"]
 
@@ -65,7 +70,7 @@ class _Schedule:
     lock: str
     record: str
     #: The link whose connection holds the lock (``None``: another replica leads).
-    led_on: _Link | None = None
+    led_on: Link | None = None
     #: When to look again (anyio time).
     next_look: float = float("-inf")
     known: bool = False
@@ -118,8 +123,23 @@ class TickLeader:
     #: Seconds the runner waits before it asks again about a BUSY tick.
     busy_recheck = RECHECK
 
-    def __init__(self, transport: RabbitTransport) -> None:
-        self._transport = transport
+    def __init__(
+        self,
+        prefix: str,
+        live_link: Callable[[], Awaitable[Link]],
+        current_link: Callable[[], Link | None],
+        keep: Callable[[str, bytes], Awaitable[None]],
+    ) -> None:
+        """
+        :param prefix: the transport's prefix (the lock and record queues go under it).
+        :param live_link: the transport's live link, waited for (a reconnection).
+        :param current_link: the live link now, ``None`` while there is none.
+        :param keep: publish a record (queue name, body) with the broker's confirm.
+        """
+        self._prefix = prefix
+        self._live_link = live_link
+        self._current_link = current_link
+        self._keep = keep
         self._schedules: dict[str, _Schedule] = {}
         #: Concurrent claims inside this replica (the leader fires ticks concurrently).
         self._leases = MemoryDedupStore()
@@ -160,13 +180,13 @@ class TickLeader:
         schedule = self._schedules.get(name)
         if schedule is None:
             digest = hashlib.sha256(name.encode()).hexdigest()[:32]
-            base = f"{self._transport.prefix}._asyncbus.periodic.{digest}"
+            base = f"{self._prefix}._asyncbus.periodic.{digest}"
             schedule = self._schedules[name] = _Schedule(lock=f"{base}.leader", record=base)
         return schedule, tick
 
     def _leads(self, schedule: _Schedule) -> bool:
         link = schedule.led_on
-        return link is not None and link is self._transport._link and not link.lost.is_set()
+        return link is not None and link is self._current_link()
 
     async def _lead(self, schedule: _Schedule) -> bool:
         """Whether this replica leads ``schedule``: it takes the lock when it is free
@@ -189,12 +209,8 @@ class TickLeader:
             logger.info("RabbitMQ: this process leads the schedule %s", schedule.record)
             return True
 
-    async def _live_link(self) -> _Link:
-        transport = self._transport
-        return await transport._wait_link(anyio.current_time() + transport.publish_timeout)
-
     @asynccontextmanager
-    async def _channel(self, link: _Link) -> AsyncIterator[AbstractChannel]:
+    async def _channel(self, link: Link) -> AsyncIterator[AbstractChannel]:
         """A channel of the link's publishing connection, closed after use (what it
         got and did not ack goes back to its queue; an exclusive queue stays with the
         connection)."""
@@ -227,11 +243,5 @@ class TickLeader:
 
     async def _write(self, schedule: _Schedule) -> None:
         """Publish the record (the newest replaces the older), one write at a time."""
-        transport = self._transport
         async with schedule.writing:
-            link = await self._live_link()
-            await transport._catalogue(link, schedule.record)  # (for delete_everything)
-            properties = transport._properties_type()(
-                content_type="application/json", delivery_mode=2
-            )
-            await transport._publish_one("", schedule.record, schedule.document(), properties)
+            await self._keep(schedule.record, schedule.document())

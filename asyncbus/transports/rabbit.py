@@ -1345,7 +1345,20 @@ class RabbitTransport(Transport):
     def tick_claims(self) -> TickLeader:
         """Periodic ticks claimed by leading (:mod:`._rabbit_ticks`): one replica per
         schedule holds its lock queue and publishes its ticks."""
-        return TickLeader(self)
+        return TickLeader(self.prefix, self._live_link, self._current_link, self._keep_record)
+
+    async def _live_link(self) -> _Link:
+        return await self._wait_link(anyio.current_time() + self.publish_timeout)
+
+    def _current_link(self) -> _Link | None:
+        link = self._link
+        return link if link is not None and not link.lost.is_set() else None
+
+    async def _keep_record(self, queue: str, body: bytes) -> None:
+        """Publish a record to its one-message queue (catalogued for delete_everything)."""
+        await self._catalogue(await self._live_link(), queue)
+        properties = self._properties_type()(content_type="application/json", delivery_mode=2)
+        await self._publish_one("", queue, body, properties)
 
     # -- groups ---------------------------------------------------------------
 

@@ -332,3 +332,26 @@ async def test_statistics_and_listing_from_another_thread() -> None:
             counted = await anyio.to_thread.run_sync(lambda: bus.statistics().scheduled)
             assert ([s.id for s in listed], counted) == ([receipt.id], 1)
             await bus.aclose()
+
+
+async def test_a_delay_may_be_a_timedelta() -> None:
+    seen = Seen()
+    bus = Bus()
+    bus.subscribe("jobs", seen, group="g")
+    with anyio.fail_after(10):
+        async with bus:
+            before = dt.datetime.now(dt.UTC)
+            receipt = await bus.publish("jobs", 1, delay=dt.timedelta(milliseconds=50))
+            [second] = await bus.publish_many("jobs", [2], delay=dt.timedelta(hours=2))
+            assert receipt.scheduled is not None and second.scheduled is not None
+            # (the bus's clock is the wall clock read at its start, then the loop's)
+            soon, later = receipt.scheduled - before, second.scheduled - before
+            assert dt.timedelta(milliseconds=0) < soon < dt.timedelta(milliseconds=500)
+            hours = dt.timedelta(hours=2)
+            assert hours - dt.timedelta(milliseconds=50) < later < hours + dt.timedelta(seconds=1)
+            await seen.wait_for(1)
+            for bad in (dt.timedelta(seconds=-1), dt.timedelta(days=365 * 40)):
+                with pytest.raises(ConfigurationError, match="delay"):
+                    await bus.publish("jobs", 3, delay=bad)
+            assert await bus.cancel_scheduled(second.id)
+    assert seen.payloads == [1]

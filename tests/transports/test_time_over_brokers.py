@@ -10,6 +10,7 @@ NATS; RabbitMQ keeps none: see the guide), and so are the ticks of periodic sche
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -103,6 +104,23 @@ async def test_the_internal_group_is_not_listed_among_the_groups(
             await bus.publish("jobs", 1, delay=3600)
             assert [info.name for info in await bus.groups()] == ["jobs@workers"]
             assert [info.name for info in bus.groups()] == ["jobs@workers"]
+
+
+async def test_a_delay_longer_than_a_broker_can_hold_goes_back_in_hops(
+    kind: str, url: str, unique_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    bus = Bus(transport=make_transport(kind, url, unique_prefix))
+    bus.subscribe("jobs", Arrivals(), group="workers")
+    with caplog.at_level(logging.WARNING, "asyncbus"), anyio.fail_after(60):
+        async with bus:
+            # 60 days: beyond RabbitMQ's longest message TTL (about 49.7 days)
+            receipt = await bus.publish("jobs", 1, delay=60 * 86400)
+            keeper = bus._time.keeper
+            while keeper.handed_back < 1:  # (the broker delivered it early once)
+                await anyio.sleep(0.01)
+            assert [s.id for s in bus.scheduled()] == [receipt.id]
+            assert await bus.cancel_scheduled(receipt.id) is True
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 async def test_cancel_scheduled_holds_in_every_process(
