@@ -61,6 +61,7 @@ from ._offload import (
 )
 from ._options import PLAIN, PublishOptions, make_options, publish_options
 from ._publishing import Publisher
+from ._rates import RateStore
 from ._replies import Replies
 from ._routing import Router, validate_topic
 from ._runtime import FREE_THREADED, current_backend, fast_checkpoint
@@ -194,6 +195,10 @@ class _Services:
     def dedup_store(self, window: float) -> DedupStore | None:
         """The broker's shared dedup store, ``None`` in memory or without one."""
         return self._bus._mode.dedup_store(window)
+
+    def rate_store(self) -> RateStore | None:
+        """The broker's shared rate-limit turns, ``None`` in memory or without them."""
+        return self._bus._mode.rate_store()
 
     def consumer_info(self, stage: Stage) -> _instrument.Consumer:
         """How ``stage`` is described to the instrumentation (the same for its life)."""

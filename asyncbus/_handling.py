@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from ._dedup import DedupStore
 from ._envelope import Envelope
+from ._rates import RateStore
 
 __all__ = ["Handling", "HandlingHost", "StageView", "current_handling", "handled_envelope"]
 
@@ -37,6 +38,9 @@ class HandlingHost(Protocol):
 
     def dedup_store(self, window: float) -> DedupStore | None:
         """The broker's shared dedup store, ``None`` in memory or without one."""
+
+    def rate_store(self) -> RateStore | None:
+        """The broker's shared rate-limit turns, ``None`` in memory or without them."""
 
     def start_soon(
         self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None

@@ -27,6 +27,7 @@ from .._groups import (
     local_groups,
     no_admin,
 )
+from .._rates import RateStore
 from .._routing import compile_pattern
 from .._stage import Stage
 from .._time.broker import CLAIMS_WINDOW, BrokerKeeper
@@ -37,6 +38,7 @@ from ..transports._codec import Codec, encode_payload
 from ..transports.base import (
     DedupStoreProvider,
     GroupAdmin,
+    RateStoreProvider,
     TickClaimsProvider,
     Transport,
     TransportSettings,
@@ -417,6 +419,11 @@ class BrokerMode:
         if not isinstance(self.transport, DedupStoreProvider):
             return None
         return self.transport.dedup_store(window)
+
+    def rate_store(self) -> RateStore | None:
+        """The broker's shared rate-limit turns, if it keeps them."""
+        transport = self.transport
+        return transport.rate_store() if isinstance(transport, RateStoreProvider) else None
 
     def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:
         """The broker holds scheduled envelopes (see :mod:`asyncbus._time.broker`) when

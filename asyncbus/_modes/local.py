@@ -17,6 +17,7 @@ from .._door import DoorOutcome, RoomWaiter
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
 from .._groups import GroupInfo, local_groups, subscribed_here
+from .._rates import RateStore
 from .._routing import Router
 from .._stage import Backpressure, Stage
 from .._time.due import BusTime
@@ -356,6 +357,10 @@ class LocalMode:
 
     def dedup_store(self, window: float) -> DedupStore | None:
         """No broker: each ``deduplicate()`` keeps its own memory."""
+        return None
+
+    def rate_store(self) -> RateStore | None:
+        """No broker: each ``RateLimit`` keeps its own turns."""
         return None
 
     def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:

@@ -20,6 +20,7 @@ from .._dead_letters import DeadLetter, DeadLetterQueue
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt
 from .._groups import GroupInfo
+from .._rates import RateStore
 from .._stage import Stage
 from .._time.due import BusTime
 from .._time.held import Fire, Keeper
@@ -134,6 +135,9 @@ class Mode(Protocol):
 
     def dedup_store(self, window: float) -> DedupStore | None:
         """The broker's shared dedup store, ``None`` in memory or without one."""
+
+    def rate_store(self) -> RateStore | None:
+        """The broker's shared rate-limit turns, ``None`` in memory or without them."""
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -10,11 +11,15 @@ import anyio
 
 from .._checks import check_seconds
 from .._envelope import Envelope
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, TransportError
+from .._handling import current_handling
+from .._rates import RateStore, next_turn
 from .._types import Handler
 from .._verdicts import Defer
 
 __all__ = ["RateLimit"]
+
+logger = logging.getLogger("asyncbus.rate_limit")
 
 #: Keys kept before idle ones (whose bucket is full again) are forgotten.
 _MAX_KEYS = 10_000
@@ -32,7 +37,12 @@ class RateLimit:
     limit is never exceeded. Deferring is not a failure: ``Retry``'s budget and
     ``max_deliveries`` are untouched, and the stage's ``deferred`` counts it.
 
-    The limit is this process's: over a broker each replica limits what it handles.
+    Each subscription has its own buckets. Over a broker that keeps rate limits (Redis,
+    NATS: ``transport.rate_store()``) the turns are taken there, so every replica of the
+    group draws from the same buckets (the key's ``str()`` names a bucket) and the limit
+    holds for the group as a whole; if the broker cannot be asked, this process limits
+    on its own meanwhile (a warning says so). Elsewhere (in memory, RabbitMQ) the limit
+    is this process's: each replica limits what it handles.
 
     :param rate: envelopes per ``per`` seconds, a finite number ``> 0``.
     :param per: the period in seconds.
@@ -66,32 +76,63 @@ class RateLimit:
         self._next: dict[Hashable, float] = {}
         #: Envelope id -> the turn it was given when deferred.
         self._turns: dict[str, float] = {}
+        #: Whether the broker's turns could not be taken last time (warned once).
+        self._unshared = False
 
     def __repr__(self) -> str:
         return f"RateLimit(rate={self.rate!r}, per={self.per!r}, burst={self.burst!r})"
 
     def wait(self, bucket: Hashable, now: float) -> float:
         """Take the next turn of ``bucket`` at ``now``: seconds until it is due (0: now)."""
-        interval = self.interval
-        earliest = now - (self.burst - 1) * interval  # a full bucket's worth of credit
-        turn = max(self._next.get(bucket, earliest), earliest)
-        self._next[bucket] = turn + interval
+        wait, self._next[bucket] = next_turn(self._next.get(bucket), now, self.interval, self.burst)
         if len(self._next) > _MAX_KEYS:
             self._forget(now)
-        return max(0.0, turn - now)
+        return wait
 
     def _forget(self, now: float) -> None:
         """Drop the buckets that are full again (nothing owed): they start afresh."""
         horizon = now - (self.burst - 1) * self.interval
         self._next = {bucket: due for bucket, due in self._next.items() if due > horizon}
 
+    async def _take(
+        self, stage: str, bucket: Hashable, now: float, shared: RateStore | None
+    ) -> float:
+        """The wait of the next turn of ``bucket`` of ``stage``: the broker's when it
+        keeps them, else (or when it does not answer) this process's."""
+        if shared is not None:
+            name = stage if bucket is None else f"{stage}/{bucket}"
+            try:
+                wait = await shared.take(name, self.interval, self.burst)
+            except TransportError as error:
+                if not self._unshared:
+                    logger.warning(
+                        "RateLimit of %s: the broker's turns cannot be taken, this process "
+                        "limits on its own meanwhile: %s",
+                        stage,
+                        error,
+                    )
+                self._unshared = True
+            else:
+                if self._unshared:
+                    logger.warning("RateLimit of %s: the broker's turns are taken again", stage)
+                self._unshared = False
+                return wait
+        return self.wait((stage, bucket), now)
+
     def __call__(self, call_next: Handler) -> Handler:
+        # The broker's store, found at the chain's first envelope (the bus is known then).
+        chosen: list[RateStore | None] = []
+
         async def handle(envelope: Envelope) -> Any:
             now = anyio.current_time()
             turns = self._turns
             if turns.pop(envelope.id, None) is None:  # (back for its turn: it runs)
+                handling = current_handling()
+                if not chosen:
+                    chosen.append(handling.host.rate_store() if handling is not None else None)
+                stage = handling.stage.name if handling is not None else ""
                 bucket = None if self.key is None else self.key(envelope)
-                wait = self.wait(bucket, now)
+                wait = await self._take(stage, bucket, now, chosen[0])
                 if wait > 0:
                     if len(turns) >= _MAX_KEYS * 10:
                         # Turns of envelopes that never came back (expired, abandoned).

@@ -32,6 +32,7 @@ from .base import GroupAdmin as GroupAdmin
 from .base import GroupInfo as GroupInfo
 from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
+from .base import RateStoreProvider as RateStoreProvider
 from .base import RoutedPublisher as RoutedPublisher
 from .base import SharedDeadLetters as SharedDeadLetters
 from .base import SubscriptionControl as SubscriptionControl
@@ -65,6 +66,7 @@ __all__ = [
     "MsgspecCodec",
     "NatsTransport",
     "RabbitTransport",
+    "RateStoreProvider",
     "RedisTransport",
     "RoutedPublisher",
     "SharedDeadLetters",

@@ -7,7 +7,8 @@ protocol (``ack``, ``nack``, ``reject`` with one signature). What only some brok
 offer is an optional protocol of its own, checked once (``isinstance``) when the bus
 binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
 :class:`BacklogReader`, :class:`DeadLetterStore` (and :class:`SharedDeadLetters`),
-:class:`DedupStoreProvider`, :class:`TickClaimsProvider`, :class:`AcksWrittenBehind`,
+:class:`DedupStoreProvider`, :class:`RateStoreProvider`, :class:`TickClaimsProvider`,
+:class:`AcksWrittenBehind`,
 :class:`KeepAlive`, :class:`GroupAdmin`. Everything
 else (retry, expiry, timeouts, slips, requests, statistics) is the bus's, written once.
 """
@@ -31,6 +32,7 @@ from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError
 from .._groups import GroupAdmin, GroupInfo
+from .._rates import RateStore
 from ._codec import Codec, default_codec
 from ._kit.delivery import BaseDelivery
 
@@ -47,6 +49,7 @@ __all__ = [
     "GroupInfo",
     "GroupPublisher",
     "KeepAlive",
+    "RateStoreProvider",
     "RoutedPublisher",
     "SharedDeadLetters",
     "SubscriptionControl",
@@ -447,6 +450,15 @@ class DedupStoreProvider(Protocol):
 
     def dedup_store(self, window: float) -> DedupStore:
         """The store; ``window`` is the seconds a handled envelope is remembered."""
+
+
+@runtime_checkable
+class RateStoreProvider(Protocol):
+    """A transport whose broker can keep ``RateLimit``'s turns, shared by every process
+    using it (without it each process limits only what it handles)."""
+
+    def rate_store(self) -> RateStore:
+        """The store (see :mod:`asyncbus._rates`)."""
 
 
 @runtime_checkable

@@ -136,6 +136,7 @@ from ._nats_groups import GroupDirectory, group_description, list_groups
 from ._nats_handbacks import HandBacks
 from ._nats_heartbeats import NatsHeartbeats
 from ._nats_publisher import JetStreamPublisher, NoStreamError
+from ._nats_rates import NatsRateStore
 from ._registry import registered
 from .base import Capabilities, DeadLetterChange, Delivery, TopicLimits, Transport
 
@@ -1022,6 +1023,11 @@ class NatsTransport(Transport):
         handling of a redelivery: see :mod:`._nats_dedup`.)
         """
         return NatsDedupStore(self, window)
+
+    def rate_store(self) -> NatsRateStore:
+        """``RateLimit``'s shared turns in NATS: a JetStream KV bucket, one key per
+        bucket, written at the revision read."""
+        return NatsRateStore(self)
 
     async def backlog(self, pattern: str, group: str) -> int:
         """Messages of the group's consumer not yet delivered plus delivered, unsettled."""

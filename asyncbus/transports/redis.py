@@ -138,6 +138,7 @@ from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
 from ._redis_groups import RedisGroups
 from ._redis_heartbeats import RedisHeartbeats
+from ._redis_rates import RedisRateStore
 from ._registry import registered
 from ._wire_fields import group_from_wire
 from .base import BaseDelivery, Capabilities, DeadLetterChange, Delivery, Transport
@@ -1268,6 +1269,10 @@ class RedisTransport(Transport):
     def dedup_store(self, window: float) -> RedisDedupStore:
         """``deduplicate()``'s store in Redis: a key per (stage, id), ``SET NX`` with a TTL."""
         return RedisDedupStore(self)
+
+    def rate_store(self) -> RedisRateStore:
+        """``RateLimit``'s shared turns in Redis: a key per bucket, taken by a script."""
+        return RedisRateStore(self)
 
     # -- backlog and dead letters ---------------------------------------------
 

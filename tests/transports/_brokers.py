@@ -54,8 +54,9 @@ class Broker:
     #: OpenTelemetry's ``messaging.system`` for it.
     messaging_system: str
     #: What only some brokers offer: ``dedup_store`` (deduplicate()'s claims kept in
-    #: the broker), ``heartbeats`` (the deployment view), ``quick_restart`` (a private
-    #: server of it restarts within a second or two).
+    #: the broker), ``rate_store`` (RateLimit's turns kept there), ``heartbeats`` (the
+    #: deployment view), ``quick_restart`` (a private server of it restarts within a
+    #: second or two).
     features: frozenset[str]
     #: Removes what a test made under a prefix: ``await forget(url, prefix)``.
     forget: Callable[[str, str], Awaitable[None]]
@@ -144,7 +145,7 @@ BROKERS: dict[str, Broker] = {
             client_modules=("redis",),
             client="redis-py",
             messaging_system="redis",
-            features=frozenset({"dedup_store", "heartbeats", "quick_restart"}),
+            features=frozenset({"dedup_store", "rate_store", "heartbeats", "quick_restart"}),
             forget=_forget_redis,
             private="private_redis",
             durable_private={"persistent": True},
@@ -160,7 +161,7 @@ BROKERS: dict[str, Broker] = {
             client_modules=("nats",),
             client="nats-py",
             messaging_system="nats",
-            features=frozenset({"dedup_store", "heartbeats", "quick_restart"}),
+            features=frozenset({"dedup_store", "rate_store", "heartbeats", "quick_restart"}),
             forget=_forget_nats,
             private="private_nats",
             patient_connect={"connect_timeout": 5.0},

@@ -11,17 +11,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 from _brokers import (  # type: ignore[import-not-found]
-    SHARED_PORTS,
-    forget,
     make_transport,
     names,
-    url_for,
 )
 
 from asyncbus import Bus, Envelope
@@ -29,22 +26,12 @@ from asyncbus.middleware import deduplicate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
+#: The brokers that keep deduplicate()'s store (RabbitMQ has none: see its docs).
+on_shared_claims = pytest.mark.parametrize("kind", names("dedup_store"), indirect=True)
+
 WORKER = Path(__file__).with_name("_dedup_worker.py")
 ACK_TIMEOUT = 1.5  # the worker's
 LEASE = 4.0
-
-
-@pytest.fixture(params=names("dedup_store"))
-async def broker(
-    request: pytest.FixtureRequest, unique_prefix: str
-) -> AsyncIterator[tuple[str, str]]:
-    """The brokers that keep deduplicate()'s store (RabbitMQ has none: see its docs)."""
-    kind: str = request.param
-    request.getfixturevalue(f"{kind}_url")
-    url = url_for(kind, SHARED_PORTS[kind])
-    yield kind, url
-    with anyio.CancelScope(shield=True):
-        await forget(kind, url, unique_prefix)
 
 
 class Worker:
@@ -100,10 +87,10 @@ def survivor(kind: str, url: str, prefix: str, handled: list[tuple[str, float]])
     return bus
 
 
+@on_shared_claims
 async def test_a_redelivery_after_a_crash_past_the_handling_is_skipped_in_another_process(
-    broker: tuple[str, str], unique_prefix: str, tmp_path: Path, workers: list[Worker]
+    kind: str, url: str, unique_prefix: str, tmp_path: Path, workers: list[Worker]
 ) -> None:
-    kind, url = broker
     worker = Worker(kind, url, unique_prefix, tmp_path, "die-after-done")
     workers.append(worker)
     await worker.wait_ready()
@@ -126,10 +113,10 @@ async def test_a_redelivery_after_a_crash_past_the_handling_is_skipped_in_anothe
     assert worker.events() == ["started charge-1", "done charge-1"]
 
 
+@on_shared_claims
 async def test_work_claimed_by_a_process_that_died_is_done_by_the_survivor_after_the_lease(
-    broker: tuple[str, str], unique_prefix: str, tmp_path: Path, workers: list[Worker]
+    kind: str, url: str, unique_prefix: str, tmp_path: Path, workers: list[Worker]
 ) -> None:
-    kind, url = broker
     worker = Worker(kind, url, unique_prefix, tmp_path, "hang")
     workers.append(worker)
     await worker.wait_ready()

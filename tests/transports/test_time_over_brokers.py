@@ -12,17 +12,19 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
-from _brokers import SHARED_PORTS, forget, make_transport, names, url_for  # type: ignore[import-not-found]
+from _brokers import make_transport, names  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope
 from asyncbus._time.broker import CLAIMS_WINDOW
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+#: The brokers that keep a claim store every process shares (RabbitMQ has none).
+on_shared_claims = pytest.mark.parametrize("kind", names("dedup_store"), indirect=True)
 
 
 class Arrivals:
@@ -42,19 +44,6 @@ class Arrivals:
     async def wait_for(self, count: int) -> None:
         while len(self.envelopes) < count:
             await self.changed.wait()
-
-
-@pytest.fixture(params=names("dedup_store"))
-async def shared_claims(
-    request: pytest.FixtureRequest, unique_prefix: str
-) -> AsyncIterator[tuple[str, str]]:
-    """The brokers that keep a claim store every process shares (RabbitMQ has none)."""
-    kind: str = request.param
-    request.getfixturevalue(f"{kind}_url")
-    url = url_for(kind, SHARED_PORTS[kind])
-    yield kind, url
-    with anyio.CancelScope(shield=True):
-        await forget(kind, url, unique_prefix)
 
 
 async def test_a_scheduled_publish_outlives_its_publisher_and_is_published_once_on_time(
@@ -123,10 +112,10 @@ async def test_a_delay_longer_than_a_broker_can_hold_goes_back_in_hops(
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+@on_shared_claims
 async def test_cancel_scheduled_holds_in_every_process(
-    shared_claims: tuple[str, str], unique_prefix: str
+    kind: str, url: str, unique_prefix: str
 ) -> None:
-    kind, url = shared_claims
     arrivals = Arrivals()
     one = Bus(transport=make_transport(kind, url, unique_prefix), name="one")
     other = Bus(transport=make_transport(kind, url, unique_prefix), name="other")
@@ -192,10 +181,10 @@ async def test_three_replicas_killed_in_turn_publish_every_tick_exactly_once(
     assert len({envelope.payload for envelope in arrivals.envelopes}) > 1  # several published
 
 
+@on_shared_claims
 async def test_a_replica_that_dies_holding_a_tick_does_not_make_it_disappear(
-    shared_claims: tuple[str, str], unique_prefix: str
+    kind: str, url: str, unique_prefix: str
 ) -> None:
-    kind, url = shared_claims
     arrivals = Arrivals()
     bus = Bus(transport=make_transport(kind, url, unique_prefix))
     bus.subscribe("ticks", arrivals, group="counter")
