@@ -36,6 +36,7 @@ holds when this process is the one that publishes the envelope.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
@@ -45,7 +46,7 @@ import anyio
 
 from .._dedup import Claim, DedupStore
 from .._envelope import EMPTY_HEADERS, Envelope, replace_headers
-from .._failures import describe_error
+from .._failures import describe_error, stray_cancellation
 from .._groups import INTERNAL_GROUP_PREFIX
 from ..transports.base import BaseDelivery
 from .due import (
@@ -179,7 +180,9 @@ class BrokerKeeper:
                     async for delivery in deliveries:
                         holding.start_soon(guarded, self._take, delivery)
                 return
-            except Exception as error:  # deliberate: nothing the broker does ends the bus
+            except BaseException as error:  # deliberate: nothing the broker does ends the bus
+                if not _a_broker_failure(error):
+                    raise  # the bus's own cancellation, KeyboardInterrupt, SystemExit
                 if anyio.current_time() - began > BACKOFF_MAX:
                     backoff = BACKOFF_MIN
                 logger.warning(
@@ -247,6 +250,18 @@ class BrokerKeeper:
                 return
             self._mine.pop(envelope.id, None)
             await concurrently(lambda: store.done(key, owner, DONE_TTL), delivery.ack)
+
+
+def _a_broker_failure(error: BaseException) -> bool:
+    """Whether ``error``, out of the scheduled group's subscription, is the broker's
+    doing: an exception, or a group of them with a stray cancellation beside (a client
+    library cancels what it awaited when its connection drops); never the bus's own
+    cancellation (a scope around this task cancelled)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_a_broker_failure(inner) for inner in error.exceptions)
+    if isinstance(error, anyio.get_cancelled_exc_class()):
+        return stray_cancellation()  # (taken back on the task, if it was asked of it)
+    return isinstance(error, Exception) and anyio.current_effective_deadline() != -math.inf
 
 
 def _held(envelope: Envelope, due: float) -> Envelope:

@@ -283,7 +283,28 @@ class Schedules:
             recheck = getattr(store, "busy_recheck", TICK_LEASE)
             self._enqueue(queue, schedule, tick, tries + 1, now + recheck)
             return
+        handed_over = getattr(store, "handed_over", None)  # (a store of leaders)
+        previous = handed_over(key) if handed_over is not None else None
+        if previous is not None:
+            self._take_over(schedule, previous, tick, queue)
         await self._fire_claimed(schedule, tick, store, tries, queue)
+
+    def _take_over(
+        self, schedule: Schedule, previous: float, tick: float, queue: list[Any]
+    ) -> None:
+        """This replica just took ``schedule`` over from a leader whose newest tick was
+        ``previous``: the ticks due between it and ``tick`` are looked at now."""
+        between = schedule.ticks.after(previous)
+        for _ in range(MAX_CATCH_UP):
+            if between >= tick:
+                return
+            logger.info(
+                "schedule %r: taken over; the tick %s is published if it was not",
+                schedule.name,
+                as_datetime(between),
+            )
+            self._enqueue(queue, schedule, between, 1, self._clock.now())
+            between = schedule.ticks.after(between)
 
     def _plan_after(self, schedule: Schedule, tick: float, queue: list[Any]) -> bool:
         """Plan the regular tick after ``tick``; the ticks passed meanwhile (the loop

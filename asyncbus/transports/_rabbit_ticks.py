@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -50,12 +51,15 @@ class Link(Protocol):
     publisher: AbstractConnection
 
 
-__all__ = ["KEPT", "TickLeader"]
+__all__ = ["HANDOVER", "KEPT", "TickLeader"]
 
 logger = logging.getLogger("asyncbus.transport.rabbit")
 
 #: Newest published ticks the record keeps per schedule.
 KEPT = 64
+#: A record whose newest tick is at most this many seconds old was a live leader's:
+#: the ticks since are a handover's, published whatever ``catch_up`` says.
+HANDOVER = 15.0
 #: Seconds between two looks of a follower at the lock.
 RECHECK = 0.5
 _VERSION = 1
@@ -76,6 +80,8 @@ class _Schedule:
     known: bool = False
     #: Newest published ticks (ms), ascending, at most KEPT.
     published: list[int] = field(default_factory=list)
+    #: The previous leader's newest tick (seconds), when this replica just took over.
+    handed_over: float | None = None
     looking: anyio.Lock = field(default_factory=anyio.Lock)
     writing: anyio.Lock = field(default_factory=anyio.Lock)
 
@@ -154,6 +160,16 @@ class TickLeader:
             return Claim.BUSY
         return await self._leases.claim(key, owner, lease)
 
+    def handed_over(self, key: str) -> float | None:
+        """The newest tick the previous leader published, once, when this replica has
+        just taken a schedule over from a leader alive a moment before (within
+        :data:`HANDOVER` seconds): the runner publishes the ticks due since, which the
+        replicas that saw them may not have lived to publish. ``None`` otherwise (ticks
+        missed while every replica was down follow ``catch_up``)."""
+        schedule, _ = self._parse(key)
+        tick, schedule.handed_over = schedule.handed_over, None
+        return tick
+
     async def extend(self, key: str, owner: str, lease: float) -> bool:
         """Keep this replica's lease of ``key`` (among its own concurrent claims)."""
         return await self._leases.extend(key, owner, lease)
@@ -205,6 +221,9 @@ class TickLeader:
                     return False
             async with self._channel(link) as channel:
                 await self._read(channel, schedule)
+            newest = schedule.published[-1] if schedule.published else None
+            if newest is not None and time.time() * 1000 - newest <= HANDOVER * 1000:
+                schedule.handed_over = newest / 1000  # a leader was alive a moment ago
             schedule.led_on = link
             logger.info("RabbitMQ: this process leads the schedule %s", schedule.record)
             return True

@@ -5,6 +5,7 @@ its connection goes; a record that is not ours is ignored with a warning."""
 from __future__ import annotations
 
 import logging
+import time
 
 import anyio
 import pytest
@@ -96,3 +97,25 @@ async def test_one_replica_leads_and_the_next_takes_over_what_it_left(
             assert await follower.claim(key(200), "b", 5.0) is Claim.CLAIMED
             await follower.release(key(200), "b")
             assert await follower.claim(key(200), "c", 5.0) is Claim.CLAIMED
+
+
+@pytest.mark.backends("asyncio")
+async def test_a_new_leader_learns_the_last_tick_of_a_leader_alive_a_moment_ago(
+    rabbit_url: str, rabbit_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_rabbit_ticks, "RECHECK", 0.0)
+    recent = int(time.time() * 1000) - 1_000  # a second ago
+    old = int(time.time() * 1000) - 60_000  # a minute ago: every replica was down since
+    with anyio.fail_after(30):
+        for newest, handed in ((recent, recent / 1000), (old, None)):
+            name = f"s{newest}"
+            async with RabbitTransport(rabbit_url, prefix=rabbit_prefix) as transport:
+                first = transport.tick_claims()
+                assert await first.claim(key(newest, name), "a", 5.0) is Claim.CLAIMED
+                await first.done(key(newest, name), "a", 60.0)
+                assert first.handed_over(key(newest, name)) is None  # it led from the start
+            async with RabbitTransport(rabbit_url, prefix=rabbit_prefix) as transport:
+                second = transport.tick_claims()
+                assert await second.claim(key(newest + 100, name), "b", 5.0) is Claim.CLAIMED
+                assert second.handed_over(key(newest + 100, name)) == handed
+                assert second.handed_over(key(newest + 100, name)) is None  # (once)
