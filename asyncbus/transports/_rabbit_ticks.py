@@ -45,13 +45,7 @@ if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection
 
 
-class Link(Protocol):
-    """What the leader needs of the transport's link: its publishing connection."""
-
-    publisher: AbstractConnection
-
-
-__all__ = ["HANDOVER", "KEPT", "TickLeader"]
+__all__ = ["HANDOVER", "KEPT", "Link", "TickLeader"]
 
 logger = logging.getLogger("asyncbus.transport.rabbit")
 
@@ -65,6 +59,12 @@ RECHECK = 0.5
 _VERSION = 1
 #: Messages a read of a record takes at most (there is one, unless a write raced).
 _READ_AT_MOST = 16
+
+
+class Link(Protocol):
+    """What the leader needs of the transport's link: its publishing connection."""
+
+    publisher: AbstractConnection
 
 
 @dataclass
