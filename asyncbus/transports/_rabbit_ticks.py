@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from .._dedup import TICK_KEY_PREFIX, Claim, MemoryDedupStore
-from .._exceptions import DecodeError
+from .._exceptions import DecodeError, TransportError
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection
@@ -151,9 +151,20 @@ class TickLeader:
         self._leases = MemoryDedupStore()
 
     async def claim(self, key: str, owner: str, lease: float) -> Claim:
-        """CLAIMED when this replica leads the schedule and the tick is not published."""
+        """CLAIMED when this replica leads the schedule and the tick is not published.
+
+        :raises TransportError: the broker could not be asked (the client's errors).
+        """
         schedule, tick = self._parse(key)
-        leading = await self._lead(schedule)
+        try:
+            leading = await self._lead(schedule)
+        except TransportError:
+            raise
+        except Exception as error:  # aiormq's: a channel or connection closed under us
+            raise TransportError(
+                f"RabbitMQ: looking at the lead of {schedule.record!r} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         if schedule.is_done(tick):
             return Claim.DONE
         if not leading:

@@ -10,6 +10,7 @@ import time
 import anyio
 import pytest
 
+from asyncbus import TransportError
 from asyncbus._dedup import Claim
 from asyncbus.transports import RabbitTransport, TickClaimsProvider, _rabbit_ticks
 from asyncbus.transports._rabbit_ticks import KEPT, _Schedule
@@ -119,3 +120,24 @@ async def test_a_new_leader_learns_the_last_tick_of_a_leader_alive_a_moment_ago(
                 assert await second.claim(key(newest + 100, name), "b", 5.0) is Claim.CLAIMED
                 assert second.handed_over(key(newest + 100, name)) == handed
                 assert second.handed_over(key(newest + 100, name)) is None  # (once)
+
+
+async def test_what_the_client_raises_while_looking_at_the_lead_is_a_transport_error() -> None:
+    class Closed:
+        async def channel(self, **options: object) -> object:
+            raise ConnectionResetError("the connection is closing")
+
+    class Link:
+        publisher = Closed()
+
+    link = Link()
+
+    async def live_link() -> Link:
+        return link
+
+    async def keep(queue: str, body: bytes) -> None:
+        raise AssertionError("nothing is written by a replica that does not lead")
+
+    leader = _rabbit_ticks.TickLeader("p", live_link, lambda: link, keep)  # type: ignore[arg-type]
+    with pytest.raises(TransportError, match="ConnectionResetError: the connection is closing"):
+        await leader.claim(key(100), "a", 5.0)
