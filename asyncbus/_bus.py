@@ -69,7 +69,7 @@ from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
 from ._subscription import Subscription, check_middleware, check_options, make_subscription
 from ._time.held import ScheduledEnvelope
-from ._time.periodic import CatchUp, Schedule, make_schedule, periodic_topic
+from ._time.periodic import CatchUp, Schedule, make_schedule, periodic_topic, tick_handler
 from ._time.service import Timekeeping
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
@@ -1366,7 +1366,8 @@ class Bus:
 
         The handler is subscribed (with ``subscribe_options``) to the topic
         ``periodic.{name}`` and a :meth:`schedule` of that name publishes ``payload``
-        there; ``name`` defaults to the handler's ``module.qualname``.
+        there; ``name`` defaults to the handler's ``module.qualname``. The handler takes
+        the payload (or the envelope, for its ``asyncbus-tick`` header) or nothing.
         """
 
         def decorator(function: F) -> F:
@@ -1382,7 +1383,7 @@ class Bus:
                 jitter=jitter,
                 catch_up=catch_up,
             )
-            self.subscribe(topic, function, **subscribe_options)
+            self.subscribe(topic, tick_handler(function), **subscribe_options)
             return function
 
         return decorator

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import heapq
+import inspect
 import itertools
 import logging
 import random
@@ -110,6 +111,43 @@ class Schedule:
 
     def __repr__(self) -> str:
         return f"Schedule({self.name!r}, {self.topic!r}, {self.ticks.describe()})"
+
+
+class _Called:
+    """A sync function that takes nothing, as a handler (the tick's payload left out);
+    picklable by reference like the function, for ``offload="process"``."""
+
+    def __init__(self, function: Callable[[], Any]) -> None:
+        self.function = function
+        self.__module__ = function.__module__
+        self.__qualname__ = function.__qualname__
+        self.__name__ = function.__name__
+
+    def __call__(self, payload: Any) -> Any:
+        return self.function()
+
+    def __repr__(self) -> str:
+        return repr(self.function)
+
+
+def tick_handler(function: Any) -> Any:
+    """``function`` as a handler of its schedule's ticks: as it is when it takes the
+    payload (or the envelope), wrapped when it takes no argument (a periodic job)."""
+    try:
+        signature = inspect.signature(function)
+        signature.bind()
+    except (TypeError, ValueError):
+        return function  # it takes an argument (or cannot be told): subscribe checks it
+    if inspect.iscoroutinefunction(function):
+
+        async def handle(payload: Any) -> Any:
+            return await function()
+
+        handle.__module__ = function.__module__
+        handle.__qualname__ = function.__qualname__
+        handle.__name__ = function.__name__
+        return handle
+    return _Called(function)
 
 
 def make_schedule(

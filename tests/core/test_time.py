@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import pytest
 
 from asyncbus import (
@@ -25,6 +26,7 @@ from asyncbus import (
     HandlerError,
     ScheduledEnvelope,
 )
+from asyncbus._subscription import default_group
 
 pytestmark = pytest.mark.anyio
 
@@ -355,3 +357,34 @@ async def test_a_delay_may_be_a_timedelta() -> None:
                     await bus.publish("jobs", 3, delay=bad)
             assert await bus.cancel_scheduled(second.id)
     assert seen.payloads == [1]
+
+
+async def test_a_periodic_job_may_take_no_argument() -> None:
+    bus = Bus()
+    ran: list[str] = []
+    both = anyio.Event()
+
+    def note(name: str) -> None:
+        ran.append(name)
+        if {"async", "sync"} <= set(ran):
+            both.set()
+
+    @bus.periodic(every=0.05, name="async-job")
+    async def async_job() -> None:
+        note("async")
+
+    @bus.periodic(every=0.05, name="sync-job")
+    def sync_job() -> None:  # (run on the worker threads, as any sync handler)
+        anyio.from_thread.run_sync(note, "sync")
+
+    with anyio.fail_after(10):
+        async with bus:
+            await both.wait()
+            groups = {stage.group for stage in bus.statistics().stages}
+    # the default group is still the function's own (module and name): the wrapper
+    # that leaves the payload out does not change it
+    # (a local function's default group ends with a count, one per call)
+    expected = {default_group(async_job), default_group(sync_job)}
+    assert {g.partition("#")[0] for g in groups} == {g.partition("#")[0] for g in expected}
+    assert all("#" in group for group in groups)
+    assert sorted(set(ran)) == ["async", "sync"]
