@@ -35,8 +35,7 @@ class RateStore(Protocol):
 def next_turn(tat: float | None, now: float, interval: float, burst: int) -> tuple[float, float]:
     """One turn of a bucket whose TAT is ``tat`` (``None``: a new bucket), at ``now``:
     ``(seconds until the turn is due, the bucket's new TAT)``."""
-    earliest = now - (burst - 1) * interval  # a full bucket's worth of credit
-    turn = earliest if tat is None else max(tat, earliest)
+    turn = _first_turn(tat, now, interval, burst)
     return max(0.0, turn - now), turn + interval
 
 
@@ -45,7 +44,12 @@ def next_turns(
 ) -> tuple[list[float], float]:
     """``count`` turns in a row of one bucket (as :func:`next_turn` ``count`` times):
     ``(the seconds until each is due, the bucket's new TAT)``."""
-    earliest = now - (burst - 1) * interval
-    first = earliest if tat is None else max(tat, earliest)
+    first = _first_turn(tat, now, interval, burst)
     waits = [max(0.0, first + index * interval - now) for index in range(count)]
     return waits, first + count * interval
+
+
+def _first_turn(tat: float | None, now: float, interval: float, burst: int) -> float:
+    """When the next turn of a bucket whose TAT is ``tat`` is due, asked at ``now``."""
+    earliest = now - (burst - 1) * interval  # a full bucket's worth of credit
+    return earliest if tat is None else max(tat, earliest)

@@ -119,9 +119,7 @@ class _Called:
 
     def __init__(self, function: Callable[[], Any]) -> None:
         self.function = function
-        self.__module__ = function.__module__
-        self.__qualname__ = function.__qualname__
-        self.__name__ = function.__name__
+        _named_as(self, function)
 
     def __call__(self, payload: Any) -> Any:
         return self.function()
@@ -143,11 +141,18 @@ def tick_handler(function: Any) -> Any:
         async def handle(payload: Any) -> Any:
             return await function()
 
-        handle.__module__ = function.__module__
-        handle.__qualname__ = function.__qualname__
-        handle.__name__ = function.__name__
+        _named_as(handle, function)
         return handle
     return _Called(function)
+
+
+def _named_as(wrapper: Any, function: Any) -> None:
+    """Give ``wrapper`` ``function``'s names, so the default group stays the function's
+    (not ``functools.wraps``: its ``__wrapped__`` would give back the signature that
+    takes no argument)."""
+    wrapper.__module__ = function.__module__
+    wrapper.__qualname__ = function.__qualname__
+    wrapper.__name__ = function.__name__
 
 
 def make_schedule(
@@ -187,8 +192,9 @@ class Schedules:
         self._clock = clock
         self._publish = publish
         self.by_name: dict[str, Schedule] = {}
-        #: The broker's name when it keeps no claims every replica shares (RabbitMQ):
-        #: each replica then publishes every tick (said once per schedule).
+        #: The transport's name when it keeps no claims every replica shares (neither a
+        #: dedup store nor tick claims): each replica then publishes every tick (said
+        #: once per schedule).
         self.unshared: str | None = None
         #: Set when a schedule is added or a tick queued (made when the schedules run).
         self._wake: anyio.Event | None = None

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._dedup import Claim
-from .._exceptions import DecodeError, TransportError
+from .._exceptions import DecodeError
 from ._nats_kv import KvBucket, NatsHost
 from ._wire_fields import real
 
@@ -103,14 +103,7 @@ class NatsDedupStore:
     async def _call(self, key: str, operation: Callable[[KeyValue], Awaitable[T]]) -> T:
         """``operation`` on the bucket (made again if it is gone); nats-py's errors
         become :class:`TransportError`."""
-        from nats.errors import Error as NatsError
-
-        try:
-            return await self._kv.call(operation)
-        except (NatsError, TimeoutError, OSError) as error:
-            raise TransportError(
-                f"NATS: deduplicating {key!r} failed: {type(error).__name__}: {error}"
-            ) from error
+        return await self._kv.call_or_fail(operation, f"deduplicating {key!r}")
 
     async def claim(self, key: str, owner: str, lease: float) -> Claim:
         """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from .._exceptions import TransportError
+
 if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.js import JetStreamContext
@@ -71,6 +73,18 @@ class KvBucket:
                 self._kv = await js.key_value(self.name)  # made meanwhile by another
             self._kv_of = js
         return self._kv
+
+    async def call_or_fail(self, operation: Callable[[KeyValue], Awaitable[T]], doing: str) -> T:
+        """:meth:`call`, with nats-py's errors (and a timeout, a socket's error) raised as
+        :class:`TransportError`: ``NATS: {doing} failed: ...``."""
+        from nats.errors import Error as NatsError
+
+        try:
+            return await self.call(operation)
+        except (NatsError, TimeoutError, OSError) as error:
+            raise TransportError(
+                f"NATS: {doing} failed: {type(error).__name__}: {error}"
+            ) from error
 
     async def call(self, operation: Callable[[KeyValue], Awaitable[T]]) -> T:
         """``operation`` on the bucket; a bucket that is gone is made again, once.

@@ -109,7 +109,6 @@ class NatsRateStore:
 
     async def _take_many(self, key: str, interval: float, burst: int, count: int) -> list[float]:
         """``count`` turns of bucket ``key`` in one write: the seconds until each."""
-        from nats.errors import Error as NatsError
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
         name = hashlib.sha256(key.encode()).hexdigest()[:40]
@@ -134,9 +133,4 @@ class NatsRateStore:
                 return waits
             raise TransportError(f"NATS: rate limit {key!r}: {_RACES} tries met other turns")
 
-        try:
-            return await self._kv.call(take)
-        except (NatsError, TimeoutError, OSError) as error:
-            raise TransportError(
-                f"NATS: taking a turn of rate limit {key!r} failed: {type(error).__name__}: {error}"
-            ) from error
+        return await self._kv.call_or_fail(take, f"taking a turn of rate limit {key!r}")

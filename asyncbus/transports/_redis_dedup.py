@@ -17,7 +17,7 @@ from .._exceptions import TransportError
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-__all__ = ["RedisDedupStore", "RedisHost"]
+__all__ = ["RedisDedupStore", "RedisHost", "Scripts"]
 
 
 class RedisHost(Protocol):
@@ -74,6 +74,27 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
+class Scripts:
+    """Lua scripts run on a transport's Redis, each registered once per client (again
+    on the client a reconnection made)."""
+
+    def __init__(self, transport: RedisHost) -> None:
+        self._transport = transport
+        self._registered: dict[str, Any] = {}
+
+    async def run(self, script: str, keys: list[str], args: list[Any], doing: str) -> Any:
+        """``script``'s reply; redis-py's errors raised as the transport's, for ``doing``."""
+        transport = self._transport
+        client = transport._redis()
+        registered = self._registered.get(script)
+        if registered is None or registered.registered_client is not client:
+            registered = self._registered[script] = client.register_script(script)
+        try:
+            return await registered(keys=keys, args=args)
+        except transport._errors.RedisError as error:
+            raise transport._failed(doing, error) from error
+
+
 class RedisDedupStore:
     """A :class:`~asyncbus.middleware.deduplicate.DedupStore` in the transport's Redis.
 
@@ -83,18 +104,12 @@ class RedisDedupStore:
     def __init__(self, transport: RedisHost) -> None:
         self._transport = transport
         self._prefix = f"{transport.prefix}:dedup:"
-        self._scripts: dict[str, Any] = {}
+        self._scripts = Scripts(transport)
 
     async def _run(self, script: str, key: str, *args: str | int) -> Any:
-        transport = self._transport
-        client = transport._redis()
-        registered = self._scripts.get(script)
-        if registered is None or registered.registered_client is not client:
-            registered = self._scripts[script] = client.register_script(script)
-        try:
-            return await registered(keys=[self._prefix + key], args=list(args))
-        except transport._errors.RedisError as error:
-            raise transport._failed(f"deduplicating {key!r}", error) from error
+        return await self._scripts.run(
+            script, [self._prefix + key], list(args), f"deduplicating {key!r}"
+        )
 
     async def claim(self, key: str, owner: str, lease: float) -> Claim:
         """Claim ``key`` for ``owner`` for ``lease`` seconds, unless done or claimed."""

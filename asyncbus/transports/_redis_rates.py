@@ -8,10 +8,9 @@ full again (nothing owed), so idle buckets cost nothing. See :mod:`asyncbus._rat
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 from .._exceptions import TransportError
-from ._redis_dedup import RedisHost
+from ._redis_dedup import RedisHost, Scripts
 
 __all__ = ["RedisRateStore"]
 
@@ -44,22 +43,15 @@ class RedisRateStore:
     """
 
     def __init__(self, transport: RedisHost) -> None:
-        self._transport = transport
         self._prefix = f"{transport.prefix}:rate:"
-        self._script: Any = None
+        self._scripts = Scripts(transport)
 
     async def take(self, key: str, interval: float, burst: int) -> float:
         """Take the next turn of bucket ``key``: seconds until it is due."""
-        transport = self._transport
-        client = transport._redis()
-        script = self._script
-        if script is None or script.registered_client is not client:
-            script = self._script = client.register_script(_TAKE)
         name = self._prefix + hashlib.sha256(key.encode()).hexdigest()[:40]
-        try:
-            found = await script(keys=[name], args=[repr(interval), burst])
-        except transport._errors.RedisError as error:
-            raise transport._failed(f"taking a turn of rate limit {key!r}", error) from error
+        found = await self._scripts.run(
+            _TAKE, [name], [repr(interval), burst], f"taking a turn of rate limit {key!r}"
+        )
         try:
             wait = float(found)
         except (TypeError, ValueError):

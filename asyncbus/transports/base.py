@@ -8,8 +8,7 @@ offer is an optional protocol of its own, checked once (``isinstance``) when the
 binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
 :class:`BacklogReader`, :class:`DeadLetterStore` (and :class:`SharedDeadLetters`),
 :class:`DedupStoreProvider`, :class:`RateStoreProvider`, :class:`TickClaimsProvider`,
-:class:`AcksWrittenBehind`,
-:class:`KeepAlive`, :class:`GroupAdmin`. Everything
+:class:`AcksWrittenBehind`, :class:`KeepAlive`, :class:`GroupAdmin`. Everything
 else (retry, expiry, timeouts, slips, requests, statistics) is the bus's, written once.
 """
 
