@@ -100,3 +100,23 @@ async def test_a_broker_that_cannot_be_asked_leaves_each_process_its_own_limit(
     assert (first, second) == (0.0, 60.0)  # this process's bucket: one, then a minute
     [warning] = [record.getMessage() for record in caplog.records]
     assert "this process limits on its own meanwhile: the broker is down" in warning
+
+
+@on_shared_rates
+async def test_a_bucket_holding_what_the_store_did_not_write_counts_as_new(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    import hashlib
+
+    name = hashlib.sha256(b"stage/bucket").hexdigest()[:40]
+    async with make_transport(kind, url, unique_prefix) as transport:
+        store: RateStore = transport.rate_store()  # type: ignore[attr-defined]
+        assert await store.take("stage/bucket", 10.0, 1) == 0.0  # (the bucket exists)
+        garbage = b"\xff not a number"
+        if kind == "redis":
+            await transport._redis().set(f"{unique_prefix}:rate:{name}", garbage)  # type: ignore[attr-defined]
+        else:
+            await store._kv.call(lambda kv: kv.put(name, garbage))  # type: ignore[attr-defined]
+        # read as a new bucket: its burst of one is due now, the next a turn later
+        assert await store.take("stage/bucket", 10.0, 1) == 0.0
+        assert 9.0 < await store.take("stage/bucket", 10.0, 1) <= 10.0
