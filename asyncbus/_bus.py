@@ -47,8 +47,10 @@ from ._exceptions import (
     not_started,
 )
 from ._failures import describe_error, loop_closing, stray_cancellation
+from ._flights import FlightLimit
 from ._groups import GroupListing
 from ._handling import current_handling
+from ._leases import LeaseStore
 from ._life import Life, State
 from ._logging import FailureLog
 from ._modes import Mode, choose_mode
@@ -60,6 +62,7 @@ from ._offload import (
     thread_pool_reason,
 )
 from ._options import PLAIN, PublishOptions, make_options, publish_options
+from ._ordering import KeyFailure, Ordering
 from ._publishing import Publisher
 from ._rates import RateStore
 from ._replies import Replies
@@ -199,6 +202,10 @@ class _Services:
     def rate_store(self) -> RateStore | None:
         """The broker's shared rate-limit turns, ``None`` in memory or without them."""
         return self._bus._mode.rate_store()
+
+    def lease_store(self) -> LeaseStore | None:
+        """The broker's shared ``max_in_flight`` slots, ``None`` in memory or without them."""
+        return self._bus._mode.lease_store()
 
     def consumer_info(self, stage: Stage) -> _instrument.Consumer:
         """How ``stage`` is described to the instrumentation (the same for its life)."""
@@ -900,6 +907,10 @@ class Bus:
         middleware: Sequence[Middleware] = (),
         admission: Admission | None = None,
         batch: Batch | None = None,
+        ordering: Ordering | None = None,
+        key_failure: KeyFailure = "continue",
+        max_in_flight: int | None = None,
+        partitions: int | None = None,
     ) -> Callable[[F], F]: ...
 
     @overload
@@ -918,6 +929,10 @@ class Bus:
         middleware: Sequence[Middleware] = (),
         admission: Admission | None = None,
         batch: Batch | None = None,
+        ordering: Ordering | None = None,
+        key_failure: KeyFailure = "continue",
+        max_in_flight: int | None = None,
+        partitions: int | None = None,
     ) -> Subscription: ...
 
     def subscribe(
@@ -935,6 +950,10 @@ class Bus:
         middleware: Sequence[Middleware] = (),
         admission: Admission | None = None,
         batch: Batch | None = None,
+        ordering: Ordering | None = None,
+        key_failure: KeyFailure = "continue",
+        max_in_flight: int | None = None,
+        partitions: int | None = None,
     ) -> Callable[[F], F] | Subscription:
         """Register a handler for ``topic`` (NATS pattern: ``*`` one token, ``>`` the rest).
 
@@ -951,6 +970,23 @@ class Bus:
         :param batch: :class:`Batch` to call the handler once per list of envelopes'
             items (payloads; envelopes for ``list[Envelope]``; decoded models for
             ``list[Model]``); it may raise :class:`BatchError` to fail some positions only.
+        :param ordering: ``"key"`` to handle the envelopes of one publish ``key=`` one at
+            a time, in the order they were admitted (a retrying one holds its key: no
+            overtaking), different keys in parallel up to the stage's concurrency;
+            envelopes without a key are unordered. ``None`` (the default): unordered.
+        :param key_failure: on an ordered stage, what a dead-lettered envelope does to
+            the envelopes waiting for its key: ``"continue"`` (the default: the next one
+            goes on) or ``"stop"`` (they are dead-lettered ``key_stopped`` with it, to be
+            replayed in order once the cause is fixed).
+        :param max_in_flight: the most handlers of this stage running at once in all
+            the processes of its group together (``concurrency`` bounds one process):
+            over Redis and NATS each is a lease in the broker, renewed while it runs and
+            running out when its process dies; in memory, and over RabbitMQ, this
+            process's. ``None`` (the default): no bound but ``concurrency``.
+        :param partitions: with ``ordering="key"``, the number of partitions the group's
+            keys are split into (1 to 4096). In memory one process serves them all, so
+            the order per key holds whatever it is; over a broker, partitions owned by one
+            replica each are not built yet: ``subscribe`` refuses it there.
 
         :raises BusClosedError: called from another thread while the bus stops.
         :raises ConfigurationError: for a malformed pattern or one the transport's
@@ -969,12 +1005,17 @@ class Bus:
             "middleware": middleware,
             "admission": admission,
             "batch": batch,
+            "ordering": ordering,
+            "key_failure": key_failure,
+            "max_in_flight": max_in_flight,
+            "partitions": partitions,
         }
         if handler is None:
             # A malformed pattern or option fails here, as in the direct form, not when
             # the decorator is applied.
             policy, _, _ = check_options(topic, **options)
             self._mode.check_pattern(topic)
+            self._mode.check_partitions(topic, partitions)
             joined = self._stages.get((topic, group)) if group is not None else None
             if joined is not None:
                 _check_joins(
@@ -984,6 +1025,10 @@ class Bus:
                     backpressure=policy,
                     admission=admission,
                     concurrency=concurrency,
+                    ordering=ordering,
+                    key_failure=key_failure,
+                    max_in_flight=max_in_flight,
+                    partitions=partitions,
                 )
 
             def decorator(function: F) -> F:
@@ -993,6 +1038,7 @@ class Bus:
             return decorator
         subscription = make_subscription(topic, handler, **options)
         self._mode.check_pattern(topic)
+        self._mode.check_partitions(topic, partitions)
         return self._subscribe(subscription)
 
     def _subscribe(self, subscription: Subscription) -> Subscription:
@@ -1037,7 +1083,12 @@ class Bus:
                 subscription.backpressure,
                 admission=subscription.admission,
                 controlled=isinstance(subscription.concurrency, Adaptive),
+                ordered=subscription.ordering == "key",
+                stop_key_on_failure=subscription.key_failure == "stop",
             )
+            stage.partitions = subscription.partitions
+            if subscription.max_in_flight is not None:
+                stage.flights = FlightLimit(stage.name, subscription.max_in_flight)
             if self._life.task_group is not None:
                 stage.open()
             self._stages[key] = stage
@@ -1069,6 +1120,8 @@ class Bus:
             if self._switch_interval is not None and not self._holds_switch_interval:
                 self._holds_switch_interval = True
                 hold_switch_interval(self._switch_interval)
+        if stage.flights is not None:
+            chain = stage.flights(chain)  # (outermost: a handler starts once it has a slot)
         start_consumers(stage, subscription, chain, self._services)
         self._mode.start(stage)
 
@@ -1504,6 +1557,10 @@ def _check_joins(
     backpressure: Backpressure = Backpressure.BLOCK,
     admission: Admission | None = None,
     concurrency: int | Adaptive = 1,
+    ordering: str | None = None,
+    key_failure: str = "continue",
+    max_in_flight: int | None = None,
+    partitions: int | None = None,
 ) -> None:
     """Raise :class:`ConfigurationError` unless ``subscription`` can join ``stage``.
 
@@ -1513,6 +1570,27 @@ def _check_joins(
     if subscription is not None:
         capacity, backpressure = subscription.capacity, subscription.backpressure
         admission, concurrency = subscription.admission, subscription.concurrency
+        ordering, key_failure = subscription.ordering, subscription.key_failure
+        max_in_flight, partitions = subscription.max_in_flight, subscription.partitions
+    if stage.partitions != partitions:
+        raise ConfigurationError(
+            f"stage {stage.name!r} already has partitions={stage.partitions!r}; a subscription "
+            f"in the same group asked for partitions={partitions!r}"
+        )
+    has_limit = stage.flights.limit if stage.flights is not None else None
+    if has_limit != max_in_flight:
+        raise ConfigurationError(
+            f"stage {stage.name!r} already has max_in_flight={has_limit!r}; a subscription "
+            f"in the same group asked for max_in_flight={max_in_flight!r}"
+        )
+    gate = stage.gate
+    has = ("key" if gate is not None else None, "stop" if gate and gate.stop else "continue")
+    if has != (ordering, key_failure):
+        raise ConfigurationError(
+            f"stage {stage.name!r} already has ordering={has[0]!r}, key_failure={has[1]!r}; "
+            f"a subscription in the same group asked for ordering={ordering!r}, "
+            f"key_failure={key_failure!r}"
+        )
     if (stage.capacity, stage.backpressure) != (capacity, backpressure):
         raise ConfigurationError(
             f"stage {stage.name!r} already has capacity={stage.capacity}, "

@@ -109,6 +109,10 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
     waiters = stage.consumer_waiters
     ledger = stage.ledger
     pop = stage.pop
+    # What the consumers take from: on an ordered stage, ``queued`` also counts the
+    # envelopes waiting for their key, which no consumer may take yet.
+    takeable = stage.buffer
+    gate = stage.gate
     deliveries = stage.deliveries  # the same dict for the stage's life
     wait_record, latency_record = stage.wait.record, stage.latency.record
     cancelled = anyio.get_cancelled_exc_class()
@@ -123,7 +127,7 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
                 raise
             _cancelled_from_outside(stage)
             continue
-        if not stage.queued:
+        if not takeable:
             if stage.closed:
                 return  # withdrawn (the broker refused its subscription): nothing comes
             # Still empty after a yield: park until an admission wakes us. (The yield
@@ -136,13 +140,13 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
             except BaseException as error:  # deliberate: however it ends, no wake-up is lost
                 if waiter in waiters:
                     waiters.remove(waiter)
-                elif stage.queued:
+                elif takeable:
                     stage.wake_consumer()  # we were woken for an item: pass it on
                 if not isinstance(error, cancelled) or not stray_cancellation():
                     raise
                 _cancelled_from_outside(stage)
                 continue
-            if not stage.queued:
+            if not takeable:
                 continue
         admitted_at, envelope = pop()
         stage.queued -= 1
@@ -169,6 +173,8 @@ async def consume(stage: Stage, chain: Handler, host: ConsumerHost) -> None:
                 handling.envelope = None
                 ledger.acked += 1
                 stage.in_flight -= 1
+                if gate is not None:
+                    stage.release(envelope)
                 if host.idle_waiters:
                     host.settled(stage)
             else:
@@ -207,10 +213,10 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
             crew.retiring -= 1
             crew.running -= 1
             stage.handlings.remove(handling)
-            if stage.queued:
+            if lanes:
                 stage.wake_consumer()  # an admission may have woken us for an item
             return
-        if not stage.queued:
+        if not lanes:  # (an ordered stage's envelopes waiting for their key are not in it)
             if stage.closed:
                 return  # withdrawn (the broker refused its subscription): nothing comes
             if shedder is not None:
@@ -223,7 +229,7 @@ async def consume_controlled(stage: Stage, crew: Crew, host: ConsumerHost) -> No
             except BaseException as error:  # deliberate: however it ends, no wake-up is lost
                 if waiter in waiters:
                     waiters.remove(waiter)
-                elif stage.queued:
+                elif lanes:
                     stage.wake_consumer()  # we were woken for an item: pass it on
                 if not isinstance(error, cancelled) or not stray_cancellation():
                     raise
@@ -323,23 +329,54 @@ def conclude(
             verdict.cause,
             stored=id(envelope) in stage.deliveries,
         )
+        gate = stage.gate
+        if gate is not None:
+            if gate.stop:
+                _stop_key(stage, envelope, host)
+            else:
+                stage.release(envelope)
         host.settled(stage)
         return False, dead
     # An ack: a result, or Skip.
     ledger.acked += 1
     stage.in_flight -= 1
+    if stage.gate is not None:
+        stage.release(envelope)
     if host.idle_waiters:
         host.settled(stage)
     return False, None
 
 
+def _stop_key(stage: Stage, envelope: Envelope, host: ConsumerHost) -> None:
+    """``envelope`` was dead-lettered on an ordered stage with ``key_failure="stop"``:
+    the envelopes waiting for its key are dead-lettered ``key_stopped`` with it."""
+    assert stage.gate is not None
+    followers = stage.gate.give_up(envelope)
+    if followers:
+        held = dead_letter_queued(stage, followers, DeadLetterReason.KEY_STOPPED, host)
+        if held:
+            host.start_soon(reject_held, held)
+
+
 async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     """Dead-letter ``stale`` (already out of the lanes) as ``overload``."""
-    reason = DeadLetterReason.OVERLOAD
+    if stage.gate is not None:
+        for envelope in stale:
+            stage.release(envelope)  # (each held its key: the next of it may go on)
+    await reject_held(dead_letter_queued(stage, stale, DeadLetterReason.OVERLOAD, host))
+
+
+def dead_letter_queued(
+    stage: Stage, envelopes: list[Envelope], reason: DeadLetterReason, host: ConsumerHost
+) -> list[tuple[DeadLetter, Delivery]]:
+    """Dead-letter ``envelopes``, queued on ``stage`` (and already out of its queue), for
+    ``reason``; the ledger moves for all of them at once, without an await.
+
+    :return: each broker delivery among them with its entry, for :func:`reject_held`.
+    """
     held: list[tuple[DeadLetter, Delivery]] = []
-    # The ledger moves for all of them before any await: queued -> dead_lettered.
-    stage.queued -= len(stale)
-    for envelope in stale:
+    stage.queued -= len(envelopes)
+    for envelope in envelopes:
         delivery = stage.take_delivery(envelope)
         stage.ledger.dead(reason)
         attempts = tries_before(envelope)
@@ -353,6 +390,11 @@ async def shed(stage: Stage, stale: list[Envelope], host: ConsumerHost) -> None:
     if stage.room_waiters:
         stage.hand_room()
     host.settled(stage)
+    return held
+
+
+async def reject_held(held: list[tuple[DeadLetter, Delivery]]) -> None:
+    """Tell the broker each of ``held``'s deliveries was dead-lettered (its entry)."""
     for entry, delivery in held:
         try:
             with anyio.CancelScope(shield=True):

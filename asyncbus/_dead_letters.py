@@ -40,6 +40,9 @@ class DeadLetterReason(StrEnum):
     TIMEOUT = "timeout"
     #: Shed by a stage with admission control: it waited too long under overload.
     OVERLOAD = "overload"
+    #: Waiting for its key on an ordered stage (``key_failure="stop"``) when an earlier
+    #: envelope of that key was dead-lettered.
+    KEY_STOPPED = "key_stopped"
 
 
 @dataclass(frozen=True, slots=True)

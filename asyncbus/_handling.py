@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from ._dedup import DedupStore
 from ._envelope import Envelope
+from ._leases import LeaseStore
 from ._rates import RateStore
 
 __all__ = ["Handling", "HandlingHost", "StageView", "current_handling", "handled_envelope"]
@@ -41,6 +42,9 @@ class HandlingHost(Protocol):
 
     def rate_store(self) -> RateStore | None:
         """The broker's shared rate-limit turns, ``None`` in memory or without them."""
+
+    def lease_store(self) -> LeaseStore | None:
+        """The broker's shared ``max_in_flight`` slots, ``None`` in memory or without them."""
 
     def start_soon(
         self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None

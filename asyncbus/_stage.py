@@ -26,9 +26,11 @@ from ._dead_letters import DeadLetter, DeadLetterReason
 from ._door import DoorOutcome, RoomWaiter
 from ._envelope import Envelope
 from ._exceptions import BusClosedError
+from ._flights import FlightLimit
 from ._handling import Handling
 from ._ledger import Ledger
 from ._logging import FailureLog
+from ._ordering import KeyGate
 from ._stats import LatencyHistogram, StageStatistics
 from ._subscription import Subscription
 from .transports.base import Delivery
@@ -89,6 +91,8 @@ class Stage:
         *,
         admission: Admission | None = None,
         controlled: bool = False,
+        ordered: bool = False,
+        stop_key_on_failure: bool = False,
     ) -> None:
         self.host = host
         self.pattern = pattern
@@ -129,9 +133,13 @@ class Stage:
         #: waits for room for many.
         self.room_needed = 1
         self.consumer_waiters: deque[anyio.Event] = deque()
-        self._buffer: deque[tuple[float, Envelope]] = deque()
-        self.push: Callable[[tuple[float, Envelope]], None] = self._buffer.append
-        self.pop: Callable[[], tuple[float, Envelope]] = self._buffer.popleft
+        #: What consumers take from, oldest first (a controlled stage: its lanes).
+        self.buffer: deque[tuple[float, Envelope]] = deque()
+        #: Admits an item (through the key gate of an ordered stage).
+        self.push: Callable[[tuple[float, Envelope]], None] = self.buffer.append
+        #: Puts an item straight into what consumers take from.
+        self.enqueue: Callable[[tuple[float, Envelope]], None] = self.buffer.append
+        self.pop: Callable[[], tuple[float, Envelope]] = self.buffer.popleft
         #: Whether a pump feeds this stage from the broker.
         self.pumping = False
         #: Set once the pump's broker subscription exists (its group receives publishes).
@@ -144,6 +152,16 @@ class Stage:
             self.control = StageControl(self, admission)
             # Priority lanes, timed with the controllers' clock.
             self.push, self.pop = self.control.lanes.push, self.control.lanes.pop_oldest
+            self.enqueue = self.push
+        #: ``subscribe(partitions=...)`` of an ordered stage, ``None`` when not given.
+        self.partitions: int | None = None
+        #: The group's slots (``max_in_flight``); ``None`` for none.
+        self.flights: FlightLimit | None = None
+        #: Per-key order (``ordering="key"``); ``None`` for an unordered stage.
+        self.gate: KeyGate | None = None
+        if ordered:
+            self.gate = KeyGate(self.enqueue, stop=stop_key_on_failure)
+            self.push = self.gate.push
         #: Publishes (and replays) waiting for room or about to be admitted.
         self.entering = 0
         #: Consumers whose handler awaits ``bus.drain()`` (it does not wait for them).
@@ -176,10 +194,12 @@ class Stage:
         :return: ids of the abandoned envelopes.
         """
         self.closed = True
-        left = [envelope.id for _, envelope in self._buffer]
-        self._buffer.clear()
+        left = [envelope.id for _, envelope in self.buffer]
+        self.buffer.clear()
         if self.control is not None:
             left += self.control.clear()
+        if self.gate is not None:
+            left += self.gate.clear()
         left += [h.envelope.id for h in self.handlings if h.envelope is not None]
         left += [held.id for holds in self.batch_holds for held in holds if held is not None]
         self.batch_holds.clear()
@@ -248,7 +268,7 @@ class Stage:
             self.host.dead_letter(envelope, DeadLetterReason.DROPPED, None, self.name, 0)
             return DoorOutcome.DROPPED
         while self.queued >= self.capacity:
-            _, oldest = self.pop()
+            _, oldest = self.evict()
             self.queued -= 1
             self.ledger.dead(DeadLetterReason.DROPPED)
             self.host.dead_letter(
@@ -449,7 +469,8 @@ class Stage:
         control = self.control
         assert control is not None
         self.ledger.published += 1
-        control.lanes.push_waited(envelope, waited)
+        if self.gate is None or self.gate.enters((0.0, envelope)):
+            control.lanes.push_waited(envelope, waited)
         self.queued += 1
         if self.consumer_waiters:
             self.consumer_waiters.popleft().set()
@@ -463,13 +484,13 @@ class Stage:
         ledger = self.ledger
         first = ledger.published + 1
         ledger.published += count
-        if self.control is None:
+        if self.control is None and self.gate is None:
             # Timings sampled as admit() does (the 1st, 9th, ... envelope), one clock read;
             # the pairs made by zip, in C.
             stamps = [0.0] * count
             sampled = range((1 - first) % 8, count, 8)
             stamps[sampled.start :: 8] = [_clock()] * len(sampled)
-            self._buffer.extend(zip(stamps, envelopes, strict=True))
+            self.buffer.extend(zip(stamps, envelopes, strict=True))
         else:
             push = self.push
             for number, envelope in enumerate(envelopes, first):
@@ -504,7 +525,8 @@ class Stage:
         again = envelope.evolve(attempt=envelope.attempt + step)
         if self.closed:
             return
-        if self.has_room():
+        if self.has_room() or (self.gate is not None and self.gate.holds(envelope)):
+            # (The holder of a key re-enters at once: its followers may fill the stage.)
             self._reenter(envelope, again)
             return
         try:
@@ -521,9 +543,32 @@ class Stage:
         if delivery is not None:
             self.deliveries[id(again)] = delivery
         self.in_flight -= 1
-        self.push((0.0, again))
+        self.enqueue((0.0, again))  # (an ordered stage: its key is still its own)
         self.queued += 1
         self.wake_consumer()
+
+    # -- order per key ------------------------------------------------------------
+
+    def evict(self) -> tuple[float, Envelope]:
+        """Take the oldest queued item out of the stage (``DROP_OLDEST``); the caller
+        counts it out of :attr:`queued`. On an ordered stage its key passes on."""
+        gate = self.gate
+        if gate is None:
+            return self.pop()
+        if len(self.buffer if self.control is None else self.control.lanes):
+            oldest = self.pop()
+            self.release(oldest[1])
+            return oldest
+        waiting = gate.evict()
+        assert waiting is not None  # (queued counts the lines: something waits there)
+        return waiting
+
+    def release(self, envelope: Envelope) -> None:
+        """``envelope`` was settled for good: on an ordered stage its key passes to the
+        next in line (a consumer is woken for it)."""
+        gate = self.gate
+        if gate is not None and gate.release(envelope):
+            self.wake_consumer()
 
     # -- statistics -------------------------------------------------------------
 
@@ -532,6 +577,7 @@ class Stage:
         control = self.control
         limit = control.limit if control is not None else self.concurrency
         ledger = self.ledger
+        gate, flights = self.gate, self.flights
         return StageStatistics(
             name=self.name,
             topic=self.pattern,
@@ -557,6 +603,13 @@ class Stage:
             shedding=control is not None and control.shedding,
             shed=ledger.shed,
             saturation=min(1.0, self.busy_consumers() / limit) if limit else 0.0,
+            ordering=None if gate is None else "key",
+            keys_held=0 if gate is None else gate.keys_held,
+            keys_waiting=0 if gate is None else gate.keys_waiting,
+            waiting_for_key=0 if gate is None else gate.waiting,
+            max_in_flight=None if flights is None else flights.limit,
+            slots_held=0 if flights is None else flights.running,
+            slots_waiting=0 if flights is None else flights.waiting,
         )
 
     def busy_consumers(self) -> int:

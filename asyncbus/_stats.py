@@ -127,6 +127,22 @@ class StageStatistics:
     #: Times an envelope was put back by a ``Defer`` verdict (not failures, not attempts;
     #: the envelope counts ``in_flight`` while it waits).
     deferred: int = 0
+    #: ``"key"`` for a stage subscribed with ``ordering="key"``, else ``None``.
+    ordering: str | None = None
+    #: An ordered stage's keys held now: one envelope of each is queued, in flight or
+    #: waiting for a retry.
+    keys_held: int = 0
+    #: An ordered stage's keys that have envelopes waiting for their turn.
+    keys_waiting: int = 0
+    #: Envelopes waiting for their key's turn (a part of ``depth``).
+    waiting_for_key: int = 0
+    #: ``subscribe(max_in_flight=...)``: the most handlers of the group at once, in every
+    #: replica together; ``None`` when not given.
+    max_in_flight: int | None = None
+    #: Handlers of this process holding one of those slots now.
+    slots_held: int = 0
+    #: Handlers of this process waiting for a slot (all taken, here or elsewhere).
+    slots_waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from ._backpressure import Backpressure
 from ._batch import Batch, batch_argument
 from ._checks import MAX_COUNT, check_seconds
 from ._exceptions import ConfigurationError
+from ._ordering import KEY_FAILURES, ORDERINGS, KeyFailure, Ordering
 from ._routing import compile_pattern
 from ._types import Middleware
 from .middleware.retry import Retry
@@ -33,6 +34,8 @@ __all__ = [
 Offload = Literal["thread", "process", "inline"]
 _OFFLOADS = ("thread", "process", "inline")
 _unique = itertools.count(1)
+#: The most partitions an ordered group may be split into.
+MAX_PARTITIONS = 4096
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -56,6 +59,14 @@ class Subscription:
     admission: Admission | None = None
     #: Hand the handler lists of envelopes' items, ``None`` for one at a time.
     batch: Batch | None = None
+    #: ``"key"``: envelopes of one publish key one at a time, in order; ``None``: unordered.
+    ordering: Ordering | None = None
+    #: On an ordered stage, what a dead letter does to its key's waiting envelopes.
+    key_failure: KeyFailure = "continue"
+    #: The most handlers of the stage running at once in every replica together.
+    max_in_flight: int | None = None
+    #: An ordered group's partitions (over a broker); ``None`` when not given.
+    partitions: int | None = None
 
     @property
     def stage(self) -> str:
@@ -93,6 +104,10 @@ def make_subscription(
     middleware: Sequence[Middleware],
     admission: Admission | None = None,
     batch: Batch | None = None,
+    ordering: str | None = None,
+    key_failure: str = "continue",
+    max_in_flight: int | None = None,
+    partitions: int | None = None,
 ) -> Subscription:
     """Validate everything ``subscribe`` was given and return the :class:`Subscription`.
 
@@ -113,6 +128,10 @@ def make_subscription(
         middleware=middleware,
         admission=admission,
         batch=batch,
+        ordering=ordering,
+        key_failure=key_failure,
+        max_in_flight=max_in_flight,
+        partitions=partitions,
     )
     if batch is not None:
         batch_argument(handler, where)  # a first parameter annotated but not a list
@@ -132,6 +151,10 @@ def make_subscription(
         middleware=layers,
         admission=admission,
         batch=batch,
+        ordering=typing.cast("Ordering | None", ordering),
+        key_failure=typing.cast("KeyFailure", key_failure),
+        max_in_flight=max_in_flight,
+        partitions=partitions,
     )
 
 
@@ -148,6 +171,10 @@ def check_options(
     middleware: Sequence[Middleware],
     admission: Admission | None = None,
     batch: Batch | None = None,
+    ordering: str | None = None,
+    key_failure: str = "continue",
+    max_in_flight: int | None = None,
+    partitions: int | None = None,
 ) -> tuple[Backpressure, float | None, tuple[Middleware, ...]]:
     """Validate ``subscribe``'s options, all but what depends on the handler.
 
@@ -189,7 +216,61 @@ def check_options(
         raise ConfigurationError(f"{where}: group must be a non-empty string, got {group!r}")
     if batch is not None:
         _check_batch(batch, where, capacity, concurrency, admission)
+    _check_ordering(where, ordering, key_failure, batch, partitions)
+    if max_in_flight is not None and (
+        isinstance(max_in_flight, bool)
+        or not isinstance(max_in_flight, int)
+        or not 1 <= max_in_flight <= MAX_COUNT
+    ):
+        raise ConfigurationError(
+            f"{where}: max_in_flight must be None or an int >= 1, got {max_in_flight!r}"
+        )
+    if max_in_flight is not None and batch is not None:
+        raise ConfigurationError(
+            f"{where}: max_in_flight cannot be combined with batch= (a batch handler holds "
+            "many envelopes in one call)"
+        )
     return policy, seconds, check_middleware(middleware, where)
+
+
+def _check_ordering(
+    where: str, ordering: Any, key_failure: Any, batch: Batch | None, partitions: Any
+) -> None:
+    """Refuse an ordering this bus does not know, or one that cannot work on this stage."""
+    if partitions is not None:
+        if (
+            isinstance(partitions, bool)
+            or not isinstance(partitions, int)
+            or not 1 <= partitions <= MAX_PARTITIONS
+        ):
+            raise ConfigurationError(
+                f"{where}: partitions must be None or an int from 1 to {MAX_PARTITIONS}, "
+                f"got {partitions!r}"
+            )
+        if ordering is None:
+            raise ConfigurationError(
+                f"{where}: partitions={partitions} needs ordering='key' (partitions split an "
+                "ordered group's keys)"
+            )
+    if ordering is not None and ordering not in ORDERINGS:
+        raise ConfigurationError(
+            f"{where}: ordering must be None or {', '.join(map(repr, ORDERINGS))}, got {ordering!r}"
+        )
+    if key_failure not in KEY_FAILURES:
+        raise ConfigurationError(
+            f"{where}: key_failure must be one of {', '.join(map(repr, KEY_FAILURES))}, "
+            f"got {key_failure!r}"
+        )
+    if ordering is None and key_failure != "continue":
+        raise ConfigurationError(
+            f"{where}: key_failure={key_failure!r} needs ordering='key' (only an ordered "
+            "stage has envelopes waiting for their key)"
+        )
+    if ordering is not None and batch is not None:
+        raise ConfigurationError(
+            f"{where}: ordering={ordering!r} cannot be combined with batch= (a batch hands "
+            "the handler many envelopes at once, whatever their keys)"
+        )
 
 
 def _check_batch(

@@ -27,6 +27,7 @@ from .._groups import (
     local_groups,
     no_admin,
 )
+from .._leases import LeaseStore
 from .._rates import RateStore
 from .._routing import compile_pattern
 from .._stage import Stage
@@ -38,6 +39,7 @@ from ..transports._codec import Codec, encode_payload
 from ..transports.base import (
     DedupStoreProvider,
     GroupAdmin,
+    LeaseStoreProvider,
     RateStoreProvider,
     TickClaimsProvider,
     Transport,
@@ -52,6 +54,7 @@ __all__ = ["BrokerMode", "over_broker", "split_stage_name"]
 
 dead_letter_logger = logging.getLogger("asyncbus.dead_letters")
 groups_logger = logging.getLogger("asyncbus.groups")
+flights_logger = logging.getLogger("asyncbus.flights")
 
 #: Seconds between two readings of the broker's groups while the bus runs (what a plain
 #: ``bus.groups()`` shows is at most this old, besides this process's own stages).
@@ -228,6 +231,17 @@ class BrokerMode:
         """The transport's limits (``$deadletter`` stays in this process)."""
         if pattern != DEADLETTER_TOPIC:
             self.transport.check_pattern(pattern)
+
+    def check_partitions(self, pattern: str, partitions: int | None) -> None:
+        """Partitions owned by one replica each are not built over a broker yet."""
+        if partitions is not None:
+            raise ConfigurationError(
+                f"subscribe({pattern!r}): partitions={partitions} over "
+                f"{type(self.transport).__name__}: a group split into partitions owned by one "
+                "replica each is not available over a broker yet; without partitions, "
+                "ordering='key' keeps each key's order among what one process receives (run "
+                "one consumer process for the group to keep it for the whole group)"
+            )
 
     def check_topic(self, topic: str) -> None:
         """The transport's limits (``$deadletter`` stays in this process)."""
@@ -424,6 +438,18 @@ class BrokerMode:
         """The broker's shared rate-limit turns, if it keeps them."""
         transport = self.transport
         return transport.rate_store() if isinstance(transport, RateStoreProvider) else None
+
+    def lease_store(self) -> LeaseStore | None:
+        """The broker's shared ``max_in_flight`` slots, if it keeps them."""
+        transport = self.transport
+        if isinstance(transport, LeaseStoreProvider):
+            return transport.lease_store()
+        flights_logger.warning(
+            "max_in_flight over %s: the broker keeps no slots, so each process bounds its "
+            "own handlers (the group may run that many in every replica)",
+            type(transport).__name__,
+        )
+        return None
 
     def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:
         """The broker holds scheduled envelopes (see :mod:`asyncbus._time.broker`) when

@@ -17,6 +17,7 @@ from .._door import DoorOutcome, RoomWaiter
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
 from .._groups import GroupInfo, local_groups, subscribed_here
+from .._leases import LeaseStore
 from .._rates import RateStore
 from .._routing import Router
 from .._stage import Backpressure, Stage
@@ -60,6 +61,10 @@ class LocalMode:
 
     def check_pattern(self, pattern: str) -> None:
         """Any pattern the bus's syntax allows works in memory."""
+
+    def check_partitions(self, pattern: str, partitions: int | None) -> None:
+        """One process serves every partition: the order per key holds whatever their
+        number."""
 
     def check_topic(self, topic: str) -> None:
         """Any topic the bus's syntax allows works in memory."""
@@ -361,6 +366,10 @@ class LocalMode:
 
     def rate_store(self) -> RateStore | None:
         """No broker: each ``RateLimit`` keeps its own turns."""
+        return None
+
+    def lease_store(self) -> LeaseStore | None:
+        """No broker: ``max_in_flight`` counts this process's handlers."""
         return None
 
     def time_keeper(self, clock: BusTime, fire: Fire) -> Keeper:

@@ -20,6 +20,7 @@ from .._dead_letters import DeadLetter, DeadLetterQueue
 from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt
 from .._groups import GroupInfo
+from .._leases import LeaseStore
 from .._rates import RateStore
 from .._stage import Stage
 from .._time.due import BusTime
@@ -88,6 +89,10 @@ class Mode(Protocol):
         """Raise :class:`ConfigurationError` for a pattern the broker cannot carry (at
         ``subscribe``, before anything changes)."""
 
+    def check_partitions(self, pattern: str, partitions: int | None) -> None:
+        """Raise :class:`ConfigurationError` when an ordered group cannot be split into
+        ``partitions`` here (at ``subscribe``, before anything changes)."""
+
     def check_topic(self, topic: str) -> None:
         """Raise :class:`ConfigurationError` for a topic the broker cannot carry (before
         anything is sent)."""
@@ -138,6 +143,9 @@ class Mode(Protocol):
 
     def rate_store(self) -> RateStore | None:
         """The broker's shared rate-limit turns, ``None`` in memory or without them."""
+
+    def lease_store(self) -> LeaseStore | None:
+        """The broker's shared ``max_in_flight`` slots, ``None`` in memory or without them."""
 
     def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
         """A shielded scope for settling with the broker, bounded by the close deadline."""

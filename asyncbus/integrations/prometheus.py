@@ -119,6 +119,11 @@ _GAUGES = {
     "limit": "Consumers the stage should run now (an Adaptive stage's current limit).",
     "saturation": "Consumers holding work / limit (0 to 1): how busy the consumers are.",
     "shedding": "1 while an admission= stage sheds stale envelopes, else 0.",
+    "keys_held": "Keys an ordering='key' stage holds (one envelope of each under way).",
+    "keys_waiting": "Keys of an ordering='key' stage with envelopes waiting for their turn.",
+    "waiting_for_key": "Envelopes waiting for their key's turn (part of depth).",
+    "slots_held": "Handlers of this process holding a max_in_flight slot of the group.",
+    "slots_waiting": "Handlers of this process waiting for a max_in_flight slot.",
 }
 
 

@@ -32,6 +32,7 @@ from .base import GroupAdmin as GroupAdmin
 from .base import GroupInfo as GroupInfo
 from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
+from .base import LeaseStoreProvider as LeaseStoreProvider
 from .base import RateStoreProvider as RateStoreProvider
 from .base import RoutedPublisher as RoutedPublisher
 from .base import SharedDeadLetters as SharedDeadLetters
@@ -62,6 +63,7 @@ __all__ = [
     "GroupPublisher",
     "JsonCodec",
     "KeepAlive",
+    "LeaseStoreProvider",
     "MemoryTransport",
     "MsgspecCodec",
     "NatsTransport",

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
-__all__ = ["KvBucket", "NatsHost"]
+__all__ = ["RACES", "KvBucket", "NatsHost", "change_at_revision"]
 
 
 class NatsHost(Protocol):
@@ -114,3 +114,40 @@ class KvBucket:
         )
         self._kv = None
         return await operation(await self._bucket())
+
+
+#: Tries of a change that keeps meeting other processes' changes before giving up.
+RACES = 50
+
+
+async def change_at_revision(
+    kv: KeyValue, key: str, change: Callable[[bytes | None], tuple[bytes | None, T]], doing: str
+) -> T:
+    """Read ``key``, let ``change`` make its new value from the value read (``None``: no
+    key), and write it back at the revision read (``create`` for a new key), again when
+    another process wrote first; ``change`` returns ``(new value or None to write
+    nothing, the answer)``.
+
+    :raises TransportError: after :data:`RACES` tries that each met another write.
+    """
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+    for _ in range(RACES):
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            value, revision = None, None
+        else:
+            value, revision = entry.value, entry.revision
+        written, answer = change(value)
+        if written is None:
+            return answer
+        try:
+            if revision is None:
+                await kv.create(key, written)
+            else:
+                await kv.update(key, written, last=revision)
+        except KeyWrongLastSequenceError:
+            continue  # another process wrote meanwhile: again
+        return answer
+    raise TransportError(f"NATS: {doing}: {RACES} tries met other processes' writes")

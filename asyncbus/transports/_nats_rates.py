@@ -18,17 +18,14 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .._exceptions import TransportError
 from .._rates import next_turns
-from ._nats_kv import KvBucket, NatsHost
+from ._nats_kv import KvBucket, NatsHost, change_at_revision
 
 if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
 __all__ = ["NatsRateStore"]
 
-#: Tries of a turn that keeps meeting other processes' turns before giving up.
-_RACES = 50
 #: Seconds a bucket's key is kept after its last turn.
 _KEPT = 86_400.0
 
@@ -109,28 +106,14 @@ class NatsRateStore:
 
     async def _take_many(self, key: str, interval: float, burst: int, count: int) -> list[float]:
         """``count`` turns of bucket ``key`` in one write: the seconds until each."""
-        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-
         name = hashlib.sha256(key.encode()).hexdigest()[:40]
+        doing = f"taking a turn of rate limit {key!r}"
+
+        def turns(value: bytes | None) -> tuple[bytes, list[float]]:
+            waits, after = next_turns(_tat(value), time.time(), interval, burst, count)
+            return repr(after).encode(), waits
 
         async def take(kv: KeyValue) -> list[float]:
-            for _ in range(_RACES):
-                try:
-                    entry = await kv.get(name)
-                except KeyNotFoundError:
-                    tat, revision = None, None
-                else:
-                    tat, revision = _tat(entry.value), entry.revision
-                waits, after = next_turns(tat, time.time(), interval, burst, count)
-                value = repr(after).encode()
-                try:
-                    if revision is None:
-                        await kv.create(name, value)
-                    else:
-                        await kv.update(name, value, last=revision)
-                except KeyWrongLastSequenceError:
-                    continue  # another process took turns meanwhile: again
-                return waits
-            raise TransportError(f"NATS: rate limit {key!r}: {_RACES} tries met other turns")
+            return await change_at_revision(kv, name, turns, doing)
 
-        return await self._kv.call_or_fail(take, f"taking a turn of rate limit {key!r}")
+        return await self._kv.call_or_fail(take, doing)

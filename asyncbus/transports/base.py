@@ -31,6 +31,7 @@ from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError
 from .._groups import GroupAdmin, GroupInfo
+from .._leases import LeaseStore
 from .._rates import RateStore
 from ._codec import Codec, default_codec
 from ._kit.delivery import BaseDelivery
@@ -48,6 +49,7 @@ __all__ = [
     "GroupInfo",
     "GroupPublisher",
     "KeepAlive",
+    "LeaseStoreProvider",
     "RateStoreProvider",
     "RoutedPublisher",
     "SharedDeadLetters",
@@ -458,6 +460,15 @@ class RateStoreProvider(Protocol):
 
     def rate_store(self) -> RateStore:
         """The store (see :mod:`asyncbus._rates`)."""
+
+
+@runtime_checkable
+class LeaseStoreProvider(Protocol):
+    """A transport whose broker can keep ``max_in_flight``'s slots as leases, shared by
+    every process using it (without it each process bounds only its own handlers)."""
+
+    def lease_store(self) -> LeaseStore:
+        """The store (see :mod:`asyncbus._flights`)."""
 
 
 @runtime_checkable

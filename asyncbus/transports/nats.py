@@ -135,6 +135,7 @@ from ._nats_dedup import NatsDedupStore
 from ._nats_groups import GroupDirectory, group_description, list_groups
 from ._nats_handbacks import HandBacks
 from ._nats_heartbeats import NatsHeartbeats
+from ._nats_leases import NatsLeaseStore
 from ._nats_publisher import JetStreamPublisher, NoStreamError
 from ._nats_rates import NatsRateStore
 from ._registry import registered
@@ -1028,6 +1029,11 @@ class NatsTransport(Transport):
         """``RateLimit``'s shared turns in NATS: a JetStream KV bucket, one key per
         bucket, written at the revision read."""
         return NatsRateStore(self)
+
+    def lease_store(self) -> NatsLeaseStore:
+        """``max_in_flight``'s slots in NATS: a JetStream KV bucket, one key of leases per
+        stage, written at the revision read."""
+        return NatsLeaseStore(self)
 
     async def backlog(self, pattern: str, group: str) -> int:
         """Messages of the group's consumer not yet delivered plus delivered, unsettled."""

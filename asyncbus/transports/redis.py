@@ -138,6 +138,7 @@ from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
 from ._redis_groups import RedisGroups
 from ._redis_heartbeats import RedisHeartbeats
+from ._redis_leases import RedisLeaseStore
 from ._redis_rates import RedisRateStore
 from ._registry import registered
 from ._wire_fields import group_from_wire
@@ -1273,6 +1274,10 @@ class RedisTransport(Transport):
     def rate_store(self) -> RedisRateStore:
         """``RateLimit``'s shared turns in Redis: a key per bucket, taken by a script."""
         return RedisRateStore(self)
+
+    def lease_store(self) -> RedisLeaseStore:
+        """``max_in_flight``'s slots in Redis: a sorted set of leases per stage."""
+        return RedisLeaseStore(self)
 
     # -- backlog and dead letters ---------------------------------------------
 

@@ -444,6 +444,7 @@ async def test_dead_letters_are_filtered_paginated_and_counted_by_reason() -> No
                 "dropped": 0,
                 "timeout": 0,
                 "overload": 0,
+                "key_stopped": 0,
             }
             failed = await page(reason="handler_failed")
             assert [item["envelope"]["payload"]["id"] for item in failed["items"]] == [1, 3, 5]

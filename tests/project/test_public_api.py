@@ -124,6 +124,13 @@ def test_stage_statistics_can_be_made_with_the_design_fields_alone() -> None:
         "shed": 0,
         "saturation": 0.0,
         "deferred": 0,
+        "ordering": None,
+        "keys_held": 0,
+        "keys_waiting": 0,
+        "waiting_for_key": 0,
+        "max_in_flight": None,
+        "slots_held": 0,
+        "slots_waiting": 0,
     }
 
 

@@ -145,7 +145,9 @@ BROKERS: dict[str, Broker] = {
             client_modules=("redis",),
             client="redis-py",
             messaging_system="redis",
-            features=frozenset({"dedup_store", "rate_store", "heartbeats", "quick_restart"}),
+            features=frozenset(
+                {"dedup_store", "rate_store", "lease_store", "heartbeats", "quick_restart"}
+            ),
             forget=_forget_redis,
             private="private_redis",
             durable_private={"persistent": True},
@@ -161,7 +163,9 @@ BROKERS: dict[str, Broker] = {
             client_modules=("nats",),
             client="nats-py",
             messaging_system="nats",
-            features=frozenset({"dedup_store", "rate_store", "heartbeats", "quick_restart"}),
+            features=frozenset(
+                {"dedup_store", "rate_store", "lease_store", "heartbeats", "quick_restart"}
+            ),
             forget=_forget_nats,
             private="private_nats",
             patient_connect={"connect_timeout": 5.0},
