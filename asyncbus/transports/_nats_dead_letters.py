@@ -208,6 +208,7 @@ class NatsDeadLetters:
         finally:
             self._watchers.discard(send)
             send.close()
+            receive.close()  # (when setting up failed: never handed out)
             with self.transport.cleanup_scope(_UNSUBSCRIBE_TIMEOUT):
                 for subscription in subscriptions:
                     try:

@@ -310,6 +310,7 @@ class DeadLetterNews:
         finally:
             self._watchers.pop(send, None)
             send.close()
+            receive.close()  # (when setting up failed: never handed out)
             with cleanup():
                 try:
                     if not channel.is_closed:

@@ -282,6 +282,7 @@ def test_dead_letters_subscribed_on_their_topic_are_a_channel_with_their_schema(
         "dropped",
         "timeout",
         "overload",
+        "key_stopped",
     ]
     assert spec["components"]["schemas"]["Envelope"]["properties"]["headers"] == {
         "type": "object",

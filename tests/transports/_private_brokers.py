@@ -13,7 +13,9 @@ under ``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
 
 * ``private_redis(..., persistent=True)`` writes an append-only file before each
   reply (``appendfsync always``): what it confirmed survives ``kill -9``.
-* ``private_nats`` keeps JetStream's file store in the directory.
+* ``private_nats`` keeps JetStream's file store in the directory;
+  ``private_nats_cluster`` starts three of them as one JetStream cluster (routes on
+  loopback ports), each node its own :class:`PrivateServer`.
 * ``private_rabbit`` is a RabbitMQ node of its own (its own name, ports, data and an
   empty plugin list); it takes 5-15 s to start.
 """
@@ -42,6 +44,7 @@ __all__ = [
     "free_port",
     "nats_connections",
     "private_nats",
+    "private_nats_cluster",
     "private_rabbit",
     "private_redis",
 ]
@@ -250,6 +253,51 @@ def private_nats(
         directory / "nats",
         monitor_port=monitor,
     )
+
+
+def _nats_node_command(
+    name: str, cluster_port: int, routes: list[int]
+) -> Callable[[int, Path], list[str]]:
+    def command(port: int, directory: Path) -> list[str]:
+        return [
+            *_nats_command(port, directory),
+            *("-n", name, "--cluster_name", "asyncbus-test"),
+            *("--cluster", f"nats://127.0.0.1:{cluster_port}"),
+            *("--routes", ",".join(f"nats://127.0.0.1:{route}" for route in routes)),
+        ]
+
+    return command
+
+
+@asynccontextmanager
+async def private_nats_cluster(
+    directory: Path, size: int = 3
+) -> AsyncIterator[list[PrivateServer]]:
+    """``size`` nats-servers of the test's own, one JetStream cluster (``n1``, ``n2``...),
+    each with its store in ``directory``; yields them once every node accepts clients
+    (JetStream elects its leaders a moment later: a client retries its first calls)."""
+    _nats_command(0, directory)  # skips (or fails) now when the binary is missing
+    cluster_ports = [free_port() for _ in range(size)]
+    nodes = [
+        PrivateServer(
+            _nats_node_command(
+                f"n{index + 1}",
+                cluster_ports[index],
+                [port for other, port in enumerate(cluster_ports) if other != index],
+            ),
+            "nats",
+            directory / f"nats-n{index + 1}",
+        )
+        for index in range(size)
+    ]
+    try:
+        async with anyio.create_task_group() as starting:
+            for node in nodes:
+                starting.start_soon(node.start)
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.kill()
 
 
 async def nats_connections(server: PrivateServer) -> int:
