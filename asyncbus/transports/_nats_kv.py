@@ -28,6 +28,8 @@ class NatsHost(Protocol):
 
     #: The name of the transport's stream of envelopes (buckets are named after it).
     stream: str
+    #: Copies JetStream keeps of each bucket (the transport's ``replicas``).
+    replicas: int
 
     def _client(self) -> tuple[Client, JetStreamContext]:
         """The connected client and its JetStream context."""
@@ -67,6 +69,7 @@ class KvBucket:
                         ttl=self.ttl,
                         history=1,
                         storage=StorageType.FILE,
+                        replicas=self._transport.replicas,
                     )
                 )
             except Exception:

@@ -120,7 +120,15 @@ from ._codec import (
     dead_letter_to_wire,
     envelope_to_wire,
 )
-from ._kit import AckWriter, TaskOwner, check_url, redact, require_asyncio, require_extra
+from ._kit import (
+    AckWriter,
+    TaskOwner,
+    check_url,
+    redact,
+    require_asyncio,
+    require_extra,
+    split_urls,
+)
 from ._kit.options import MAX_SECONDS, checked_prefetch, checked_seconds
 from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
 from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
@@ -226,6 +234,12 @@ def _subject_limits(prefix: str, stream: str) -> TopicLimits:
     )
 
 
+def _lacks_peers(error: Exception) -> bool:
+    """Whether JetStream refused a stream for want of nodes to hold its replicas."""
+    text = str(error).lower()
+    return any(word in text for word in ("replica", "insufficient resources", "peers"))
+
+
 def _address(url: str) -> str:
     parts = urlsplit(url if "://" in url else f"nats://{url}")
     try:
@@ -251,7 +265,13 @@ class NatsTransport(Transport):
     Runs on asyncio only (nats-py is asyncio-only). The server needs JetStream; a
     2.9 server is enough. See the module docstring for what is kept on the server.
 
-    :param url: the server, ``nats://[user:password@]host:port``.
+    :param url: the server, ``nats://[user:password@]host:port``; or the nodes of one
+        cluster, as a list or one string separated by commas: the client connects to
+        any that answers and, after a lost connection, to any listed or discovered
+        (the servers announce their peers).
+    :param replicas: copies JetStream keeps of the bus's streams and key-value buckets
+        (1 to 5; a cluster needs at least as many nodes). An existing stream with
+        another count is an error at connect, never reused with other guarantees.
     :param prefix: subject prefix and (upper-cased, sanitised) stream name; one bus
         deployment per prefix.
     :param ack_timeout: seconds a delivery may stay unsettled by a consumer that
@@ -301,7 +321,7 @@ class NatsTransport(Transport):
 
     def __init__(
         self,
-        url: str = "nats://127.0.0.1:4222",
+        url: str | Sequence[str] = "nats://127.0.0.1:4222",
         *,
         prefix: str = "asyncbus",
         ack_timeout: float = 30.0,
@@ -314,10 +334,16 @@ class NatsTransport(Transport):
         reconnect_wait: float = 0.5,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         publish_timeout: float | None = None,
+        replicas: int = 1,
     ) -> None:
         super().__init__(codec=codec)
         require_extra("NatsTransport", "nats", "nats")
         check_url("NatsTransport", url, _SCHEMES, _URL_FORM)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
+            raise ConfigurationError(
+                f"NatsTransport: replicas must be an int from 1 to 5 (JetStream's most), "
+                f"got {replicas!r}"
+            )
         if publish_timeout is None:
             publish_timeout = request_timeout
         validate_topic(prefix)
@@ -344,7 +370,11 @@ class NatsTransport(Transport):
             raise ConfigurationError(
                 f"NatsTransport: keep_alive must be a bool, got {keep_alive!r}"
             )
-        self.url = url
+        #: Every URL given, in order (the nodes of one cluster, or one server).
+        self.servers = split_urls(url)
+        #: The URLs given, comma-separated.
+        self.url = ",".join(self.servers)
+        self.replicas = replicas
         self.prefix = prefix
         self.ack_timeout = seconds["ack_timeout"]
         self.connect_timeout = seconds["connect_timeout"]
@@ -396,7 +426,19 @@ class NatsTransport(Transport):
         )
 
     def __repr__(self) -> str:
-        return f"NatsTransport({redact(self.url)!r}, prefix={self.prefix!r})"
+        return f"NatsTransport({self._shown()!r}, prefix={self.prefix!r})"
+
+    def _shown(self) -> str:
+        """The URLs given, credentials hidden."""
+        return ",".join(redact(one) for one in self.servers)
+
+    def _where(self) -> str:
+        """The server connected to now (the first listed before any connection)."""
+        nc = self._nc
+        connected = nc.connected_url if nc is not None else None
+        if connected is not None:
+            return f"{connected.hostname}:{connected.port}"
+        return _address(self.servers[0])
 
     @property
     def pull_expires(self) -> float:
@@ -435,7 +477,8 @@ class NatsTransport(Transport):
                 "NatsTransport needs the 'nats' extra: pip install 'asyncbus[nats]'"
             ) from error
         require_asyncio("NatsTransport", "nats-py")
-        where = f"NATS at {_address(self.url)} ({redact(self.url)})"
+        addresses = ", ".join(_address(one) for one in self.servers)
+        where = f"NATS at {addresses} ({self._shown()})"
         options: dict[str, Any] = {
             "name": f"asyncbus {self.prefix}",
             "connect_timeout": self.connect_timeout,
@@ -459,7 +502,7 @@ class NatsTransport(Transport):
             try:
                 # nats-py gives each attempt connect_timeout; all of them get it together.
                 with anyio.fail_after(self.connect_timeout):
-                    await nc.connect(self.url, **options)
+                    await nc.connect(self.servers, **options)
             except Exception as error:
                 reason = f"{type(error).__name__}: {error}"
                 if isinstance(error, TimeoutError) and not str(error):
@@ -511,6 +554,7 @@ class NatsTransport(Transport):
                 discard=DiscardPolicy.OLD,
                 duplicate_window=self.dedup_window,
                 max_age=self.max_age,
+                num_replicas=self.replicas,
             ),
             managed=(),
         )
@@ -527,6 +571,7 @@ class NatsTransport(Transport):
                 max_age=min(max(self.settings.dead_letter_ttl, _MIN_MAX_AGE), MAX_SECONDS),
                 # 0 means unbounded, as for the bus's DeadLetterQueue.
                 max_msgs=max(self.settings.dead_letter_maxlen, 0) or -1,
+                num_replicas=self.replicas,
             ),
             managed=("max_age", "max_msgs"),
         )
@@ -555,6 +600,12 @@ class NatsTransport(Transport):
                     try:  # created meanwhile by another process?
                         info = await js.stream_info(name)
                     except NotFoundError:
+                        if config.num_replicas > 1 and _lacks_peers(error):
+                            raise ConfigurationError(
+                                f"JetStream cannot keep stream {name} with "
+                                f"replicas={config.num_replicas}: {error} (a cluster needs "
+                                "at least that many nodes with JetStream, all up)"
+                            ) from error
                         if isinstance(error, APIError) and (error.code or 0) >= 500:
                             raise  # the server failed (a deletion still going on): retry
                         raise ConfigurationError(
@@ -562,6 +613,12 @@ class NatsTransport(Transport):
                             f"{config.subjects}: {error}"
                         ) from error
             existing = info.config
+            if (existing.num_replicas or 1) != config.num_replicas:
+                raise ConfigurationError(
+                    f"stream {name} exists with {existing.num_replicas or 1} replica(s); this "
+                    f"transport asks for replicas={config.num_replicas}: give the count it was "
+                    "made with, or change the stream's (nats stream edit) first"
+                )
             if set(config.subjects) - set(existing.subjects or ()):
                 raise ConfigurationError(
                     f"stream {name} exists but captures {existing.subjects}, not "
@@ -630,15 +687,15 @@ class NatsTransport(Transport):
             return  # connecting (connect() reports it) or closing
         if nc.is_connecting or nc.is_reconnecting:  # an attempt to reconnect failed
             _close_failed_attempt(nc)
-        logger.warning("NATS %s: %s: %s", _address(self.url), type(error).__name__, error)
+        logger.warning("NATS %s: %s: %s", self._where(), type(error).__name__, error)
 
     async def _on_disconnected(self) -> None:
         if self._nc is None:
             return  # our own aclose()
-        logger.warning("NATS %s: disconnected, reconnecting", _address(self.url))
+        logger.warning("NATS %s: disconnected, reconnecting", self._where())
 
     async def _on_reconnected(self) -> None:
-        logger.info("NATS %s: reconnected", _address(self.url))
+        logger.info("NATS %s: reconnected", self._where())
         self._groups.forget()  # announcements may have been missed meanwhile
         self._shared_dead.reconnected()  # so may changes of the dead letters
         self._server = _server_id(self._nc)

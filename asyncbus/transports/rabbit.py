@@ -133,6 +133,7 @@ from .._exceptions import (
     EncodeError,
     TransportError,
 )
+from .._failures import describe_error
 from .._groups import GroupInfo
 from .._routing import validate_topic
 from . import _rabbit_groups
@@ -151,6 +152,7 @@ from ._kit import (
     redact,
     require_asyncio,
     require_extra,
+    split_urls,
 )
 from ._kit.options import (
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -313,7 +315,14 @@ class RabbitTransport(Transport):
     Runs on asyncio only (aio-pika and its AMQP layer aiormq are asyncio libraries).
 
     :param url: the broker, ``amqp://user:password@host:port/vhost`` (query options such
-        as ``heartbeat`` are passed to the client).
+        as ``heartbeat`` are passed to the client); or the nodes of one cluster, as a
+        list or one string separated by commas: the transport connects to the first
+        that answers, in turn from the one it used last, and after a lost connection
+        to the next that does (its queues are the cluster's, so consumers and
+        publishes go on there).
+    :param replicas: the initial group size of the quorum queues it declares (RabbitMQ
+        places that many replicas; ``None``: the broker's default, every node up to
+        its ``quorum_queue.initial_group_size``). A queue that exists keeps its own.
     :param prefix: the name of the exchange and the start of every queue name, so
         several buses (or tests) can share a broker.
     :param ack_timeout: with ``keep_alive=False``, seconds a delivery may stay handed
@@ -366,7 +375,7 @@ class RabbitTransport(Transport):
 
     def __init__(
         self,
-        url: str = "amqp://guest:guest@127.0.0.1:5672/",
+        url: str | Sequence[str] = "amqp://guest:guest@127.0.0.1:5672/",
         *,
         prefix: str = "asyncbus",
         ack_timeout: float = 30.0,
@@ -377,10 +386,17 @@ class RabbitTransport(Transport):
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         keep_alive: bool = True,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        replicas: int | None = None,
     ) -> None:
         super().__init__(codec=codec)
         require_extra("RabbitTransport", "rabbit", "aio_pika", "aiormq", "pamqp")
         check_url("RabbitTransport", url, _SCHEMES, _URL_FORM)
+        if replicas is not None and (
+            isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 99
+        ):
+            raise ConfigurationError(
+                f"RabbitTransport: replicas must be None or an int from 1 to 99, got {replicas!r}"
+            )
         ack_timeout, publish_timeout, connect_timeout, max_backoff = (
             checked_seconds(value, f"RabbitTransport: {label}")
             for label, value in (
@@ -405,7 +421,11 @@ class RabbitTransport(Transport):
                 "prefix must be 1 to 100 letters, digits or '-_.:#,/ ' and not start "
                 f"with 'amq.', got {prefix!r}"
             )
-        self.url = url
+        #: Every URL given, in order (the nodes of one cluster, or one broker).
+        self.servers = split_urls(url)
+        #: The URL in use: the last one connected to (the first before any).
+        self.url = self.servers[0]
+        self.replicas = replicas
         self.prefix = prefix
         self.max_message_size = checked_max_message_size(max_message_size)
         self.max_deliveries = checked_max_deliveries(max_deliveries)
@@ -537,6 +557,30 @@ class RabbitTransport(Transport):
             await link.close(max(0.0, min(RELEASE_TIMEOUT, left)))
 
     async def _open_link(self) -> _Link:
+        """Open a link to the first node that answers, from the one used last.
+
+        :raises Exception: what the last node tried raised (each is logged).
+        """
+        start = self.servers.index(self.url)
+        order = self.servers[start:] + self.servers[:start]
+        for number, url in enumerate(order, 1):
+            try:
+                link = await self._open_link_to(url)
+            except Exception as error:
+                if number == len(order):
+                    raise
+                logger.warning(
+                    "RabbitMQ: %s does not answer (%s); trying %s",
+                    redact(url),
+                    describe_error(error),
+                    redact(order[number]),
+                )
+                continue
+            self.url = url
+            return link
+        raise AssertionError("no URL")  # (there is always one)
+
+    async def _open_link_to(self, url: str) -> _Link:
         """Open both connections and the publishing channel; declare the fixed names."""
         aiormq = self._aiormq
         opened: list[AbstractConnection] = []
@@ -544,7 +588,7 @@ class RabbitTransport(Transport):
             with anyio.fail_after(self.connect_timeout):
                 for role in ("publisher", "consumer"):
                     connection = await aiormq.connect(
-                        self.url,
+                        url,
                         client_properties={"connection_name": f"asyncbus {self.prefix} {role}"},
                     )
                     opened.append(connection)
@@ -667,7 +711,7 @@ class RabbitTransport(Transport):
                 if not spurious_cancel():
                     raise
                 problem: BaseException = TransportError("the connection closed")
-            except TransportError:
+            except (TransportError, ConfigurationError):
                 raise
             except self._fatal as error:
                 raise self._failed(what, error) from error
@@ -761,9 +805,20 @@ class RabbitTransport(Transport):
         if group.startswith(INBOX_GROUP_PREFIX):
             # A bus's reply inbox: its process's alone, gone once nobody consumes it.
             arguments["x-expires"] = _INBOX_EXPIRES_MS
+        elif self.replicas is not None:
+            arguments["x-quorum-initial-group-size"] = self.replicas
 
         async def declare(channel: AbstractChannel) -> None:
-            await channel.queue_declare(queue, durable=True, arguments=arguments)
+            try:
+                await channel.queue_declare(queue, durable=True, arguments=arguments)
+            except self._aiormq.exceptions.ChannelPreconditionFailed as error:
+                # The queue exists with other arguments (another replicas=): a setting
+                # to change, not a failure to retry.
+                raise ConfigurationError(
+                    f"RabbitMQ: the queue {queue} exists with other arguments than this "
+                    f"transport's (replicas={self.replicas!r}): {error}; give the setting it "
+                    "was declared with, or delete the queue (its messages with it) first"
+                ) from error
             await channel.queue_bind(queue, self.prefix, routing_key=key)
 
         await self._admin(link, declare)

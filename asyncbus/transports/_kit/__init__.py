@@ -7,8 +7,8 @@
 * :func:`redact`: a broker URL fit for logs and errors (no credentials);
 * :class:`TaskOwner`: the one task group a transport owns from connect to close;
 * :func:`require_asyncio`: the one check (and error) of an asyncio-only client;
-* :func:`require_extra`, :func:`check_url`: what a transport checks as it is created
-  (its client library, :class:`MissingExtra` when absent; its URL);
+* :func:`require_extra`, :func:`check_url`, :func:`split_urls`: what a transport checks
+  as it is created (its client library, :class:`MissingExtra` when absent; its URLs);
 * :class:`TopicMatches`: which recorded groups a topic reaches, cached per topic;
 * :mod:`.options`: a transport's options checked (timeouts, ``prefetch``, the message
   size limit) and envelopes over that limit refused;
@@ -27,6 +27,7 @@ from .runtime import MissingExtra as MissingExtra
 from .runtime import check_url as check_url
 from .runtime import require_asyncio as require_asyncio
 from .runtime import require_extra as require_extra
+from .runtime import split_urls as split_urls
 from .tasks import TaskOwner as TaskOwner
 
 __all__ = [
@@ -39,4 +40,5 @@ __all__ = [
     "redact",
     "require_asyncio",
     "require_extra",
+    "split_urls",
 ]

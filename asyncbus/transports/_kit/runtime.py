@@ -60,6 +60,13 @@ def require_extra(transport: str, extra: str, *packages: str) -> None:
             )
 
 
+def split_urls(url: str | Sequence[str]) -> list[str]:
+    """The URLs of ``url`` (one, several separated by commas, or a sequence), stripped;
+    ``url`` passed :func:`check_url`."""
+    urls = url.split(",") if isinstance(url, str) else url
+    return [one.strip() for one in urls]
+
+
 def check_url(transport: str, url: object, schemes: Sequence[str], form: str) -> None:
     """Refuse a broker URL that cannot work, as the transport is created.
 

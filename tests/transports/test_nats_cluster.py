@@ -1,0 +1,130 @@
+"""NATS as a cluster: a transport given every node's URL, streams and buckets replicated
+``replicas`` times, and a node killed under a running bus without losing what the
+cluster confirmed. Three private nats-servers form a JetStream cluster on loopback."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+from _private_brokers import free_port, private_nats_cluster  # type: ignore[import-not-found]
+
+from asyncbus import Bus, ConfigurationError, ConnectError, TransportError
+from asyncbus.transports.nats import NatsTransport
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+async def _ready(make: Callable[[], NatsTransport]) -> None:
+    """Wait until the new cluster elected its JetStream leaders: a transport made by
+    ``make`` connects (and is closed again). Not inside a cancel scope: a transport's
+    task group stays open in the task that connected it until it closes."""
+    deadline = anyio.current_time() + 30
+    while True:
+        probe = make()
+        try:
+            await probe.connect()
+        except ConnectError as error:
+            if "replicas" in str(error) or anyio.current_time() > deadline:
+                raise
+            await anyio.sleep(0.2)
+        else:
+            await probe.aclose()
+            return
+
+
+async def _stream_replicas(transport: NatsTransport, stream: str) -> tuple[int, str | None]:
+    _, js = transport._client()
+    info = await js.stream_info(stream)
+    assert info.config.num_replicas is not None and info.cluster is not None
+    return info.config.num_replicas, info.cluster.leader
+
+
+async def test_a_bus_keeps_everything_through_the_loss_of_any_one_node(tmp_path: Path) -> None:
+    async with private_nats_cluster(tmp_path) as nodes:
+        urls = [node.url for node in nodes]
+        prefix = f"c{uuid.uuid4().hex[:8]}"
+        await _ready(lambda: NatsTransport(urls, prefix=prefix, replicas=3))
+        transport = NatsTransport(urls, prefix=prefix, replicas=3)
+        bus = Bus(transport=transport)
+        handled: dict[int, int] = {}
+
+        @bus.subscribe("orders", group="g", concurrency=4)
+        async def handle(n: int) -> None:
+            handled[n] = handled.get(n, 0) + 1
+
+        with anyio.fail_after(90):
+            async with bus:
+                replicas, _ = await _stream_replicas(transport, transport.stream)
+                assert replicas == 3
+                for n in range(50):
+                    await bus.publish("orders", n)
+                await bus.drain()
+                # kill -9 the stream's leader: the cluster elects another, and a client
+                # connected to it moves to another node.
+                _, leader = await _stream_replicas(transport, transport.stream)
+                assert leader is not None
+                await nodes[int(leader.removeprefix("n")) - 1].kill()
+                for n in range(50, 100):
+                    while True:
+                        try:
+                            await bus.publish("orders", n)
+                            break
+                        except TransportError:
+                            await anyio.sleep(0.1)  # (while the cluster elects a leader)
+                while len(handled) < 100:
+                    await anyio.sleep(0.05)
+                await bus.drain()
+    assert sorted(handled) == list(range(100))
+
+
+async def test_a_bus_started_while_its_streams_node_is_down_fails_with_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    async with private_nats_cluster(tmp_path) as nodes:
+        urls = [node.url for node in nodes]
+        await _ready(lambda: NatsTransport(urls, prefix="lone"))  # its streams: one copy
+        probe = NatsTransport(urls, prefix="lone")
+        await probe.connect()
+        _, leader = await _stream_replicas(probe, probe.stream)
+        await probe.aclose()
+        assert leader is not None
+        await nodes[int(leader.removeprefix("n")) - 1].kill()
+        bus = Bus(transport=NatsTransport(urls, prefix="lone", request_timeout=1.0))
+        with pytest.raises(ConnectError, match="stream LONE"):
+            async with bus:
+                pass
+
+
+async def test_a_replica_count_the_cluster_cannot_hold_is_a_clear_error(tmp_path: Path) -> None:
+    async with private_nats_cluster(tmp_path) as nodes:
+        urls = [node.url for node in nodes]
+        with pytest.raises((ConfigurationError, ConnectError), match="replicas=5"):
+            await _ready(lambda: NatsTransport(urls, prefix="five", replicas=5))
+
+
+async def test_a_stream_with_other_replicas_is_reported_not_reused(tmp_path: Path) -> None:
+    async with private_nats_cluster(tmp_path) as nodes:
+        urls = ",".join(node.url for node in nodes)  # one string, comma-separated
+        await _ready(lambda: NatsTransport(urls, prefix="same", replicas=1))
+        with pytest.raises(
+            ConfigurationError, match=r"1 replica\(s\); this transport asks for replicas=3"
+        ):
+            await NatsTransport(urls, prefix="same", replicas=3).connect()
+
+
+async def test_a_dead_first_url_is_skipped_and_every_url_is_redacted(tmp_path: Path) -> None:
+    async with private_nats_cluster(tmp_path) as nodes:
+        dead = f"nats://user:secret@127.0.0.1:{free_port()}"
+        urls = [dead, *(node.url for node in nodes)]
+        assert "secret" not in repr(NatsTransport(urls, prefix="skip"))
+        await _ready(lambda: NatsTransport(urls, prefix="skip"))  # (connects past the dead one)
+
+
+def test_replicas_are_checked_when_the_transport_is_made() -> None:
+    for wrong in (0, 6, True, 1.5, "3"):
+        with pytest.raises(ConfigurationError, match="replicas must be an int from 1 to 5"):
+            NatsTransport("nats://127.0.0.1:4222", replicas=wrong)  # type: ignore[arg-type]
