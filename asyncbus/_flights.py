@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import uuid
+from collections import deque
 from typing import Any
 
 import anyio
@@ -53,8 +54,11 @@ class FlightLimit:
     def __init__(self, stage: str, limit: int) -> None:
         self.stage = stage
         self.limit = limit
-        #: This process's slots: at most ``limit`` here, whatever the broker says.
-        self._local = anyio.Semaphore(limit)
+        #: This process's free slots (at most ``limit`` here, whatever the broker says)
+        #: and the handlers waiting for one, first first: made of events of the loop
+        #: that waits, so a bus may run on one event loop, then on another.
+        self._free = limit
+        self._line: deque[anyio.Event] = deque()
         #: The broker's leases, found at the first envelope (``None``: none kept).
         self._store: LeaseStore | None = None
         self._chosen = False
@@ -73,11 +77,10 @@ class FlightLimit:
         """``chain`` run only while it holds a slot."""
 
         async def handle(envelope: Any) -> Any:
-            self.waiting += 1
-            try:
-                await self._local.acquire()
-            finally:
-                self.waiting -= 1
+            if self._free and not self._line:
+                self._free -= 1
+            else:
+                await self._wait_local()
             try:
                 holder = await self._lease()
                 self.running += 1
@@ -88,9 +91,32 @@ class FlightLimit:
                     if holder is not None:
                         await self._give_back(holder)
             finally:
-                self._local.release()
+                self._give_local()
 
         return handle
+
+    async def _wait_local(self) -> None:
+        """Wait in line for one of this process's slots (handed over by its holder)."""
+        handed = anyio.Event()
+        self._line.append(handed)
+        self.waiting += 1
+        try:
+            await handed.wait()
+        except BaseException:  # deliberate: however the wait ends, no slot is lost
+            if handed in self._line:
+                self._line.remove(handed)
+            else:
+                self._give_local()  # it was handed a slot as it was cancelled: pass it on
+            raise
+        finally:
+            self.waiting -= 1
+
+    def _give_local(self) -> None:
+        """A slot of this process is free: to the first in line, or kept."""
+        if self._line:
+            self._line.popleft().set()
+        else:
+            self._free += 1
 
     async def _lease(self) -> str | None:
         """Take a lease in the broker, when it keeps them: its holder, else ``None``."""
@@ -140,7 +166,14 @@ class FlightLimit:
             logger.warning("max_in_flight of %s: a slot was not given back: %s", self.stage, error)
 
     async def _keep(self, store: LeaseStore) -> None:
-        """Renew this process's leases until the bus stops."""
+        """Renew this process's leases until the bus stops (a bus started again finds
+        its store anew)."""
+        try:
+            await self._renew_forever(store)
+        finally:
+            self._keeping = self._chosen = False
+
+    async def _renew_forever(self, store: LeaseStore) -> None:
         while True:
             await anyio.sleep(RENEW_EVERY)
             held = sorted(self._held)

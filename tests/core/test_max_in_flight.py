@@ -7,6 +7,7 @@ the most ever seen running is N. A retry waiting for its timer holds no slot.
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 from _meeting import Meeting  # type: ignore[import-not-found]
 
@@ -123,3 +124,28 @@ async def test_max_in_flight_is_checked_at_subscribe() -> None:
         bus.subscribe("t", handle, group="g", max_in_flight=3)
     with pytest.raises(ConfigurationError, match="already has max_in_flight=2"):
         bus.subscribe("t", group="g")
+
+
+def test_a_bus_with_max_in_flight_runs_again_on_another_event_loop() -> None:
+    bus = Bus()
+    most = running = 0
+
+    @bus.subscribe("t", group="g", concurrency=4, max_in_flight=2)
+    async def handle(n: int) -> None:
+        nonlocal most, running
+        running += 1
+        most = max(most, running)
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+        running -= 1
+
+    async def run() -> None:
+        with anyio.fail_after(10):
+            async with bus:
+                await bus.publish_many("t", range(10))
+                await bus.drain()
+
+    anyio.run(run, backend="asyncio")
+    anyio.run(run, backend="trio")  # (its slots are not the first loop's)
+    stage = bus.statistics().stage("t@g")
+    assert (stage.acked, stage.dead_lettered, most) == (20, 0, 2)
