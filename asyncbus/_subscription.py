@@ -14,7 +14,7 @@ from ._adaptive import Adaptive
 from ._admission import Admission
 from ._backpressure import Backpressure
 from ._batch import Batch, batch_argument
-from ._checks import MAX_COUNT, check_seconds
+from ._checks import MAX_COUNT, check_count, check_seconds
 from ._exceptions import ConfigurationError
 from ._ordering import KEY_FAILURES, ORDERINGS, KeyFailure, Ordering
 from ._routing import compile_pattern
@@ -217,14 +217,8 @@ def check_options(
     if batch is not None:
         _check_batch(batch, where, capacity, concurrency, admission)
     _check_ordering(where, ordering, key_failure, batch, partitions)
-    if max_in_flight is not None and (
-        isinstance(max_in_flight, bool)
-        or not isinstance(max_in_flight, int)
-        or not 1 <= max_in_flight <= MAX_COUNT
-    ):
-        raise ConfigurationError(
-            f"{where}: max_in_flight must be None or an int >= 1, got {max_in_flight!r}"
-        )
+    if max_in_flight is not None:
+        check_count(max_in_flight, f"{where}: max_in_flight", 1)
     if max_in_flight is not None and batch is not None:
         raise ConfigurationError(
             f"{where}: max_in_flight cannot be combined with batch= (a batch handler holds "
@@ -238,15 +232,7 @@ def _check_ordering(
 ) -> None:
     """Refuse an ordering this bus does not know, or one that cannot work on this stage."""
     if partitions is not None:
-        if (
-            isinstance(partitions, bool)
-            or not isinstance(partitions, int)
-            or not 1 <= partitions <= MAX_PARTITIONS
-        ):
-            raise ConfigurationError(
-                f"{where}: partitions must be None or an int from 1 to {MAX_PARTITIONS}, "
-                f"got {partitions!r}"
-            )
+        check_count(partitions, f"{where}: partitions", 1, MAX_PARTITIONS)
         if ordering is None:
             raise ConfigurationError(
                 f"{where}: partitions={partitions} needs ordering='key' (partitions split an "

@@ -108,6 +108,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from .._checks import check_count
 from .._dead_letters import DeadLetter
 from .._envelope import HEADER_REPLAYED, Envelope
 from .._exceptions import ConfigurationError, ConnectError, DecodeError, EncodeError, TransportError
@@ -160,6 +161,8 @@ logger = logging.getLogger("asyncbus.transport.nats")
 
 #: The URL schemes nats-py takes, and what a URL looks like (for errors).
 _SCHEMES = tuple(registered("nats").schemes)
+#: The most copies JetStream keeps of a stream.
+_MAX_REPLICAS = 5
 _URL_FORM = "nats://[user:password@]host:port (tls://, ws:// or wss:// also)"
 
 #: Header of a dead-letter message telling how its body holds the payload.
@@ -339,11 +342,7 @@ class NatsTransport(Transport):
         super().__init__(codec=codec)
         require_extra("NatsTransport", "nats", "nats")
         check_url("NatsTransport", url, _SCHEMES, _URL_FORM)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
-            raise ConfigurationError(
-                f"NatsTransport: replicas must be an int from 1 to 5 (JetStream's most), "
-                f"got {replicas!r}"
-            )
+        check_count(replicas, "NatsTransport: replicas", 1, _MAX_REPLICAS)
         if publish_timeout is None:
             publish_timeout = request_timeout
         validate_topic(prefix)

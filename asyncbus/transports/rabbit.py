@@ -125,6 +125,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import anyio
 import anyio.lowlevel
 
+from .._checks import check_count
 from .._dead_letters import DeadLetter, dead_letter_key
 from .._envelope import Envelope
 from .._exceptions import (
@@ -200,6 +201,8 @@ logger = logging.getLogger("asyncbus.transport.rabbit")
 #: The URL schemes aiormq takes, and what a URL looks like (for errors).
 _SCHEMES = tuple(registered("rabbit").schemes)
 _URL_FORM = "amqp://user:password@host:port/vhost (amqps:// for TLS)"
+#: The largest quorum queue group ``replicas`` may ask for.
+_MAX_REPLICAS = 99
 
 T = TypeVar("T")
 
@@ -391,12 +394,8 @@ class RabbitTransport(Transport):
         super().__init__(codec=codec)
         require_extra("RabbitTransport", "rabbit", "aio_pika", "aiormq", "pamqp")
         check_url("RabbitTransport", url, _SCHEMES, _URL_FORM)
-        if replicas is not None and (
-            isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 99
-        ):
-            raise ConfigurationError(
-                f"RabbitTransport: replicas must be None or an int from 1 to 99, got {replicas!r}"
-            )
+        if replicas is not None:
+            check_count(replicas, "RabbitTransport: replicas", 1, _MAX_REPLICAS)
         ack_timeout, publish_timeout, connect_timeout, max_backoff = (
             checked_seconds(value, f"RabbitTransport: {label}")
             for label, value in (
@@ -563,22 +562,23 @@ class RabbitTransport(Transport):
         """
         start = self.servers.index(self.url)
         order = self.servers[start:] + self.servers[:start]
-        for number, url in enumerate(order, 1):
+        *others, last = order
+        for index, url in enumerate(others):
             try:
                 link = await self._open_link_to(url)
             except Exception as error:
-                if number == len(order):
-                    raise
                 logger.warning(
                     "RabbitMQ: %s does not answer (%s); trying %s",
                     redact(url),
                     describe_error(error),
-                    redact(order[number]),
+                    redact(order[index + 1]),
                 )
                 continue
             self.url = url
             return link
-        raise AssertionError("no URL")  # (there is always one)
+        link = await self._open_link_to(last)
+        self.url = last
+        return link
 
     async def _open_link_to(self, url: str) -> _Link:
         """Open both connections and the publishing channel; declare the fixed names."""

@@ -115,7 +115,7 @@ async def test_max_in_flight_is_checked_at_subscribe() -> None:
         pass
 
     for wrong in (0, -1, True, 2.5, "3"):
-        with pytest.raises(ConfigurationError, match="max_in_flight must be None or an int"):
+        with pytest.raises(ConfigurationError, match="max_in_flight must be an int >= 1"):
             bus.subscribe("t", handle, max_in_flight=wrong)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="max_in_flight cannot be combined with batch"):
         bus.subscribe("t", handle, max_in_flight=2, batch=Batch(max_size=2))

@@ -434,7 +434,9 @@ async def test_partitions_are_checked_at_subscribe() -> None:
         pass
 
     for wrong in (0, 4097, True, 1.5):
-        with pytest.raises(ConfigurationError, match="partitions must be None or an int"):
+        with pytest.raises(
+            ConfigurationError, match=r"partitions must be an int >= 1 \(at most 4096\)"
+        ):
             bus.subscribe("t", handle, ordering="key", partitions=wrong)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="partitions=4 needs ordering='key'"):
         bus.subscribe("t", handle, partitions=4)

@@ -126,5 +126,7 @@ async def test_a_dead_first_url_is_skipped_and_every_url_is_redacted(tmp_path: P
 
 def test_replicas_are_checked_when_the_transport_is_made() -> None:
     for wrong in (0, 6, True, 1.5, "3"):
-        with pytest.raises(ConfigurationError, match="replicas must be an int from 1 to 5"):
+        with pytest.raises(
+            ConfigurationError, match=r"NatsTransport: replicas must be an int >= 1 \(at most 5\)"
+        ):
             NatsTransport("nats://127.0.0.1:4222", replicas=wrong)  # type: ignore[arg-type]

@@ -84,7 +84,10 @@ async def test_a_queue_with_another_group_size_is_refused_at_subscribe(
 
 def test_replicas_are_checked_when_the_transport_is_made() -> None:
     for wrong in (0, 100, True, 1.5, "3"):
-        with pytest.raises(ConfigurationError, match="replicas must be None or an int"):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"RabbitTransport: replicas must be an int >= 1 \(at most 99\)",
+        ):
             RabbitTransport(replicas=wrong)  # type: ignore[arg-type]
     assert RabbitTransport(f"amqp://a/,amqp://b:{5673}/").servers == ["amqp://a/", "amqp://b:5673/"]
 
