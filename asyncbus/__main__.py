@@ -22,10 +22,16 @@ From there:
     python -m asyncbus bench --quick    (the same as: python benchmarks/run.py --quick)
     python -m asyncbus bench brokers    (Redis Streams and NATS JetStream end to end)
     python -m asyncbus bench rabbit     (RabbitMQ end to end)
-    python -m asyncbus bench cpu        (CPU-bound stages: thread and process offload)"""
+    python -m asyncbus bench cpu        (CPU-bound stages: thread and process offload)
+    python -m asyncbus bench scale      (one group shared by 1, 2 and 4 processes)"""
 
 #: The suite's module behind each ``bench`` subcommand; any other arguments go to ``suite``.
-_BENCH_MODULES = {"brokers": "suite._brokers", "rabbit": "suite._rabbit", "cpu": "cpu_stages"}
+_BENCH_MODULES = {
+    "brokers": "suite._brokers",
+    "rabbit": "suite._rabbit",
+    "cpu": "cpu_stages",
+    "scale": "scale",
+}
 
 
 def _checkout_benchmarks() -> Path | None:

@@ -9,7 +9,8 @@ transport (:mod:`asyncbus.transports.nats`), described by :class:`PullHost`.
 
 The bus steers it (``SubscriptionControl``): ``set_prefetch`` brings its room down or
 up (what was received beyond goes back, recorded as hand-backs, and waits
-``pull_expires`` so that an open pull request does not take it straight back), and
+``give_back_delay``, past the open pull request, so that it does not take it straight
+back), and
 ``flush`` writes its acks. A delivery's ``redeliveries`` is ``num_delivered`` less its
 hand-backs, less one; its ``queued_at`` is the stream's stored time.
 """
@@ -20,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol
@@ -68,6 +69,12 @@ _PULL_GRACE = 1.0
 _PULL_PAUSE = 0.25
 #: Longest wait between two attempts to make a vanished stream or consumer again.
 _RESTORE_BACKOFF_MAX = 2.0
+#: Messages a subscription remembers having settled, to know a copy sent again.
+_SETTLED_KEPT = 1024
+
+#: One stream message across its deliveries: its stream sequence and ``Nats-Msg-Id``
+#: (a stream made again numbers from 1 again; the id tells its messages apart).
+MessageKey = tuple[int, "str | None"]
 
 
 class PullHost(Protocol):
@@ -125,6 +132,17 @@ def broker_call(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
 
 
+def message_key(msg: Msg) -> MessageKey:
+    """Which stream message ``msg`` delivers (see :data:`MessageKey`), from its reply
+    subject (``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...``)."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9 and tokens[5].isdigit():
+        sequence = int(tokens[5])
+    else:
+        sequence = msg.metadata.sequence.stream
+    return sequence, (msg.headers or {}).get("Nats-Msg-Id")
+
+
 def delivery_count(msg: Msg) -> int:
     """How many times JetStream delivered ``msg`` (``num_delivered``), from its reply
     subject, without building nats-py's metadata objects.
@@ -174,6 +192,7 @@ class NatsDelivery(BaseDelivery):
     def _queue_ack(self) -> None:
         """Done: ``+ACK`` it, written with the other acks queued meanwhile."""
         consumer = self._consumer
+        consumer.settled_for_good(self._msg)
         consumer.transport._acks.queue(
             consumer.name, consumer.stage, self._msg.reply, self.envelope.id
         )
@@ -201,6 +220,7 @@ class NatsDelivery(BaseDelivery):
         reconnects = consumer.nc.stats["reconnects"]
         with broker_call(f"cannot settle {self.envelope.id}"):
             await self._msg.term()
+        consumer.settled_for_good(self._msg)
         await consumer.transport._confirm(consumer.nc, reconnects, f"settling {self.envelope.id}")
 
 
@@ -213,6 +233,13 @@ class PullConsumer:
     JetStream delivers messages under their own subject, so a message cannot be
     told to belong to a request; status replies (408 expired, 409 ...) come on the
     request's reply subject (``{inbox}.{n}``), so a stale request's end is ignored.
+
+    A message can arrive again while it is held, or just after it was acked (the ack
+    still on its way): a 2.9 server was seen to send one of the messages a consumer
+    had given back twice, the second time as if new, and another one not at all until
+    ``ack_wait``. A copy of a held message is dropped (the one held settles it: acks
+    and naks name the stream message, not the delivery); a copy of one this
+    subscription acked or terminated is acked again, never handled twice.
     """
 
     def __init__(
@@ -230,6 +257,10 @@ class PullConsumer:
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{transport.stream}.{self.name}"
         self.ready: deque[Msg] = deque()
         self.unsettled: dict[int, NatsDelivery] = {}
+        #: The messages in :attr:`ready` and :attr:`unsettled`, and the last ones acked
+        #: or terminated here (see the class's note on copies).
+        self.held: set[MessageKey] = set()
+        self.settled: OrderedDict[MessageKey, None] = OrderedDict()
         #: Reply subject of the open pull request, what it may still bring, its deadline.
         self.request: str | None = None
         self.remaining = 0
@@ -249,7 +280,29 @@ class PullConsumer:
     def forget(self, delivery: NatsDelivery) -> None:
         """A delivery was settled: there is room for another."""
         self.unsettled.pop(id(delivery), None)
+        self.held.discard(message_key(delivery._msg))
         self.wakeup.set()
+
+    def settled_for_good(self, msg: Msg) -> None:
+        """``msg`` was acked or terminated: a copy of it that arrives is acked again."""
+        settled = self.settled
+        settled[message_key(msg)] = None
+        if len(settled) > _SETTLED_KEPT:
+            settled.popitem(last=False)
+
+    def _is_copy(self, msg: Msg) -> bool:
+        """Whether ``msg`` delivers again a message held or settled here (then it is
+        dropped, or acked again)."""
+        key = message_key(msg)
+        if key in self.held:
+            logger.debug("NATS: %s sent stream message %s again while held", self.name, key[0])
+            return True
+        if key in self.settled:
+            logger.debug("NATS: %s sent stream message %s again once settled", self.name, key[0])
+            with contextlib.suppress(TransportError):  # closing: it comes back at worst
+                self.transport._acks.queue(self.name, self.stage, msg.reply, key[1])
+            return True
+        return False
 
     async def on_message(self, msg: Msg) -> None:
         """nats-py's callback for the inbox: file a message or a request's status."""
@@ -287,11 +340,14 @@ class PullConsumer:
                 self.request = None
         if self.closed:
             await self._give_back([msg])  # our request outlived the subscription
+        elif self._is_copy(msg):
+            pass
         elif len(self.unsettled) + len(self.ready) >= self.prefetch:
             # The prefetch came down while the request was open: not ours to hold.
-            await self._give_back([msg], self.transport.pull_expires)
+            await self._give_back([msg], self.give_back_delay)
         else:
             self.ready.append(msg)
+            self.held.add(message_key(msg))
         self.wake()
 
     async def set_prefetch(self, prefetch: int) -> None:
@@ -299,18 +355,30 @@ class PullConsumer:
         received ones beyond it go back, uncounted (the newest first), and so do those
         an open pull request still brings beyond it.
 
-        A pull request cannot be taken back: what goes back waits ``pull_expires``
-        before it is delivered again, so that it does not come straight back into the
-        request that is still open (a message held here when the process dies counts
-        as a delivery).
+        A pull request cannot be taken back: what goes back waits
+        :attr:`give_back_delay` before it is delivered again, so that it does not come
+        straight back into the request that is still open (a message held here when the
+        process dies counts as a delivery).
         """
         self.prefetch = checked_prefetch(prefetch)
         excess = min(len(self.unsettled) + len(self.ready) - self.prefetch, len(self.ready))
         if excess > 0:
             given = [self.ready.pop() for _ in range(excess)]
+            self.held.difference_update(message_key(msg) for msg in given)
             with self.transport.cleanup_scope(self.transport.request_timeout):
-                await self._give_back(given, self.transport.pull_expires)
+                await self._give_back(given, self.give_back_delay)
         self.wake()  # (room for a larger pull request, perhaps)
+
+    @property
+    def give_back_delay(self) -> float:
+        """Seconds what this subscription gives back waits before it is delivered again:
+        past the pull request open now (``pull_expires``), and half a request more, at
+        most a second. Not the request's own length: the request opened as the messages
+        go back would expire just as they come due, and a 2.9 server that redelivers at
+        that instant was seen to lose one into the ending request (delivered, so
+        counted, until ``ack_wait``) and send another twice."""
+        expires = self.transport.pull_expires
+        return expires + min(expires / 2, 1.0)
 
     async def flush(self) -> None:
         """Write (and have confirmed) the acks queued for this consumer (see
@@ -385,6 +453,7 @@ class PullConsumer:
             delivery = self.delivery(msg)
             if delivery is None:
                 # A replay meant for another group: not ours to handle.
+                self.held.discard(message_key(msg))
                 with broker_call("cannot skip a replay for another group"):
                     await msg.ack()
                 continue
@@ -493,6 +562,7 @@ class PullConsumer:
         self.unsettled.clear()
         held += self.ready
         self.ready.clear()
+        self.held.clear()
         if self.request is None or self.nc.is_closed:
             await self._unsubscribe(subscription)
             await self._give_back(held)

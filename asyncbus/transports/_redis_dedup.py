@@ -24,7 +24,9 @@ class RedisHost(Protocol):
     """What the store uses of its transport (:class:`~.redis.RedisTransport` is one)."""
 
     prefix: str
-    #: redis-py's exceptions module, once connected.
+    #: What every key starts with (the prefix, hash-tagged on a cluster).
+    key_base: str
+    #: redis-py's errors the transport catches (``RedisError``, ``ResponseError``).
     _errors: Any
 
     def _redis(self) -> Redis:
@@ -103,7 +105,7 @@ class RedisDedupStore:
 
     def __init__(self, transport: RedisHost) -> None:
         self._transport = transport
-        self._prefix = f"{transport.prefix}:dedup:"
+        self._prefix = f"{transport.key_base}:dedup:"
         self._scripts = Scripts(transport)
 
     async def _run(self, script: str, key: str, *args: str | int) -> Any:

@@ -110,7 +110,7 @@ class RedisGroups:
     @property
     def key(self) -> str:
         """The hash of readers."""
-        return f"{self.transport.prefix}:readers"
+        return f"{self.transport.key_base}:readers"
 
     def queue_reading(self, pipe: Any, consumers: Iterable[Reader], *, ending: bool) -> None:
         """Tell (on ``pipe``) that ``consumers`` read now, and until when (now, if ``ending``)."""

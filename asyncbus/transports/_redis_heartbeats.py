@@ -38,8 +38,8 @@ class RedisHeartbeats:
     @property
     def keys(self) -> list[str]:
         """The hash of records and the sorted set of their times."""
-        prefix = self.transport.prefix
-        return [f"{prefix}:heartbeats", f"{prefix}:heartbeats:seen"]
+        base = self.transport.key_base
+        return [f"{base}:heartbeats", f"{base}:heartbeats:seen"]
 
     async def beat(self, instance: str, record: bytes) -> None:
         """Write ``instance``'s record; drop those of processes long gone."""

@@ -74,7 +74,7 @@ class RedisLeaseStore:
     """
 
     def __init__(self, transport: RedisHost) -> None:
-        self._prefix = f"{transport.prefix}:slots:"
+        self._prefix = f"{transport.key_base}:slots:"
         self._scripts = Scripts(transport)
 
     def _key(self, name: str) -> str:

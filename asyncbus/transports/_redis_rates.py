@@ -43,7 +43,7 @@ class RedisRateStore:
     """
 
     def __init__(self, transport: RedisHost) -> None:
-        self._prefix = f"{transport.prefix}:rate:"
+        self._prefix = f"{transport.key_base}:rate:"
         self._scripts = Scripts(transport)
 
     async def take(self, key: str, interval: float, burst: int) -> float:

@@ -37,8 +37,11 @@ window never drops a replay as a copy of the original.
 
 Vanished state: a server restarted with its JetStream store lost, or a stream or
 consumer deleted by another client, is made whole again. A publish answered "no
-responders" (no stream captures its subject) makes the streams again, and this
-process's consumers, then publishes once more; a pull answered "consumer deleted"
+responders" (no stream captures its subject) asks whether the stream exists: when the
+server says it does not, the streams are made again, and this process's consumers, then
+the publish is sent once more; when it does not say (a cluster electing the stream's
+leader answers nothing for a second or two), the publish is sent again every 0.25 s
+until ``publish_timeout``, then raises :class:`TransportError`; a pull answered "consumer deleted"
 or "no responders" (or never answered while the consumer is gone) makes the
 stream and the consumer again, a moment later (a stream still being deleted would
 take the new one's files with it), and pulls again. Publishes of this process wait
@@ -174,6 +177,8 @@ _HEADER_DEAD_LETTER = "asyncbus-dead-letter"
 _PULL_EXPIRES = 5.0
 #: Topics whose subject is kept checked (then the cache starts over).
 _SUBJECTS_KEPT = 512
+#: Seconds between two publishes that no stream answered while its cluster elects.
+_ELECTION_PAUSE = 0.25
 #: Seconds closing the connection may take (past the close deadline too: it is local).
 _CLOSE_TIMEOUT = 0.5
 #: Seconds the ack writer waits for more acks before writing them together.
@@ -915,11 +920,18 @@ class NatsTransport(Transport):
     async def _send_all(self, subject: str, messages: list[tuple[bytes, dict[str, str]]]) -> None:
         """Publish ``messages`` (body, headers) to ``subject`` in one pipelined write;
         return once the stream stored every one."""
+        deadline = anyio.current_time() + self.publish_timeout
         if self._restore_lock.locked():
             # The stream and consumers are being made again: a publish stored before
             # this process's consumers exist would reach none of them.
-            async with self._restore_lock:
-                pass
+            with anyio.move_on_after(self.publish_timeout):
+                async with self._restore_lock:
+                    pass
+            if self._restore_lock.locked():
+                raise TransportError(
+                    f"publish to {subject} was not confirmed: the stream {self.stream} is "
+                    f"being made again (not done within {self.publish_timeout:g} s)"
+                )
         publisher = self._publisher()
         try:
             try:
@@ -929,12 +941,7 @@ class NatsTransport(Transport):
                 else:
                     await publisher.publish_many(subject, messages)
             except NoStreamError:
-                # The server lost its state (a restart with an empty store) or someone
-                # deleted the stream: make it again, with this process's consumers,
-                # and publish once more (what was stored is dropped as a duplicate).
-                logger.warning("NATS: no stream captures %s; making it again", subject)
-                await self._restore()
-                await self._publisher().publish_many(subject, messages)
+                await self._publish_without_stream(subject, messages, deadline)
         except self._errors as error:
             what = f"{len(messages)} envelopes" if len(messages) > 1 else "envelope"
             first = messages[0][1]["Nats-Msg-Id"] if messages else "-"
@@ -942,6 +949,54 @@ class NatsTransport(Transport):
                 f"publish of {what} {first}{'...' if len(messages) > 1 else ''} to "
                 f"{subject} was not confirmed: {type(error).__name__}: {error}"
             ) from error
+
+    async def _publish_without_stream(
+        self, subject: str, messages: list[tuple[bytes, dict[str, str]]], deadline: float
+    ) -> None:
+        """No stream answered a publish ("no responders"). Either it is gone (a server
+        restarted with an empty store, someone deleted it: the server says so), then it
+        is made again with this process's consumers and the publish sent once more (what
+        was stored is dropped as a duplicate); or its cluster is electing a leader (no
+        answer for a second or two), then the publish is sent again until ``deadline``.
+
+        :raises NoStreamError: when no stream answered by ``deadline``.
+        """
+        while True:
+            if await self._stream_is_gone(deadline):
+                logger.warning("NATS: no stream captures %s; making it again", subject)
+                await self._restore()
+                await self._publisher().publish_many(subject, messages)
+                return
+            if anyio.current_time() + _ELECTION_PAUSE >= deadline:
+                raise NoStreamError(
+                    f"no stream answered for {subject} within {self.publish_timeout:g} s "
+                    f"(stream {self.stream}: its cluster electing a leader, perhaps)"
+                )
+            await anyio.sleep(_ELECTION_PAUSE)
+            try:
+                with anyio.fail_after(deadline - anyio.current_time()):
+                    await self._publisher().publish_many(subject, messages)
+                return
+            except NoStreamError:
+                continue
+
+    async def _stream_is_gone(self, deadline: float) -> bool:
+        """Whether the server says the stream does not exist (asked until ``deadline``,
+        at most ``request_timeout``); an answer that does not come is no such news."""
+        from nats.js.errors import NotFoundError
+
+        _, js = self._client()
+        wait = min(self.request_timeout, deadline - anyio.current_time())
+        if wait <= 0:
+            return False
+        try:
+            with anyio.move_on_after(wait):
+                await js.stream_info(self.stream)
+        except NotFoundError:
+            return True
+        except self._errors:
+            pass  # no answer (an election), or no connection right now
+        return False
 
     # -- consuming ----------------------------------------------------------------
 

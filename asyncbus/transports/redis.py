@@ -1,6 +1,7 @@
 """The Redis Streams transport: consumer groups, delayed retries and dead letters in Redis.
 
-Layout of the keys (all under ``prefix``):
+Layout of the keys (all under ``prefix``; with ``cluster=True`` under ``{prefix}``, one
+hash tag, so that every script and transaction stays in one slot of a Redis Cluster):
 
 * ``{prefix}:stage:{pattern}@{group}``: one stream per (pattern, group) binding, with
   one consumer group (``group``) on it. Pattern and group are percent-escaped (``@``,
@@ -81,6 +82,7 @@ How it works:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -92,7 +94,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 import anyio
 import anyio.lowlevel
@@ -124,6 +126,7 @@ from ._kit import (
     redact,
     require_asyncio,
     require_extra,
+    split_urls,
 )
 from ._kit.options import (
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -379,12 +382,73 @@ class _Consumer:
             await self.transport._acks.flush([self.ack_key])
 
 
+#: Most replicas ``wait_replicas`` may ask for.
+_WAIT_REPLICAS_MAX = 64
+#: Share of ``publish_timeout`` a publish's ``WAIT`` may take (the rest: the write).
+_WAIT_SHARE = 0.8
+
+
+class _CaughtErrors:
+    """redis-py's errors the transport catches: ``RedisError`` includes the cluster
+    client's own (``RedisClusterException``: no node answers, a slot not covered)."""
+
+    def __init__(self, errors: Any) -> None:
+        self.RedisError = (errors.RedisError, errors.RedisClusterException)
+        self.ResponseError = errors.ResponseError
+
+
+def _check_nodes(nodes: list[str], cluster: bool, prefix: object) -> None:
+    """Refuse what cannot work with ``cluster`` (see :class:`RedisTransport`)."""
+    shown = ",".join(redact(one) for one in nodes)
+    if not cluster:
+        if len(nodes) > 1:
+            raise ConfigurationError(
+                "RedisTransport: several URLs name the nodes of a Redis Cluster: pass "
+                f"cluster=True (one server takes one URL), got {shown!r}"
+            )
+        return
+    for one in nodes:
+        parts = urlsplit(one)
+        if parts.scheme not in ("redis", "rediss") or parts.path not in ("", "/", "/0"):
+            raise ConfigurationError(
+                "RedisTransport: a cluster node is redis://[[user]:password@]host[:port] "
+                f"(rediss:// for TLS; database 0, the only one a cluster has), got {redact(one)!r}"
+            )
+    if isinstance(prefix, str) and ("{" in prefix or "}" in prefix):
+        raise ConfigurationError(
+            "RedisTransport: on a cluster the prefix becomes the keys' hash tag and "
+            f"cannot hold braces, got {prefix!r}"
+        )
+
+
+def _cluster_client(nodes: list[str], retry: Any, timeouts: dict[str, float]) -> Any:
+    """redis-py's cluster client, starting from ``nodes`` (credentials of the first)."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    first = urlsplit(nodes[0])
+    startup = []
+    for one in nodes:
+        parts = urlsplit(one)
+        startup.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
+    return RedisCluster(
+        startup_nodes=startup,
+        username=unquote(first.username) if first.username else None,
+        password=unquote(first.password) if first.password else None,
+        ssl=first.scheme == "rediss",
+        retry=retry,
+        socket_connect_timeout=timeouts["socket_connect_timeout"],
+        socket_timeout=timeouts["socket_timeout"],
+    )
+
+
 class RedisTransport(Transport):
     """Envelopes in Redis Streams: durable, shared by every process using the server.
 
     Runs on asyncio only (redis-py's client is asyncio-only).
 
-    :param url: the server, ``redis://[[user]:password@]host[:port][/db]``.
+    :param url: the server, ``redis://[[user]:password@]host[:port][/db]``; with
+        ``cluster=True``, the nodes of a Redis Cluster to start from (one, several
+        separated by commas, or a list: any that answers tells the client the rest).
     :param prefix: prepended to every key, so several buses (or tests) can share a server.
     :param ack_timeout: seconds after which the entries of a consumer that stopped
         (a killed process) go to another consumer of the group.
@@ -405,8 +469,21 @@ class RedisTransport(Transport):
         behind other writes included) before raising :class:`TransportError`; it is
         also the socket timeout of every other call (at least ``block_ms`` plus a
         second), so a server that stops answering fails calls instead of hanging them.
+    :param cluster: talk to a Redis Cluster through redis-py's cluster client (it
+        follows ``MOVED``/``ASK`` and a master's failover to its replica). Every key of
+        one ``prefix`` carries the hash tag ``{prefix}``, so each script and
+        transaction stays in one slot: a prefix lives on one master (and its
+        replicas), and several prefixes spread over the cluster.
+    :param wait_replicas: a publish returns once that many replicas of the server have
+        it too (Redis ``WAIT``, on the connection that wrote it), and raises
+        :class:`TransportError` when fewer had it within ``publish_timeout``: a
+        confirmed publish then survives the master's loss. ``0`` (the default): once
+        the server has it (its replicas follow asynchronously).
     :raises ConfigurationError: for a URL without a scheme, with another broker's or
-        the web's (not ``redis``, ``rediss``, ``unix``) or with a bad port, or a
+        the web's (not ``redis``, ``rediss``, ``unix``) or with a bad port, several
+        URLs without ``cluster=True``, a cluster node given by a socket path or a
+        database other than 0, a prefix with braces on a cluster, ``wait_replicas``
+        with ``cluster=True`` or out of range, or a
         timeout, interval, size or cap that is not a positive number in range (NaN,
         infinities, bools, huge values included).
     :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
@@ -430,7 +507,7 @@ class RedisTransport(Transport):
 
     def __init__(
         self,
-        url: str = "redis://127.0.0.1:6379/0",
+        url: str | Sequence[str] = "redis://127.0.0.1:6379/0",
         *,
         prefix: str = "asyncbus",
         ack_timeout: float = 30.0,
@@ -441,10 +518,24 @@ class RedisTransport(Transport):
         keep_alive: bool = True,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         publish_timeout: float = 10.0,
+        cluster: bool = False,
+        wait_replicas: int = 0,
     ) -> None:
         super().__init__(codec=codec)
         require_extra("RedisTransport", "redis", "redis")
         check_url("RedisTransport", url, _SCHEMES, _URL_FORM)
+        if not isinstance(cluster, bool):
+            raise ConfigurationError(f"RedisTransport: cluster must be a bool, got {cluster!r}")
+        nodes = split_urls(url)
+        _check_nodes(nodes, cluster, prefix)
+        wait_replicas = check_count(
+            wait_replicas, "RedisTransport: wait_replicas", 0, _WAIT_REPLICAS_MAX
+        )
+        if wait_replicas and cluster:
+            raise ConfigurationError(
+                "RedisTransport: wait_replicas is not available with cluster=True yet "
+                "(a cluster's client cannot keep a write and its WAIT on one connection)"
+            )
         ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
         publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")
         # A blocking read is one call: it must fit well within a socket timeout.
@@ -456,7 +547,15 @@ class RedisTransport(Transport):
             )
         if not isinstance(prefix, str) or not prefix:
             raise ConfigurationError("prefix must be a non-empty string")
-        self.url = url
+        #: The URLs given (the cluster's nodes to start from, with ``cluster=True``).
+        self.nodes = nodes
+        #: The URLs given, comma-separated.
+        self.url = ",".join(nodes)
+        self.cluster = cluster
+        self.wait_replicas = wait_replicas
+        #: What every key starts with: ``prefix``, or ``{prefix}`` on a cluster (one
+        #: hash tag: one slot for everything a script or transaction touches).
+        self.key_base = f"{{{prefix}}}" if cluster else prefix
         self.max_message_size = checked_max_message_size(max_message_size)
         self.keep_alive = keep_alive
         self.max_deliveries = checked_max_deliveries(max_deliveries)
@@ -465,17 +564,18 @@ class RedisTransport(Transport):
         self.block_ms = block_ms
         self.claim_interval = claim_interval
         self.publish_timeout = publish_timeout
-        self._bindings_key = f"{prefix}:bindings"
-        self._version_key = f"{prefix}:bindings:version"
-        self._delayed_key = f"{prefix}:delayed"
-        self._delayed_counts_key = f"{prefix}:delayed:counts"
-        self._dead_key = f"{prefix}:deadletters"
+        base = self.key_base
+        self._bindings_key = f"{base}:bindings"
+        self._version_key = f"{base}:bindings:version"
+        self._delayed_key = f"{base}:delayed"
+        self._delayed_counts_key = f"{base}:delayed:counts"
+        self._dead_key = f"{base}:deadletters"
         self._shared_dead = RedisDeadLetters(self, self._dead_key)
         self._groups = RedisGroups(self)
         self._heartbeats = RedisHeartbeats(self)
-        self._inboxes_key = f"{prefix}:inboxes"
+        self._inboxes_key = f"{base}:inboxes"
         self._client: Redis | None = None
-        self._errors: Any = None  # the redis.exceptions module, once imported
+        self._errors: Any = None  # redis-py's errors the transport catches, once imported
         self._scripts: dict[str, AsyncScript] = {}
         #: The background tasks: the publish writer, the ack writer, the delayed-retry
         #: mover, the inbox keeper, and each subscription's keep-alive.
@@ -510,7 +610,11 @@ class RedisTransport(Transport):
 
     def stream_key(self, pattern: str, group: str) -> str:
         """The Redis key of the stream of binding (``pattern``, ``group``)."""
-        return f"{self.prefix}:stage:{_escape(pattern)}@{_escape(group)}"
+        return f"{self.key_base}:stage:{_escape(pattern)}@{_escape(group)}"
+
+    def _shown(self) -> str:
+        """The URLs given, credentials hidden."""
+        return ",".join(redact(one) for one in self.nodes)
 
     # -- life cycle -----------------------------------------------------------
 
@@ -537,24 +641,27 @@ class RedisTransport(Transport):
         retry = Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 3, supported_errors=(errors.ConnectionError,)
         )
-        # A blocking pool: a burst of concurrent publishes waits for a connection
-        # instead of failing with "Too many connections".
-        try:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                self.url,
-                max_connections=256,
-                timeout=None,
-                socket_connect_timeout=min(5.0, self.publish_timeout),
-                # Every call is bounded; a blocking read waits block_ms, well within it.
-                socket_timeout=max(self.publish_timeout, self.block_ms / 1000 + 1.0),
-                retry=retry,
-            )
-        except ValueError as error:  # a URL redis-py cannot read (an unknown scheme)
-            raise ConfigurationError(
-                f"RedisTransport: {error}, got {redact(self.url)!r}: write it like {_URL_FORM}"
-            ) from error
-        pool.connection_class = _packing_by_hiredis(pool.connection_class)
-        client = aioredis.Redis.from_pool(pool)
+        timeouts = {
+            "socket_connect_timeout": min(5.0, self.publish_timeout),
+            # Every call is bounded; a blocking read waits block_ms, well within it.
+            "socket_timeout": max(self.publish_timeout, self.block_ms / 1000 + 1.0),
+        }
+        client: Any
+        if self.cluster:
+            client = _cluster_client(self.nodes, retry, timeouts)
+        else:
+            # A blocking pool: a burst of concurrent publishes waits for a connection
+            # instead of failing with "Too many connections".
+            try:
+                pool = aioredis.BlockingConnectionPool.from_url(
+                    self.url, max_connections=256, timeout=None, retry=retry, **timeouts
+                )
+            except ValueError as error:  # a URL redis-py cannot read (an unknown scheme)
+                raise ConfigurationError(
+                    f"RedisTransport: {error}, got {self._shown()!r}: write it like {_URL_FORM}"
+                ) from error
+            pool.connection_class = _packing_by_hiredis(pool.connection_class)
+            client = aioredis.Redis.from_pool(pool)
         # XREADGROUP's reply as it came (lists, or a map on RESP3), read by ``_fetch``
         # alone: redis-py's parsing made a dict per entry.
         client.set_response_callback("XREADGROUP", _as_it_came)
@@ -564,14 +671,14 @@ class RedisTransport(Transport):
         except BaseException as error:  # deliberate: close the client on any way out
             with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT):
                 await client.aclose()
-            if not isinstance(error, errors.RedisError | OSError | TimeoutError):
+            if not isinstance(
+                error, errors.RedisError | errors.RedisClusterException | OSError | TimeoutError
+            ):
                 raise
             reason = str(error) or f"{type(error).__name__}: no answer within {_CONNECT_WAIT:g} s"
-            raise ConnectError(f"cannot connect to Redis at {redact(self.url)}: {reason}") from (
-                error
-            )
+            raise ConnectError(f"cannot connect to Redis at {self._shown()}: {reason}") from (error)
         self._client = client
-        self._errors = errors
+        self._errors = _CaughtErrors(errors)
         self._scripts = {
             name: client.register_script(getattr(_redis_scripts, name))
             for name in _redis_scripts.__all__
@@ -617,7 +724,7 @@ class RedisTransport(Transport):
         return self._client
 
     def _failed(self, doing: str, error: BaseException) -> TransportError:
-        return TransportError(f"Redis at {redact(self.url)}: {doing} failed: {error}")
+        return TransportError(f"Redis at {self._shown()}: {doing} failed: {error}")
 
     # -- routing --------------------------------------------------------------
 
@@ -757,7 +864,7 @@ class RedisTransport(Transport):
         if error is not None:
             if isinstance(error, TimeoutError):
                 raise TransportError(
-                    f"Redis at {redact(self.url)}: publish to {topic!r} not confirmed within "
+                    f"Redis at {self._shown()}: publish to {topic!r} not confirmed within "
                     f"publish_timeout={self.publish_timeout:g} s (it may or may not be written)"
                 ) from error
             raise self._failed(f"publish to {topic!r}", error) from error
@@ -812,12 +919,37 @@ class RedisTransport(Transport):
                     args += (meta, body)
             # Written only if the bindings are still those of the routes (a group
             # deleted since must not be written to, nor named).
-            reply = await self._scripts["PUBLISH"](keys=keys, args=[self._version or b"", *args])
+            script = functools.partial(
+                self._scripts["PUBLISH"], keys=keys, args=[self._version or b"", *args]
+            )
+            reply = await self._replicated(script)
             if int(reply[0]):
                 for done, streams in zip(written, targets, strict=True):
                     done.update(streams)
                 return
             await self._load_bindings()
+
+    async def _replicated(self, write: Callable[..., Awaitable[Any]]) -> Any:
+        """``write(client=...)``; with ``wait_replicas``, on one connection followed by
+        ``WAIT``, raising when fewer replicas than that have it within the deadline."""
+        client = self._redis()
+        if not self.wait_replicas:
+            return await write(client=client)
+        one = client.client()  # one connection: WAIT counts the writes made on it
+        try:
+            reply = await write(client=one)
+            wait_ms = max(1, int(self.publish_timeout * 1000 * _WAIT_SHARE))
+            acked = int(await one.wait(self.wait_replicas, wait_ms))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await one.aclose(close_connection_pool=False)
+        if acked < self.wait_replicas:
+            raise TransportError(
+                f"Redis at {self._shown()}: the publish is on the server but on {acked} of "
+                f"the {self.wait_replicas} replicas wait_replicas asks for "
+                f"(after {wait_ms / 1000:g} s): it may be lost with the server"
+            )
+        return reply
 
     async def publish_to_group(
         self, pattern: str, group: str, envelopes: Sequence[Envelope]
@@ -826,11 +958,16 @@ class RedisTransport(Transport):
         stream = self.stream_key(pattern, group)
         if stream not in self._bound:
             await self._bind(pattern, group)
-        pipe = self._redis().pipeline(transaction=True)
-        for meta, body in [self._encode(envelope) for envelope in envelopes]:
-            pipe.xadd(stream, {"meta": meta, "body": body})
+        entries = [self._encode(envelope) for envelope in envelopes]
+
+        async def write(*, client: Any) -> Any:
+            pipe = client.pipeline(transaction=True)
+            for meta, body in entries:
+                pipe.xadd(stream, {"meta": meta, "body": body})
+            return await pipe.execute()
+
         try:
-            await pipe.execute()
+            await self._replicated(write)
         except self._errors.RedisError as error:
             raise self._failed(f"publish to {pattern}@{group}", error) from error
 
@@ -874,7 +1011,7 @@ class RedisTransport(Transport):
                     pause = consumer.backoff.next()
                     logger.warning(
                         "Redis at %s: reading %s@%s failed, retrying in %.2f s: %s",
-                        redact(self.url),
+                        self._shown(),
                         consumer.pattern,
                         consumer.group,
                         pause,
@@ -1070,8 +1207,11 @@ class RedisTransport(Transport):
                 pipe.hset(item, mapping={"stream": consumer.stream, "meta": meta, "body": body})
                 pipe.zadd(self._delayed_key, {item: math.ceil(due * 1000)})  # never early
                 # Not HINCRBY: a count another client garbled must not fail the nack.
-                await self._scripts["COUNT_DELAYED"](
-                    keys=[self._delayed_counts_key], args=[consumer.stream], client=pipe
+                # EVAL, not the registered script: a pipeline would check that the
+                # server has it first (another round trip), and a cluster's pipeline
+                # does not load it on the node.
+                pipe.eval(
+                    _redis_scripts.COUNT_DELAYED, 1, self._delayed_counts_key, consumer.stream
                 )
             else:
                 pipe.xadd(consumer.stream, {"meta": meta, "body": body})

@@ -26,6 +26,7 @@ __all__ = [
     "forget",
     "make_transport",
     "names",
+    "publish_verbatim",
     "url_for",
 ]
 
@@ -210,3 +211,25 @@ def make_transport(kind: str, url: str, prefix: str, **options: Any) -> Transpor
 async def forget(kind: str, url: str, prefix: str) -> None:
     """Delete everything a test left in the broker under ``prefix``."""
     await BROKERS[kind].forget(url, prefix)
+
+
+async def publish_verbatim(transport: Transport, topic: str, body: bytes) -> None:
+    """Publish one envelope to ``topic`` through ``transport`` with a codec that writes
+    ``body`` as it is (a conformance suite's ``publish_raw``, on a broker whose
+    transport has no other way to write a raw body)."""
+    from asyncbus import Envelope
+
+    class Verbatim:
+        content_type = "application/octet-stream"
+
+        def encode(self, value: Any) -> bytes:
+            return body
+
+        def decode(self, data: bytes) -> Any:
+            return data
+
+    codec, transport.codec = transport.codec, Verbatim()
+    try:
+        await transport.publish(topic, [Envelope(topic=topic, payload=None)])
+    finally:
+        transport.codec = codec

@@ -16,6 +16,9 @@ under ``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
 * ``private_nats`` keeps JetStream's file store in the directory;
   ``private_nats_cluster`` starts three of them as one JetStream cluster (routes on
   loopback ports), each node its own :class:`PrivateServer`.
+* ``RedisClusterNodes`` is a Redis Cluster of its own (three masters, a replica each,
+  ``cluster-node-timeout`` 1 s: a replica takes over 2-3 s after its master's
+  ``kill -9``), started without an event loop so a module can share one.
 * ``private_rabbit`` is a RabbitMQ node of its own (its own name, ports, data and an
   empty plugin list); it takes 5-15 s to start.
 """
@@ -29,6 +32,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -41,12 +45,14 @@ import pytest
 
 __all__ = [
     "PrivateServer",
+    "RedisClusterNodes",
     "free_port",
     "nats_connections",
     "private_nats",
     "private_nats_cluster",
     "private_rabbit",
     "private_redis",
+    "private_redis_replica",
 ]
 
 #: Seconds a server may take to accept connections after it was started.
@@ -239,6 +245,199 @@ def private_redis(
     ``persistent``: every write in an append-only file before its reply."""
     command = _persistent_redis_command if persistent else _redis_command
     return _private(command, "redis", directory / "redis")
+
+
+class RedisClusterNodes:
+    """A Redis Cluster of the tests' own on loopback: ``masters`` masters with
+    ``replicas`` replicas each, every node a redis-server without persistence in its
+    own session (only those are ever killed). Synchronous, so that a module-scoped
+    fixture can start it once::
+
+        with RedisClusterNodes(tmp_path) as cluster:
+            RedisTransport(cluster.urls, cluster=True)
+            cluster.kill(cluster.master_of("{prefix}"))  # its replica takes over
+    """
+
+    #: Seconds a cluster may take to cover every slot after it was created (or a
+    #: node's loss, or its return).
+    SETTLE_TIMEOUT = 30.0
+
+    def __init__(self, directory: Path, *, masters: int = 3, replicas: int = 1) -> None:
+        self.directory = directory
+        self.masters = masters
+        self.replicas = replicas
+        self.ports = [free_port() for _ in range(masters * (1 + replicas))]
+        self._bus_ports = {port: free_port() for port in self.ports}
+        self._processes: dict[int, subprocess.Popen[bytes]] = {}
+        self._cli = _binary("redis-cli")
+
+    @property
+    def urls(self) -> list[str]:
+        """Every node's URL."""
+        return [f"redis://127.0.0.1:{port}" for port in self.ports]
+
+    def __enter__(self) -> RedisClusterNodes:
+        try:
+            for port in self.ports:
+                self.start_node(port)
+            self._cli_call(
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{port}" for port in self.ports),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            )
+            self.wait_settled()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start_node(self, port: int) -> None:
+        """Start (or start again, with its cluster state) the node on ``port``."""
+        folder = self.directory / f"redis-{port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [
+            *_redis_command(port, folder),
+            *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+            *("--cluster-node-timeout", "1000", "--cluster-port", str(self._bus_ports[port])),
+            # A replica syncs at once (not 5 s later), and takes over whatever the age
+            # of its data: the tests measure what an asynchronous replica loses.
+            *("--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0"),
+        ]
+        self._processes[port] = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self._processes[port].poll() is not None:
+                    raise RuntimeError(f"redis-server on {port} did not start") from None
+                time.sleep(0.05)
+
+    def kill(self, port: int) -> None:
+        """``kill -9`` the node on ``port`` (only this cluster's process) and reap it."""
+        process = self._processes.pop(port, None)
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def close(self) -> None:
+        """Kill every node."""
+        for port in list(self._processes):
+            self.kill(port)
+
+    def _cli_call(self, *args: str, port: int | None = None) -> str:
+        where = ["-p", str(port)] if port is not None else []
+        done = subprocess.run(
+            [self._cli, "-h", "127.0.0.1", *where, *args],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.decode()
+
+    def _alive(self) -> list[int]:
+        return [port for port, process in self._processes.items() if process.poll() is None]
+
+    def wait_settled(self, masters: int | None = None) -> None:
+        """Wait until every live node says the cluster is ``ok`` and sees ``masters``
+        masters (default: as many as it was made with) among the live nodes."""
+        wanted = self.masters if masters is None else masters
+        deadline = time.monotonic() + self.SETTLE_TIMEOUT
+        while True:
+            states = {port: self._cli_call("cluster", "info", port=port) for port in self._alive()}
+            ok = all("cluster_state:ok" in text for text in states.values())
+            if ok and len(self.live_masters()) == wanted and self._replicas_in_sync():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis Cluster did not settle: {states}")
+            time.sleep(0.2)
+
+    def _replicas_in_sync(self) -> bool:
+        """Whether every live replica whose master lives has its replication link up."""
+        alive = set(self._alive())
+        masters = {fields[0]: fields for fields in self._nodes()}
+        for fields in masters.values():
+            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            if "slave" not in fields[2] or port not in alive:
+                continue
+            master = masters.get(fields[3])
+            master_port = int(master[1].split("@")[0].rsplit(":", 1)[1]) if master else None
+            if master_port not in alive:
+                continue  # its master is gone: nothing to be in sync with
+            if "master_link_status:up" not in self._cli_call("info", "replication", port=port):
+                return False
+        return True
+
+    def _nodes(self) -> list[list[str]]:
+        port = self._alive()[0]
+        return [line.split() for line in self._cli_call("cluster", "nodes", port=port).splitlines()]
+
+    def live_masters(self) -> list[int]:
+        """The ports of the live nodes that are masters (serving slots)."""
+        alive = set(self._alive())
+        found = []
+        for fields in self._nodes():
+            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            serves_slots = len(fields) > 8
+            if "master" in fields[2] and "fail" not in fields[2] and port in alive and serves_slots:
+                found.append(port)
+        return found
+
+    def master_of(self, key: str) -> int:
+        """The port of the master serving ``key``'s slot now."""
+        port = self._alive()[0]
+        slot = int(self._cli_call("cluster", "keyslot", key, port=port).strip())
+        for fields in self._nodes():
+            if "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            for served in fields[8:]:
+                if served.startswith("["):
+                    continue  # a slot being migrated
+                first, _, last = served.partition("-")
+                if int(first) <= slot <= int(last or first):
+                    return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+        raise RuntimeError(f"no master serves slot {slot}")
+
+
+@asynccontextmanager
+async def private_redis_replica(
+    directory: Path, master: PrivateServer
+) -> AsyncIterator[PrivateServer]:
+    """A redis-server of the test's own replicating ``master`` (``--replicaof``), yielded
+    once its replication link is up."""
+
+    def command(port: int, folder: Path) -> list[str]:
+        return [
+            *_redis_command(port, folder),
+            *("--replicaof", "127.0.0.1", str(master.port), "--repl-diskless-sync-delay", "0"),
+        ]
+
+    async with _private(command, "redis", directory / "redis-replica") as replica:
+        cli = _binary("redis-cli")
+        with anyio.fail_after(START_TIMEOUT):
+            while True:
+                done = await anyio.run_process(
+                    [cli, "-p", str(replica.port), "info", "replication"]
+                )
+                if b"master_link_status:up" in done.stdout:
+                    break
+                await anyio.sleep(0.05)
+        yield replica
 
 
 def private_nats(

@@ -924,6 +924,53 @@ async def test_many_envelopes_are_one_write_and_all_stored_when_publish_returns(
 
 
 @pytest.mark.anyio
+async def test_a_message_sent_again_while_held_or_once_acked_is_handled_once(
+    transport: NatsTransport, nats_url: str
+) -> None:
+    """A 2.9 server was seen to send a message twice, the second time as if new (its
+    delivery count 1), while the first was still held or its ack on its way: the copy
+    is not handed out again, and once acked it is acked again, not left pending.
+
+    (The server refuses a client's publish with a ``$JS.ACK`` reply, so the copy is
+    handed to the subscription's inbox callback as nats-py would.)"""
+    from nats.aio.msg import Msg
+
+    async with transport.subscribe("copies", group="g", prefetch=4) as deliveries:
+        await transport.publish("copies", [Envelope(topic="copies", payload=1)])
+        held = await _next(deliveries)
+        msg = held._msg
+        tokens = msg.reply.split(".")
+        tokens[4] = "1"  # as if new
+        copy_reply = ".".join(tokens)
+        nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
+        try:
+
+            async def send_copy() -> None:
+                copy = Msg(
+                    _client=msg._client,
+                    subject=msg.subject,
+                    reply=copy_reply,
+                    data=msg.data,
+                    headers=dict(msg.headers or {}),
+                )
+                await deliveries.on_message(copy)
+
+            await send_copy()
+            await _nothing_within(deliveries, 0.5)
+            await held.ack()
+            await send_copy()
+            await _nothing_within(deliveries, 0.5)
+            await deliveries.flush()
+            info = await nc.jetstream().consumer_info(
+                transport.stream, consumer_name("copies", "g")
+            )
+            assert (info.num_ack_pending, info.num_redelivered) == (0, 0)
+        finally:
+            await nc.close()
+        await _nothing_within(deliveries, ACK_TIMEOUT + 0.5)
+
+
+@pytest.mark.anyio
 async def test_acks_written_behind_are_written_before_the_subscription_ends(
     transport: NatsTransport,
 ) -> None:

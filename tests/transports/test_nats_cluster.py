@@ -4,18 +4,27 @@ cluster confirmed. Three private nats-servers form a JetStream cluster on loopba
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
 import pytest
-from _private_brokers import free_port, private_nats_cluster  # type: ignore[import-not-found]
+from _failover import LoadThroughAFault  # type: ignore[import-not-found]
+from _private_brokers import (  # type: ignore[import-not-found]
+    PrivateServer,
+    free_port,
+    private_nats_cluster,
+)
 
-from asyncbus import Bus, ConfigurationError, ConnectError, TransportError
-from asyncbus.transports.nats import NatsTransport
+from asyncbus import Bus, ConfigurationError, ConnectError, Envelope, TransportError
+from asyncbus.testing.transport_suite import TransportSuite
+from asyncbus.transports import Transport
+from asyncbus.transports._codec import envelope_to_wire
+from asyncbus.transports.nats import HEADER_META, NatsTransport
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.anyio, pytest.mark.cluster, pytest.mark.timeout(120)]
 
 
 async def _ready(make: Callable[[], NatsTransport]) -> None:
@@ -34,6 +43,68 @@ async def _ready(make: Callable[[], NatsTransport]) -> None:
         else:
             await probe.aclose()
             return
+
+
+@pytest.fixture(scope="module")
+async def shared_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[list[PrivateServer]]:
+    """A three-node JetStream cluster for the module's conformance suite."""
+    async with private_nats_cluster(tmp_path_factory.mktemp("nats-cluster")) as nodes:
+        yield nodes
+
+
+class TestNatsCluster(TransportSuite):
+    """NatsTransport on a three-node cluster, its streams and buckets R3, passes the
+    conformance suite."""
+
+    ack_timeout = 2.0
+    #: The server's max_payload is 1 MiB (headers and body together).
+    large_payload_size = (1 << 20) - 4096
+
+    @pytest.fixture
+    async def transport(
+        self, shared_cluster: list[PrivateServer], unique_prefix: str
+    ) -> AsyncIterator[Transport]:
+        urls = [node.url for node in shared_cluster]
+
+        def make() -> NatsTransport:
+            return NatsTransport(
+                urls, prefix=unique_prefix, replicas=3, ack_timeout=self.ack_timeout
+            )
+
+        await _ready(make)
+        transport = make()
+        async with transport:
+            yield transport
+        with anyio.CancelScope(shield=True):
+            await _delete_streams(urls, transport)
+
+    async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
+        assert isinstance(transport, NatsTransport)
+        envelope = Envelope(topic=topic)
+        meta, _ = envelope_to_wire(envelope, transport.codec)
+        _, js = transport._client()
+        await js.publish(
+            f"{transport.prefix}.{topic}",
+            body,
+            headers={"Nats-Msg-Id": envelope.id, HEADER_META: meta.decode()},
+        )
+
+
+async def _delete_streams(urls: list[str], transport: NatsTransport) -> None:
+    """Delete the transport's two streams (their consumers go with them)."""
+    import nats
+    import nats.js.errors
+
+    nc = await nats.connect(urls, allow_reconnect=False, connect_timeout=2)
+    try:
+        js = nc.jetstream()
+        for stream in (transport.stream, transport.dead_letter_stream):
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.delete_stream(stream)
+    finally:
+        await nc.close()
 
 
 async def _stream_replicas(transport: NatsTransport, stream: str) -> tuple[int, str | None]:
@@ -130,3 +201,41 @@ def test_replicas_are_checked_when_the_transport_is_made() -> None:
             ConfigurationError, match=r"NatsTransport: replicas must be an int >= 1 \(at most 5\)"
         ):
             NatsTransport("nats://127.0.0.1:4222", replicas=wrong)  # type: ignore[arg-type]
+
+
+async def test_the_stream_leader_killed_under_load_loses_no_confirmed_publish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Publishers running (100 in flight) when the stream's leader is killed: publishes
+    fail with ``TransportError`` in time (never hang) during the election, the same bus
+    goes on, and every publish the cluster confirmed is handled (R3: nothing lost)."""
+    async with private_nats_cluster(tmp_path) as nodes:
+        urls = [node.url for node in nodes]
+        prefix = f"c{uuid.uuid4().hex[:8]}"
+
+        def make() -> NatsTransport:
+            return NatsTransport(
+                urls, prefix=prefix, replicas=3, ack_timeout=2.0, publish_timeout=3.0
+            )
+
+        await _ready(make)
+        transport = make()
+        bus = Bus(transport=transport)
+        load = LoadThroughAFault(bus)
+
+        async def kill_the_leader() -> None:
+            _, leader = await _stream_replicas(transport, transport.stream)
+            assert leader is not None
+            await nodes[int(leader.removeprefix("n")) - 1].kill()
+
+        with anyio.fail_after(100):
+            async with bus:
+                await load.run(kill_the_leader)
+                recovered_in = await load.handled_again(load.fault_at)
+                await bus.drain(30)
+        with capsys.disabled():
+            print(load.summary("NATS R3, the stream leader killed", recovered_in))
+        assert len(load.confirmed) + len(load.failed) == load.total
+        assert set(load.confirmed) <= load.delivered <= set(load.confirmed) | load.failed
+        assert max(load.took) <= 3.0 * 2 + 1.0  # a publish fails in time, never hangs
+        assert recovered_in <= 2.0 + 10.0

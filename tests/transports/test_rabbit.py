@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.abc
 import pytest
+from _brokers import publish_verbatim  # type: ignore[import-not-found]
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -145,21 +146,7 @@ class TestRabbit(TransportSuite):
 
     async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
         """Publish through the transport with a codec that writes ``body`` verbatim."""
-
-        class Verbatim:
-            content_type = "application/octet-stream"
-
-            def encode(self, value: Any) -> bytes:
-                return body
-
-            def decode(self, data: bytes) -> Any:
-                return data
-
-        codec, transport.codec = transport.codec, Verbatim()
-        try:
-            await transport.publish(topic, [Envelope(topic=topic, payload=None)])
-        finally:
-            transport.codec = codec
+        await publish_verbatim(transport, topic, body)
 
 
 # -- helpers ------------------------------------------------------------------------

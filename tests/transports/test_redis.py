@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _brokers import forget  # type: ignore[import-not-found]
+from _brokers import forget, publish_verbatim  # type: ignore[import-not-found]
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -82,21 +82,7 @@ class TestRedis(TransportSuite):
 
     async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
         """Publish through the transport with a codec that writes ``body`` verbatim."""
-
-        class Verbatim:
-            content_type = "application/octet-stream"
-
-            def encode(self, value: Any) -> bytes:
-                return body
-
-            def decode(self, data: bytes) -> Any:
-                return data
-
-        codec, transport.codec = transport.codec, Verbatim()
-        try:
-            await transport.publish(topic, [Envelope(topic=topic, payload=None)])
-        finally:
-            transport.codec = codec
+        await publish_verbatim(transport, topic, body)
 
 
 # -- helpers ------------------------------------------------------------------------
