@@ -9,8 +9,9 @@ For each broker (and each cluster given: ``--redis-cluster`` with ``cluster=True
 ``--nats-cluster`` with ``replicas=3``), a backlog of ``messages`` envelopes is stored
 in one group first; then ``N`` worker processes, each a :class:`~asyncbus.Bus` with one
 subscription to that group (``concurrency`` handlers, each spinning ``--work`` seconds of
-CPU, or only yielding), are started together and timed from the first envelope handled
-to the last (their wall clocks: one machine). It prints, per broker and ``N``, envelopes
+CPU, or only yielding), are started, and once every one is subscribed (each holding its
+prefetch) told to go together; they are timed from the first envelope handled to the
+last (their wall clocks: one machine). It prints, per broker and ``N``, envelopes
 per second, the ratio to one process, and the CPU the workers spent per envelope (user
 plus system time of every worker, in microseconds): the bus side's cost, which is what
 more machines divide.
@@ -78,9 +79,11 @@ async def work_until_told(spec: dict[str, Any]) -> None:
     #: When the first and the last envelope were handled (wall clock: one machine).
     stamps: list[float] = []
     spin = float(spec["work"])
+    go = anyio.Event()
 
     @bus.subscribe(TOPIC, group=GROUP, concurrency=int(spec["concurrency"]))
     async def handle(n: int) -> None:
+        await go.wait()
         if spin:
             until = time.perf_counter() + spin
             while time.perf_counter() < until:
@@ -105,6 +108,8 @@ async def work_until_told(spec: dict[str, Any]) -> None:
 
         async with anyio.create_task_group() as progress:
             progress.start_soon(tell_progress)
+            await anyio.to_thread.run_sync(sys.stdin.readline)  # "go": every worker is up
+            go.set()
             await anyio.to_thread.run_sync(sys.stdin.read)  # until the parent closes it
             progress.cancel_scope.cancel()
         cpu = time.process_time() - cpu
@@ -202,6 +207,7 @@ async def one_run(
                     )
                 )
             handled = [0] * count
+            ready = [anyio.Event() for _ in workers]
             done = anyio.Event()
 
             async def follow(index: int, process: anyio.abc.Process) -> None:
@@ -212,6 +218,8 @@ async def one_run(
                     *lines, buffer = buffer.split(b"\n")
                     for line in lines:
                         report = json.loads(line)
+                        if "ready" in report:
+                            ready[index].set()
                         if "handled" in report:
                             handled[index] = report["handled"]
                             if sum(handled) >= args.messages:
@@ -221,6 +229,11 @@ async def one_run(
                 async with anyio.create_task_group() as following:
                     for index, process in enumerate(workers):
                         following.start_soon(follow, index, process)
+                    for event in ready:
+                        await event.wait()
+                    for process in workers:  # together: each has taken its prefetch
+                        assert process.stdin is not None
+                        await process.stdin.send(b"go\n")
                     await done.wait()
                     await anyio.sleep(0.3)  # (a copy handled twice would show by now)
                     for process in workers:
