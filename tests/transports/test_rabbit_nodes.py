@@ -13,7 +13,7 @@ from _private_brokers import free_port, private_rabbit  # type: ignore[import-no
 from asyncbus import Bus, ConfigurationError, TransportError
 from asyncbus.transports.rabbit import RabbitTransport
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.anyio, pytest.mark.cluster, pytest.mark.timeout(60)]
 
 
 async def test_a_node_that_does_not_answer_is_skipped(rabbit_url: str, rabbit_prefix: str) -> None:
