@@ -41,6 +41,7 @@ import anyio
 import anyio.lowlevel
 
 from asyncbus import Bus, Envelope
+from suite._brokers import nats_delete_streams, redis_delete_prefix
 
 TOPIC = "scale.jobs"
 GROUP = "workers"
@@ -150,32 +151,18 @@ async def store_backlog(kind: str, url: str, prefix: str, cluster: bool, message
 
 
 async def forget(kind: str, url: str, prefix: str, cluster: bool) -> None:
-    """Delete the run's group (and on one Redis server, every key of its prefix)."""
+    """Delete the run's group; on NATS its streams, on one Redis server every key of its
+    prefix too."""
     transport = make_transport(kind, url, prefix, cluster)
     with contextlib.suppress(Exception):
         async with transport:
             await transport.delete_group(TOPIC, GROUP)
     if kind == "nats":
-        import nats
-        from nats.js.errors import NotFoundError
-
-        with contextlib.suppress(Exception):
-            nc = await nats.connect(url.split(","), connect_timeout=2, max_reconnect_attempts=1)
-            try:
-                for stream in (transport.stream, transport.dead_letter_stream):
-                    with contextlib.suppress(NotFoundError):
-                        await nc.jetstream().delete_stream(stream)
-            finally:
-                await nc.close()
+        with contextlib.suppress(Exception):  # (any node of a cluster will do)
+            first = url.split(",")[0]
+            await nats_delete_streams(first, transport.stream, transport.dead_letter_stream)
     if kind == "redis" and not cluster:
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(url)
-        try:
-            async for key in client.scan_iter(match=f"{prefix}:*", count=1000):
-                await client.delete(key)
-        finally:
-            await client.aclose()
+        await redis_delete_prefix(url, prefix)
 
 
 async def one_run(

@@ -164,7 +164,7 @@ class NatsDelivery(BaseDelivery):
     message redelivered after ``ack_timeout``, as at-least-once delivery allows.
     """
 
-    __slots__ = ("_consumer", "_msg")
+    __slots__ = ("_consumer", "_key", "_msg")
 
     acks_behind = True
 
@@ -174,6 +174,8 @@ class NatsDelivery(BaseDelivery):
         super().__init__(envelope, error)
         self._consumer = consumer
         self._msg = msg
+        #: Which stream message it is (read once: settling names it twice).
+        self._key = message_key(msg)
 
     def queued_at(self) -> float | None:
         """When the stream stored the message (the server's clock), from its reply
@@ -192,7 +194,7 @@ class NatsDelivery(BaseDelivery):
     def _queue_ack(self) -> None:
         """Done: ``+ACK`` it, written with the other acks queued meanwhile."""
         consumer = self._consumer
-        consumer.settled_for_good(self._msg)
+        consumer.settled_for_good(self._key)
         consumer.transport._acks.queue(
             consumer.name, consumer.stage, self._msg.reply, self.envelope.id
         )
@@ -220,7 +222,7 @@ class NatsDelivery(BaseDelivery):
         reconnects = consumer.nc.stats["reconnects"]
         with broker_call(f"cannot settle {self.envelope.id}"):
             await self._msg.term()
-        consumer.settled_for_good(self._msg)
+        consumer.settled_for_good(self._key)
         await consumer.transport._confirm(consumer.nc, reconnects, f"settling {self.envelope.id}")
 
 
@@ -280,20 +282,20 @@ class PullConsumer:
     def forget(self, delivery: NatsDelivery) -> None:
         """A delivery was settled: there is room for another."""
         self.unsettled.pop(id(delivery), None)
-        self.held.discard(message_key(delivery._msg))
+        self.held.discard(delivery._key)
         self.wakeup.set()
 
-    def settled_for_good(self, msg: Msg) -> None:
-        """``msg`` was acked or terminated: a copy of it that arrives is acked again."""
+    def settled_for_good(self, key: MessageKey) -> None:
+        """The message ``key`` was acked or terminated: a copy of it that arrives is
+        acked again."""
         settled = self.settled
-        settled[message_key(msg)] = None
+        settled[key] = None
         if len(settled) > _SETTLED_KEPT:
             settled.popitem(last=False)
 
-    def _is_copy(self, msg: Msg) -> bool:
-        """Whether ``msg`` delivers again a message held or settled here (then it is
-        dropped, or acked again)."""
-        key = message_key(msg)
+    def _is_copy(self, msg: Msg, key: MessageKey) -> bool:
+        """Whether ``msg`` (stream message ``key``) delivers again a message held or
+        settled here (then it is dropped, or acked again)."""
         if key in self.held:
             logger.debug("NATS: %s sent stream message %s again while held", self.name, key[0])
             return True
@@ -338,16 +340,17 @@ class PullConsumer:
             self.remaining -= 1
             if self.remaining <= 0:
                 self.request = None
+        key = message_key(msg)
         if self.closed:
             await self._give_back([msg])  # our request outlived the subscription
-        elif self._is_copy(msg):
+        elif self._is_copy(msg, key):
             pass
         elif len(self.unsettled) + len(self.ready) >= self.prefetch:
             # The prefetch came down while the request was open: not ours to hold.
             await self._give_back([msg], self.give_back_delay)
         else:
             self.ready.append(msg)
-            self.held.add(message_key(msg))
+            self.held.add(key)
         self.wake()
 
     async def set_prefetch(self, prefetch: int) -> None:

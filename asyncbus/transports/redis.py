@@ -399,9 +399,9 @@ class _CaughtErrors:
 
 def _check_nodes(nodes: list[str], cluster: bool, prefix: object) -> None:
     """Refuse what cannot work with ``cluster`` (see :class:`RedisTransport`)."""
-    shown = ",".join(redact(one) for one in nodes)
     if not cluster:
         if len(nodes) > 1:
+            shown = ",".join(redact(one) for one in nodes)
             raise ConfigurationError(
                 "RedisTransport: several URLs name the nodes of a Redis Cluster: pass "
                 f"cluster=True (one server takes one URL), got {shown!r}"

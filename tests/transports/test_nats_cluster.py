@@ -4,13 +4,13 @@ cluster confirmed. Three private nats-servers form a JetStream cluster on loopba
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
 import pytest
+from _brokers import forget  # type: ignore[import-not-found]
 from _failover import LoadThroughAFault  # type: ignore[import-not-found]
 from _private_brokers import (  # type: ignore[import-not-found]
     PrivateServer,
@@ -78,7 +78,7 @@ class TestNatsCluster(TransportSuite):
         async with transport:
             yield transport
         with anyio.CancelScope(shield=True):
-            await _delete_streams(urls, transport)
+            await forget("nats", urls[0], unique_prefix)  # (any node will do)
 
     async def publish_raw(self, transport: Transport, topic: str, body: bytes) -> None:
         assert isinstance(transport, NatsTransport)
@@ -90,21 +90,6 @@ class TestNatsCluster(TransportSuite):
             body,
             headers={"Nats-Msg-Id": envelope.id, HEADER_META: meta.decode()},
         )
-
-
-async def _delete_streams(urls: list[str], transport: NatsTransport) -> None:
-    """Delete the transport's two streams (their consumers go with them)."""
-    import nats
-    import nats.js.errors
-
-    nc = await nats.connect(urls, allow_reconnect=False, connect_timeout=2)
-    try:
-        js = nc.jetstream()
-        for stream in (transport.stream, transport.dead_letter_stream):
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await js.delete_stream(stream)
-    finally:
-        await nc.close()
 
 
 async def _stream_replicas(transport: NatsTransport, stream: str) -> tuple[int, str | None]:
