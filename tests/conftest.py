@@ -109,6 +109,17 @@ def redis_url() -> str:
     return REDIS_URL
 
 
+POSTGRES_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> str:
+    """DSN of the local PostgreSQL server's ``test`` database (skips when it is down; CI:
+    fails)."""
+    _require_service("PostgreSQL", 5432)
+    return POSTGRES_DSN
+
+
 @pytest.fixture
 def unique_prefix() -> str:
     """A broker-name prefix unique to one test, so tests never see each other's data."""
