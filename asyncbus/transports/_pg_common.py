@@ -1,0 +1,96 @@
+"""What every PostgreSQL piece of asyncbus shares (the transport, the outbox, the inbox).
+
+The DSN and schema checks made when one is created, asyncpg imported when it connects,
+the errors of a database that went away or refused, and the caller's connection checked
+before anything is written through it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .._exceptions import ConfigurationError
+from ._kit import check_url, redact, require_extra
+
+__all__ = [
+    "DSN_FORM",
+    "SCHEMES",
+    "caller_connection",
+    "check_dsn",
+    "check_schema",
+    "database_errors",
+    "load_asyncpg",
+]
+
+#: The URL schemes of a PostgreSQL DSN.
+SCHEMES = ("postgresql", "postgres")
+#: What a DSN looks like, for messages.
+DSN_FORM = "postgresql://user@host:5432/database"
+
+#: A schema name asyncbus quotes nowhere: lower-case letters, digits and ``_``.
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def check_dsn(owner: str, dsn: object) -> str:
+    """``dsn`` when it is one PostgreSQL DSN, else :class:`ConfigurationError` (it is
+    shown without its password)."""
+    require_extra(owner, "postgres", "asyncpg")
+    if not isinstance(dsn, str):
+        raise ConfigurationError(f"{owner}: dsn must be a string like {DSN_FORM}, got {dsn!r}")
+    if "," in dsn:
+        # One server: asyncpg would try several hosts in turn, but every claim must be
+        # made on one database.
+        raise ConfigurationError(f"{owner}: one PostgreSQL server per dsn, got {redact(dsn)!r}")
+    check_url(owner, dsn, SCHEMES, DSN_FORM)
+    return dsn.strip()
+
+
+def check_schema(owner: str, schema: object) -> str:
+    """``schema`` when it is a plain name (``asyncbus``, ``orders_bus``), else
+    :class:`ConfigurationError`: it is written into SQL, unquoted."""
+    if not isinstance(schema, str) or _SCHEMA.fullmatch(schema) is None:
+        raise ConfigurationError(
+            f"{owner}: schema must be lower-case letters, digits and '_' (at most 63, "
+            f"not starting with a digit), got {schema!r}"
+        )
+    return schema
+
+
+def load_asyncpg() -> Any:
+    """The asyncpg module (imported on first use, never when asyncbus is)."""
+    import asyncpg
+
+    return asyncpg
+
+
+def database_errors() -> tuple[type[BaseException], ...]:
+    """What asyncpg raises when the database refuses, goes away or does not answer."""
+    asyncpg = load_asyncpg()
+    return (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+
+def caller_connection(owner: str, connection: Any) -> Any:
+    """The asyncpg connection a caller handed over to publish through, checked.
+
+    Takes an ``asyncpg.Connection`` or a pool's connection (what ``pool.acquire()``
+    gives); SQLAlchemy users pass the asyncpg connection under theirs (``(await
+    conn.get_raw_connection()).driver_connection``).
+
+    :raises ConfigurationError: for anything else, or a connection not inside a
+        transaction (the publish would commit on its own: not what was asked).
+    """
+    asyncpg = load_asyncpg()
+    proxy = getattr(getattr(asyncpg, "pool", None), "PoolConnectionProxy", ())
+    if not isinstance(connection, asyncpg.Connection | proxy):
+        raise ConfigurationError(
+            f"{owner}: connection= takes an asyncpg connection (for SQLAlchemy: "
+            f"(await conn.get_raw_connection()).driver_connection), got "
+            f"{type(connection).__name__}"
+        )
+    if not connection.is_in_transaction():
+        raise ConfigurationError(
+            f"{owner}: connection= must be inside a transaction (async with "
+            "connection.transaction(): ...), so the publish commits with it"
+        )
+    return connection
