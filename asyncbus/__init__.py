@@ -141,7 +141,9 @@ __all__ = [
 
 #: Broker transports, imported on first use (their modules import no client library
 #: until they connect, but need not load with the bus at all).
-_LAZY_TRANSPORTS = frozenset({"NatsTransport", "RabbitTransport", "RedisTransport"})
+_LAZY_TRANSPORTS = frozenset(
+    {"NatsTransport", "PostgresTransport", "RabbitTransport", "RedisTransport"}
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -109,7 +109,7 @@ def transport_for(url: str, prefix: str) -> Transport:
         raise ConfigurationError(
             f"no transport for {redact(url)!r}: the URL must begin with one of {every}"
         )
-    transport = row.load()(url, prefix=prefix)
+    transport = row.load()(url, **{row.namespace: prefix})
     assert isinstance(transport, Transport)
     return transport
 

@@ -8,14 +8,20 @@ before anything is written through it.
 from __future__ import annotations
 
 import re
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import anyio
 
 from .._exceptions import ConfigurationError
+from ._codec import Codec
 from ._kit import check_url, redact, require_extra
+from ._pg_statements import Statements
 
 __all__ = [
     "DSN_FORM",
     "SCHEMES",
+    "PgHost",
     "caller_connection",
     "check_dsn",
     "check_schema",
@@ -59,7 +65,7 @@ def check_schema(owner: str, schema: object) -> str:
 
 def load_asyncpg() -> Any:
     """The asyncpg module (imported on first use, never when asyncbus is)."""
-    import asyncpg
+    import asyncpg  # type: ignore[import-untyped]  # (asyncpg ships no type hints)
 
     return asyncpg
 
@@ -94,3 +100,21 @@ def caller_connection(owner: str, connection: Any) -> Any:
             "connection.transaction(): ...), so the publish commits with it"
         )
     return connection
+
+
+class PgHost(Protocol):
+    """What the transport's consumers and stores use of it (so they need not import it)."""
+
+    sql: Statements
+    codec: Codec
+    ack_timeout: float
+    poll_interval: float
+    close_timeout: float
+    max_deliveries: int
+    keep_alive: bool
+
+    async def run(self, doing: str, method: str, statement: str, *args: Any) -> Any:
+        """``pool.<method>(statement, *args)``, a database error a ``TransportError``."""
+
+    def cleanup_scope(self, timeout: float = ...) -> AbstractContextManager[anyio.CancelScope]:
+        """A shielded, bounded scope for clean-up with the database."""

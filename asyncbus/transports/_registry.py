@@ -35,12 +35,15 @@ class Registered:
     :ivar cls: its class's name, exported lazily from ``asyncbus.transports``.
     :ivar schemes: the URL schemes it takes, first the plain one, each with its
         AsyncAPI protocol.
+    :ivar namespace: the keyword of its constructor that keeps one deployment's names
+        apart from another's on the same broker (``prefix``; PostgreSQL's ``schema``).
     """
 
     name: str
     module: str
     cls: str
     schemes: Mapping[str, str]
+    namespace: str = "prefix"
 
     @property
     def default_scheme(self) -> str:
@@ -67,6 +70,13 @@ TRANSPORTS: tuple[Registered, ...] = (
         "nats", ".nats", "NatsTransport", {"nats": "nats", "tls": "nats", "ws": "ws", "wss": "wss"}
     ),
     Registered("rabbit", ".rabbit", "RabbitTransport", {"amqp": "amqp", "amqps": "amqps"}),
+    Registered(
+        "postgres",
+        ".postgres",
+        "PostgresTransport",
+        {"postgresql": "postgresql", "postgres": "postgresql"},
+        namespace="schema",
+    ),
 )
 
 

@@ -1,7 +1,464 @@
-"""PostgreSQL as the broker, and the outbox and inbox that commit with the caller's data."""
+"""PostgreSQL as the broker, and the outbox and inbox that commit with the caller's data.
+
+:class:`PostgresTransport` keeps envelopes in tables of its own schema (see
+:mod:`._pg_schema`): a publish writes one row per group its topic reaches, found by the
+same statement, and notifies the group's consumers (``LISTEN/NOTIFY``, delivered when
+the publish commits); consumers claim rows with ``FOR UPDATE SKIP LOCKED`` and a
+deadline, so a dead consumer's rows are claimed again after ``ack_timeout``. A publish
+given ``connection=`` writes its rows in the caller's transaction: they exist if and
+only if it commits.
+
+Runs on asyncio only (asyncpg is asyncio-only).
+"""
 
 from __future__ import annotations
 
-from ._pg_outbox import PostgresOutbox
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar
 
-__all__ = ["PostgresOutbox"]
+import anyio
+
+from .._checks import check_count
+from .._dead_letters import DeadLetter
+from .._dedup import DedupStore
+from .._envelope import Envelope
+from .._exceptions import ConfigurationError, ConnectError, TransportError
+from ._codec import Codec, dead_letter_from_wire, dead_letter_to_wire, envelope_to_wire
+from ._kit import TaskOwner, redact, require_asyncio
+from ._kit.options import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    checked_max_message_size,
+    checked_prefetch,
+    checked_seconds,
+    refuse_oversized,
+)
+from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
+from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
+from ._pg_common import caller_connection, check_dsn, check_schema, database_errors, load_asyncpg
+from ._pg_consumer import PgSubscription
+from ._pg_dedup import PgDedupStore
+from ._pg_schema import migrate, pattern_regex
+from ._pg_statements import Statements
+from .base import Capabilities, Transport
+
+__all__ = ["PostgresTransport"]
+
+logger = logging.getLogger("asyncbus.postgres")
+
+#: Seconds a request inbox of a process that died stays in the database.
+_INBOX_TTL = 300.0
+#: Seconds between two prunings of dead letters and expired claims.
+_PRUNE_EVERY = 60.0
+
+
+class PostgresTransport(Transport):
+    """Envelopes in PostgreSQL tables: durable, shared by every process using the database.
+
+    :param dsn: the database, ``postgresql://user[:password]@host[:port]/database``.
+    :param schema: the schema its tables live in (made and migrated by the transport;
+        several buses, or tests, can share a database with one schema each).
+    :param ack_timeout: seconds after which the rows a consumer claimed and did not
+        settle (a killed process) are claimed by another consumer of the group.
+    :param codec: how payloads become bytes (JSON by default; never pickle).
+    :param poll_interval: longest a consumer waits before looking for work again
+        without a notification (one can be missed across a reconnect).
+    :param pool_size: most connections of its pool.
+    :param max_message_size: largest envelope (meta + body, in bytes) it accepts.
+    :param keep_alive: while a delivery is held, renew its claim every
+        ``ack_timeout / 3``, so only a dead process's rows go to another consumer.
+    :param max_deliveries: deliveries of one row, none settled, after which the next is
+        handed over with ``error`` set (the bus dead-letters it ``rejected``).
+    :param publish_timeout: longest a statement may run (every call: a database that
+        stops answering fails calls instead of hanging them).
+    :raises ConfigurationError: for a DSN that is not one PostgreSQL URL, a schema that
+        is not a plain lower-case name, or a number out of range.
+    :raises ImportError: (also a ``ConnectError``) when asyncpg is not installed: the
+        message names the extra.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delayed_nack=True,
+        dedup=False,
+        per_message_ttl=False,
+        replay=True,
+        durable=True,
+        ordered=True,
+    )
+    name: ClassVar[str] = "postgres"
+    publish_waits: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        dsn: str = "postgresql://postgres@127.0.0.1:5432/postgres",
+        *,
+        schema: str = "asyncbus",
+        ack_timeout: float = 30.0,
+        codec: Codec | None = None,
+        poll_interval: float = 1.0,
+        pool_size: int = 10,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        keep_alive: bool = True,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        publish_timeout: float = 10.0,
+    ) -> None:
+        super().__init__(codec=codec)
+        self.dsn = check_dsn("PostgresTransport", dsn)
+        self.schema = check_schema("PostgresTransport", schema)
+        self.ack_timeout = checked_seconds(ack_timeout, "PostgresTransport: ack_timeout")
+        self.poll_interval = checked_seconds(poll_interval, "PostgresTransport: poll_interval")
+        self.publish_timeout = checked_seconds(
+            publish_timeout, "PostgresTransport: publish_timeout"
+        )
+        self.pool_size = check_count(pool_size, "PostgresTransport: pool_size", 1, 1000)
+        self.max_message_size = checked_max_message_size(max_message_size)
+        self.max_deliveries = checked_max_deliveries(max_deliveries)
+        if not isinstance(keep_alive, bool):
+            raise ConfigurationError(
+                f"PostgresTransport: keep_alive must be a bool, got {keep_alive!r}"
+            )
+        self.keep_alive = keep_alive
+        #: Seconds clean-up with the database may take (giving rows back, closing).
+        self.close_timeout = min(5.0, self.publish_timeout)
+        #: The SQL of every statement, for this schema.
+        self.sql = Statements(self.schema)
+        self._pool: Any = None
+        self._listener: Any = None
+        self._tasks = TaskOwner("PostgresTransport")
+        self._subscriptions: dict[int, set[PgSubscription]] = {}
+        self._group_ids: dict[tuple[str, str], int] = {}
+        self._next_prune = 0.0
+        self._listening = anyio.Lock()
+
+    def __repr__(self) -> str:
+        return f"PostgresTransport({redact(self.dsn)!r}, schema={self.schema!r})"
+
+    # -- life -----------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Open the pool, make or migrate the schema, and start listening for wake-ups."""
+        require_asyncio("PostgresTransport", "asyncpg")
+        if self._pool is not None:
+            return
+        asyncpg = load_asyncpg()
+        try:
+            with anyio.fail_after(self.publish_timeout):
+                self._pool = await asyncpg.create_pool(
+                    self.dsn,
+                    min_size=1,
+                    max_size=self.pool_size,
+                    command_timeout=self.publish_timeout,
+                )
+                async with self._pool.acquire() as connection:
+                    await migrate(connection, self.schema)
+        except BaseException as error:
+            await self._close_pool()
+            if isinstance(error, database_errors()) and not isinstance(error, TransportError):
+                raise ConnectError(
+                    f"PostgreSQL at {redact(self.dsn)} could not be used: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            raise
+        self._listening = anyio.Lock()
+        await self._tasks.open()
+        self._tasks.start_soon(self._maintain, name="asyncbus postgres upkeep")
+
+    async def aclose(self) -> None:
+        """Stop the upkeep task and close every connection (shielded, bounded)."""
+        await self._tasks.aclose()
+        await self._close_pool()
+
+    async def _close_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        listener, self._listener = self._listener, None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.close_timeout):
+            if listener is not None:
+                try:
+                    await listener.close()
+                except database_errors():
+                    listener.terminate()
+            if pool is not None:
+                try:
+                    await pool.close()
+                except database_errors():
+                    pool.terminate()
+
+    async def run(self, doing: str, method: str, statement: str, *args: Any) -> Any:
+        """``pool.<method>(statement, *args)``; a database error is a
+        :class:`TransportError` saying what was being done."""
+        pool = self._pool
+        if pool is None:
+            raise TransportError("PostgresTransport is not connected: use `async with transport:`")
+        try:
+            return await getattr(pool, method)(statement, *args)
+        except database_errors() as error:
+            raise TransportError(
+                f"PostgreSQL: {doing} failed: {type(error).__name__}: {error}"
+            ) from error
+
+    # -- publishing -------------------------------------------------------------------
+
+    def _rows(
+        self, envelopes: Sequence[Envelope]
+    ) -> tuple[list[str], list[bytes], list[bytes], list[int]]:
+        ids: list[str] = []
+        metas: list[bytes] = []
+        bodies: list[bytes] = []
+        attempts: list[int] = []
+        for envelope in envelopes:
+            meta, body = envelope_to_wire(envelope, self.codec)
+            refuse_oversized(envelope, len(meta) + len(body), self.max_message_size)
+            ids.append(envelope.id)
+            metas.append(meta)
+            bodies.append(body)
+            attempts.append(envelope.attempt)
+        return ids, metas, bodies, attempts
+
+    async def _write(
+        self, connection: Any, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...]:
+        """Write ``envelopes`` for every group ``topic`` reaches, through ``connection``
+        (in its transaction); none reached: dead-letter each ``no_subscribers``."""
+        rows = self._rows(envelopes)
+        found = await connection.fetch(self.sql.publish, topic, *rows)
+        if not found:
+            await connection.executemany(
+                self.sql.add_dead_letter,
+                [
+                    (entry.envelope.id, entry.dead_at, dead_letter_to_wire(entry, self.codec))
+                    for entry in map(unrouted_entry, envelopes)
+                ],
+            )
+        return tuple(sorted(f"{row[0]}@{row[1]}" for row in found))
+
+    async def _write_own(self, topic: str, envelopes: Sequence[Envelope]) -> tuple[str, ...]:
+        pool = self._pool
+        if pool is None:
+            raise TransportError("PostgresTransport is not connected: use `async with transport:`")
+        try:
+            async with pool.acquire() as connection, connection.transaction():
+                return await self._write(connection, topic, envelopes)
+        except database_errors() as error:
+            raise TransportError(
+                f"PostgreSQL: publishing on {topic!r} failed: {type(error).__name__}: {error}"
+            ) from error
+
+    async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
+        """Write one row per envelope and group reached, in one transaction."""
+        if envelopes:
+            await self._write_own(topic, envelopes)
+
+    async def publish_routed(
+        self, topic: str, envelopes: Sequence[Envelope]
+    ) -> tuple[str, ...] | None:
+        """:meth:`publish`, naming the groups reached (none: dead-lettered)."""
+        if not envelopes:
+            return None
+        return await self._write_own(topic, envelopes)
+
+    async def publish_in(self, connection: Any, topic: str, envelopes: Sequence[Envelope]) -> None:
+        """Write the rows through the caller's ``connection``, in its transaction: the
+        envelopes are published (and their consumers woken) if and only if it commits."""
+        connection = caller_connection("PostgresTransport", connection)
+        if not envelopes:
+            return
+        try:
+            await self._write(connection, topic, envelopes)
+        except database_errors() as error:
+            raise TransportError(
+                f"PostgreSQL: publishing on {topic!r} in the caller's transaction failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    async def publish_to_group(
+        self, pattern: str, group: str, envelopes: Sequence[Envelope]
+    ) -> None:
+        """Write the rows for (``pattern``, ``group``) only (made if it is new)."""
+        if not envelopes:
+            return
+        group_id = await self._group_id(pattern, group)
+        await self.run(
+            "publishing to a group",
+            "execute",
+            self.sql.publish_to_group,
+            group_id,
+            *self._rows(envelopes),
+        )
+
+    async def backlog(self, pattern: str, group: str) -> int:
+        """Rows of (``pattern``, ``group``) not settled yet, claimed or not."""
+        found = await self.run("counting a backlog", "fetchval", self.sql.backlog, pattern, group)
+        return int(found or 0)
+
+    # -- consuming --------------------------------------------------------------------
+
+    async def _group_id(self, pattern: str, group: str) -> int:
+        known = self._group_ids.get((pattern, group))
+        if known is not None:
+            return known
+        inbox = group.startswith(INBOX_GROUP_PREFIX)
+        alive = time.time() + _INBOX_TTL if inbox else None
+        found = await self.run(
+            f"registering group {group!r}",
+            "fetchval",
+            self.sql.register,
+            pattern,
+            group,
+            pattern_regex(pattern),
+            alive,
+        )
+        group_id = int(found)
+        if not inbox:  # an inbox's row may be swept: look it up each time
+            self._group_ids[(pattern, group)] = group_id
+        return group_id
+
+    @asynccontextmanager
+    async def subscribe(
+        self, pattern: str, *, group: str, prefetch: int
+    ) -> AsyncIterator[PgSubscription]:
+        """Join ``group`` on ``pattern`` (registered before this yields); leaving gives
+        back what it still holds (and drops a request inbox's rows)."""
+        prefetch = checked_prefetch(prefetch)
+        group_id = await self._group_id(pattern, group)
+        consumer = f"{secrets.token_hex(8)}:{group}"
+        subscription = PgSubscription(self, group_id, pattern, group, prefetch, consumer)
+        listening = self._subscriptions.setdefault(group_id, set())
+        listening.add(subscription)
+        await self._listen()
+        try:
+            yield subscription
+        finally:
+            listening.discard(subscription)
+            if not listening:
+                self._subscriptions.pop(group_id, None)
+            await subscription.release()
+            if group.startswith(INBOX_GROUP_PREFIX) and self._pool is not None:
+                with self.cleanup_scope(self.close_timeout):
+                    try:
+                        await self.run(
+                            "dropping a request inbox", "execute", self.sql.drop_group, group_id
+                        )
+                    except TransportError as error:
+                        logger.warning("%s (it expires by itself)", error)
+
+    # -- wake-ups and upkeep -------------------------------------------------------------
+
+    def _wake(self, _connection: Any, _pid: int, _channel: str, payload: str) -> None:
+        """A notification: the rows of group ``payload`` changed."""
+        try:
+            group_id = int(payload)
+        except ValueError:
+            return
+        for subscription in self._subscriptions.get(group_id, ()):
+            subscription.wake.set()
+
+    async def _listen(self) -> None:
+        """Listen on the schema's channel (again, after a lost connection); a failure is
+        logged: consumers still poll."""
+        async with self._listening:  # one connection, however many subscribe at once
+            if self._listener is not None and not self._listener.is_closed():
+                return
+            stale, self._listener = self._listener, None
+            if stale is not None:
+                stale.terminate()
+            asyncpg = load_asyncpg()
+            listener = None
+            try:
+                with anyio.fail_after(self.publish_timeout):
+                    listener = await asyncpg.connect(self.dsn)
+                    await listener.add_listener(self.schema, self._wake)
+            except database_errors() as error:  # TimeoutError among them
+                if listener is not None:
+                    listener.terminate()
+                logger.warning("PostgreSQL: cannot listen for wake-ups (polling): %s", error)
+                return
+            self._listener = listener
+        for subscriptions in self._subscriptions.values():  # what was missed meanwhile
+            for subscription in subscriptions:
+                subscription.wake.set()
+
+    async def _maintain(self) -> None:
+        """Renew held claims and live inboxes; sweep dead inboxes, old dead letters and
+        claims; listen again after a lost connection."""
+        while True:
+            await anyio.sleep(min(self.ack_timeout / 3, 5.0))
+            try:
+                await self._upkeep()
+            except TransportError as error:
+                logger.warning("%s (tried again in a moment)", error)
+
+    async def _upkeep(self) -> None:
+        await self._listen()
+        held = [
+            subscription.consumer
+            for subscriptions in self._subscriptions.values()
+            for subscription in subscriptions
+            if subscription.keep_alive and subscription.held
+        ]
+        if held:
+            await self.run("renewing claims", "execute", self.sql.renew, held, self.ack_timeout)
+        inboxes = [
+            group_id
+            for group_id, subscriptions in self._subscriptions.items()
+            if any(s.group.startswith(INBOX_GROUP_PREFIX) for s in subscriptions)
+        ]
+        now = time.time()
+        await self.run(
+            "keeping inboxes", "execute", self.sql.keep_inboxes, inboxes, now, now + _INBOX_TTL
+        )
+        if anyio.current_time() >= self._next_prune:
+            self._next_prune = anyio.current_time() + _PRUNE_EVERY
+            await self._prune_dead_letters()
+            await self.run("pruning claims", "execute", self.sql.prune_claims)
+
+    # -- dead letters ---------------------------------------------------------------------
+
+    async def _prune_dead_letters(self) -> None:
+        settings = self.settings
+        await self.run(
+            "pruning dead letters",
+            "execute",
+            self.sql.prune_dead_letters,
+            time.time() - settings.dead_letter_ttl,
+            settings.dead_letter_maxlen,
+        )
+
+    async def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Store a dead letter the bus recorded without a delivery."""
+        await self.run(
+            "storing a dead letter",
+            "execute",
+            self.sql.add_dead_letter,
+            entry.envelope.id,
+            entry.dead_at,
+            dead_letter_to_wire(entry, self.codec),
+        )
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        """Every dead letter kept, oldest first (expired and surplus ones dropped first)."""
+        await self._prune_dead_letters()
+        rows = await self.run("listing dead letters", "fetch", self.sql.dead_letters)
+        entries: list[DeadLetter] = []
+        for row in rows:
+            try:
+                entries.append(dead_letter_from_wire(row[0], self.codec))
+            except Exception as error:  # DecodeError: a row written by someone else
+                logger.warning("PostgreSQL: an unreadable dead letter is skipped: %s", error)
+        return entries
+
+    async def remove_dead_letters(self, ids: Sequence[str]) -> None:
+        """Forget the dead letters of these envelope ids."""
+        if ids:
+            await self.run(
+                "removing dead letters", "execute", self.sql.remove_dead_letters, list(ids)
+            )
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def dedup_store(self, window: float) -> DedupStore:
+        """``deduplicate()``'s store in the database: one row per key, claimed with a
+        lease and kept ``window`` seconds once done."""
+        return PgDedupStore(self)

@@ -38,9 +38,11 @@ OPTIONAL_EXTRAS = (
 #: The broker transports' own modules (their internal layering is checked apart).
 BROKER_MODULES = (
     "asyncbus.transports._nats",
+    "asyncbus.transports._pg",
     "asyncbus.transports._rabbit",
     "asyncbus.transports._redis",
     "asyncbus.transports.nats",
+    "asyncbus.transports.postgres",
     "asyncbus.transports.rabbit",
     "asyncbus.transports.redis",
 )

@@ -1,0 +1,198 @@
+"""The consuming side of :class:`~asyncbus.transports.postgres.PostgresTransport`: a
+subscription claims rows of its group, hands them out as deliveries, and gives back what
+it still holds when it ends.
+
+A claim is one ``UPDATE ... FOR UPDATE SKIP LOCKED`` of at most as many rows as the
+subscription has room for (its prefetch less what it holds), oldest first among those
+available (not delayed, and unclaimed or claimed past their deadline). With nothing to
+claim it waits for a wake-up (the transport's ``LISTEN``: a publish, a release) or its
+poll, whichever comes first; a delayed nack of its own wakes it when due.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .._dead_letters import DeadLetter
+from .._envelope import Envelope
+from .._exceptions import DecodeError
+from ._codec import RawBody, dead_letter_to_wire, envelope_from_wire
+from ._kit.delivery import BaseDelivery
+from ._kit.redeliveries import over_max_deliveries
+
+if TYPE_CHECKING:
+    from ._pg_common import PgHost
+
+__all__ = ["PgDelivery", "PgSubscription"]
+
+#: Why a delivery can no longer be settled once its subscription gave it back.
+_RELEASED = "was released when its subscription ended"
+
+
+class PgDelivery(BaseDelivery):
+    """A claimed row of the messages table, settled by deleting or updating that row."""
+
+    __slots__ = ("_queued_at", "_subscription", "seq")
+
+    def __init__(
+        self,
+        subscription: PgSubscription,
+        seq: int,
+        envelope: Envelope,
+        error: str | None,
+        queued_at: float,
+    ) -> None:
+        super().__init__(envelope, error)
+        self._subscription = subscription
+        self.seq = seq
+        self._queued_at = queued_at
+
+    def queued_at(self) -> float | None:
+        """When the row was written (the database's clock)."""
+        return self._queued_at
+
+    def _settled(self) -> None:
+        subscription = self._subscription
+        if subscription.held.pop(self.seq, None) is not None:
+            subscription.wake.set()  # room for one more
+
+    async def _ack(self) -> None:
+        """Delete the row."""
+        transport = self._subscription.transport
+        await transport.run("acking", "execute", transport.sql.ack, self.seq)
+
+    async def _nack(self, delay: float | None) -> None:
+        """Unclaim the row for its next attempt, available after ``delay`` seconds."""
+        subscription = self._subscription
+        transport = subscription.transport
+        wait = 0.0 if delay is None or not math.isfinite(delay) or delay < 0 else delay
+        await transport.run("nacking", "execute", transport.sql.nack, self.seq, wait)
+        if wait > 0:
+            subscription.due_soon(anyio.current_time() + wait)
+
+    async def _reject(self, entry: DeadLetter) -> None:
+        """Store the dead letter and delete the row, in one statement."""
+        transport = self._subscription.transport
+        stored = dead_letter_to_wire(entry, transport.codec)
+        await transport.run(
+            "rejecting",
+            "execute",
+            transport.sql.reject,
+            self.seq,
+            entry.envelope.id,
+            entry.dead_at,
+            stored,
+        )
+
+
+class PgSubscription:
+    """One consumer of a group: iterate it for deliveries (see the module's docstring).
+
+    :ivar held: deliveries received and not settled, by row.
+    :ivar wake: set when there may be something to claim (a notification, a settle).
+    """
+
+    def __init__(
+        self,
+        transport: PgHost,
+        group_id: int,
+        pattern: str,
+        group: str,
+        prefetch: int,
+        consumer: str,
+    ) -> None:
+        self.transport = transport
+        self.group_id = group_id
+        self.pattern = pattern
+        self.group = group
+        self.prefetch = prefetch
+        self.consumer = consumer
+        self.held: dict[int, PgDelivery] = {}
+        self.ready: deque[PgDelivery] = deque()
+        self.wake = anyio.Event()
+        #: Whether the transport renews its claims while they are held.
+        self.keep_alive = transport.keep_alive
+        self._next_due = math.inf
+
+    def __aiter__(self) -> PgSubscription:
+        return self
+
+    def due_soon(self, when: float) -> None:
+        """Look for work again at ``when`` (anyio clock): a row this one delayed."""
+        self._next_due = min(self._next_due, when)
+
+    async def __anext__(self) -> PgDelivery:
+        while not self.ready:
+            self.wake = anyio.Event()  # before the claim: a wake-up meanwhile is kept
+            room = self.prefetch - len(self.held)
+            if room > 0 and await self._claim(room):
+                break
+            now = anyio.current_time()
+            if self._next_due <= now:
+                self._next_due = math.inf
+                continue
+            with anyio.move_on_after(min(self.transport.poll_interval, self._next_due - now)):
+                await self.wake.wait()
+        return self.ready.popleft()
+
+    async def _claim(self, room: int) -> bool:
+        transport = self.transport
+        rows = await transport.run(
+            "claiming",
+            "fetch",
+            transport.sql.claim,
+            self.group_id,
+            self.consumer,
+            transport.ack_timeout,
+            room,
+        )
+        for row in sorted(rows, key=lambda row: row[0]):
+            self._take(*row)
+        return bool(rows)
+
+    def _take(
+        self, seq: int, meta: bytes, body: bytes, attempt: int, deliveries: int, queued: float
+    ) -> None:
+        error: str | None
+        try:
+            envelope, error = envelope_from_wire(
+                meta, body, self.transport.codec, attempt=attempt + deliveries - 1
+            )
+        except DecodeError as problem:
+            envelope = Envelope(
+                id=f"postgres:{self.group_id}:{seq}",
+                topic=self.pattern,
+                payload=RawBody(body),
+                attempt=max(1, attempt + deliveries - 1),
+            )
+            error = str(problem)
+        if error is None and deliveries > 1:
+            error = over_max_deliveries(deliveries, self.transport.max_deliveries)
+        delivery = PgDelivery(self, seq, envelope, error, queued)
+        delivery.redeliveries = deliveries - 1
+        self.held[seq] = delivery
+        self.ready.append(delivery)
+
+    async def release(self) -> None:
+        """Give back every row held (handed out or not), uncounted, and wake the group's
+        other consumers; a row another consumer claimed meanwhile is left to it."""
+        held, self.held = self.held, {}
+        self.ready.clear()
+        for delivery in held.values():
+            delivery.take_back(_RELEASED)
+        if not held:
+            return
+        transport = self.transport
+        with transport.cleanup_scope(transport.close_timeout):
+            await transport.run(
+                "releasing",
+                "execute",
+                transport.sql.release,
+                list(held),
+                self.consumer,
+                self.group_id,
+            )

@@ -1,0 +1,153 @@
+"""Every SQL statement :class:`~asyncbus.transports.postgres.PostgresTransport` runs, for
+one schema (see :mod:`._pg_schema` for the tables).
+
+A statement that makes work available (a publish, a nack, a release) also notifies the
+schema's channel with the group's id, in the same statement: the notification goes out
+when the statement's transaction commits (the caller's, for a publish given
+``connection=``), never before the rows can be seen.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Statements"]
+
+#: The rows of a publish, numbered: ``unnest`` of (ids, metas, bodies, attempts).
+_ROWS = (
+    "unnest($2::text[], $3::bytea[], $4::bytea[], $5::int[]) "
+    "WITH ORDINALITY AS e(id, meta, body, attempt, n)"
+)
+
+
+class Statements:
+    """The SQL of one schema, formatted once (the schema name is a checked identifier,
+    also the name of the channel consumers listen on)."""
+
+    def __init__(self, schema: str) -> None:
+        s = schema
+        wake = f"pg_notify('{s}', group_id::text)"
+        #: (topic, ids, metas, bodies, attempts) -> the groups reached (pattern, grp).
+        self.publish = f"""
+            WITH g AS (SELECT id, pattern, grp FROM {s}.groups WHERE $1 ~ regex),
+            ins AS (
+                INSERT INTO {s}.messages (group_id, envelope_id, meta, body, attempt)
+                SELECT g.id, e.id, e.meta, e.body, e.attempt FROM g CROSS JOIN {_ROWS}
+                ORDER BY g.id, e.n
+                ON CONFLICT (group_id, envelope_id) DO NOTHING
+                RETURNING group_id
+            ),
+            woken AS (SELECT {wake} FROM (SELECT DISTINCT group_id FROM ins) d)
+            SELECT pattern, grp FROM g WHERE (SELECT count(*) FROM woken) >= 0"""
+        #: (group id, ids, metas, bodies, attempts).
+        self.publish_to_group = f"""
+            WITH ins AS (
+                INSERT INTO {s}.messages (group_id, envelope_id, meta, body, attempt)
+                SELECT $1, e.id, e.meta, e.body, e.attempt FROM {_ROWS} ORDER BY e.n
+                ON CONFLICT (group_id, envelope_id) DO NOTHING
+                RETURNING group_id
+            )
+            SELECT {wake} FROM (SELECT DISTINCT group_id FROM ins) d"""
+        #: (pattern, grp, regex, alive until or NULL) -> the group's id.
+        self.register = f"""
+            INSERT INTO {s}.groups (pattern, grp, regex, alive_until) VALUES ($1, $2, $3, $4)
+            ON CONFLICT (pattern, grp) DO UPDATE SET alive_until = CASE
+                WHEN {s}.groups.alive_until IS NULL THEN NULL ELSE EXCLUDED.alive_until END
+            RETURNING id"""
+        #: (group id) drops a request inbox and its rows.
+        self.drop_group = f"DELETE FROM {s}.groups WHERE id = $1"
+        #: (group id, consumer, ack timeout, most rows) -> (seq, meta, body, attempt,
+        #: deliveries, queued_at) of each row claimed.
+        self.claim = f"""
+            UPDATE {s}.messages m SET
+                claimed_by = $2,
+                claimed_until = now() + make_interval(secs => $3),
+                deliveries = m.deliveries + 1
+            FROM (
+                SELECT seq FROM {s}.messages
+                WHERE group_id = $1 AND available_at <= now()
+                    AND (claimed_until IS NULL OR claimed_until < now())
+                ORDER BY seq LIMIT $4 FOR UPDATE SKIP LOCKED
+            ) c
+            WHERE m.seq = c.seq
+            RETURNING m.seq, m.meta, m.body, m.attempt, m.deliveries, m.queued_at"""
+        #: (seq).
+        self.ack = f"DELETE FROM {s}.messages WHERE seq = $1"
+        #: (seq, delay): the next attempt, available after the delay.
+        self.nack = f"""
+            WITH u AS (
+                UPDATE {s}.messages SET
+                    claimed_by = NULL, claimed_until = NULL,
+                    attempt = attempt + greatest(deliveries, 1), deliveries = 0,
+                    available_at = now() + make_interval(secs => $2)
+                WHERE seq = $1
+                RETURNING group_id
+            )
+            SELECT {wake} FROM u"""
+        #: (seq, envelope id, dead at, entry).
+        self.reject = f"""
+            WITH d AS (DELETE FROM {s}.messages WHERE seq = $1)
+            INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry) VALUES ($2, $3, $4)"""
+        #: (seqs, consumer, group id): given back uncounted, unless claimed by another.
+        self.release = f"""
+            WITH u AS (
+                UPDATE {s}.messages SET
+                    claimed_by = NULL, claimed_until = NULL,
+                    deliveries = greatest(deliveries - 1, 0)
+                WHERE seq = ANY($1::bigint[]) AND claimed_by = $2
+                RETURNING group_id
+            )
+            SELECT pg_notify('{s}', $3::int::text) WHERE EXISTS (SELECT 1 FROM u)"""
+        #: (consumers, ack timeout).
+        self.renew = f"""
+            UPDATE {s}.messages SET claimed_until = now() + make_interval(secs => $2)
+            WHERE claimed_by = ANY($1::text[])"""
+        #: (live inbox group ids, now, alive until): keep those, drop dead ones.
+        self.keep_inboxes = f"""
+            WITH kept AS (
+                UPDATE {s}.groups SET alive_until = $3
+                WHERE id = ANY($1::int[]) AND alive_until IS NOT NULL
+            )
+            DELETE FROM {s}.groups WHERE alive_until < $2 AND NOT (id = ANY($1::int[]))"""
+        #: (pattern, grp) -> rows not settled.
+        self.backlog = f"""
+            SELECT count(*) FROM {s}.messages m JOIN {s}.groups g ON g.id = m.group_id
+            WHERE g.pattern = $1 AND g.grp = $2"""
+        #: (envelope id, dead at, entry).
+        self.add_dead_letter = (
+            f"INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry) VALUES ($1, $2, $3)"
+        )
+        #: () -> entry, oldest first.
+        self.dead_letters = f"SELECT entry FROM {s}.dead_letters ORDER BY seq"
+        #: (envelope ids).
+        self.remove_dead_letters = (
+            f"DELETE FROM {s}.dead_letters WHERE envelope_id = ANY($1::text[])"
+        )
+        #: (dead before, most kept).
+        self.prune_dead_letters = f"""
+            DELETE FROM {s}.dead_letters WHERE dead_at < $1 OR seq <= (
+                SELECT seq FROM {s}.dead_letters ORDER BY seq DESC OFFSET $2 LIMIT 1)"""
+        #: (key, owner, lease) -> 'claimed', 'done' or 'busy'.
+        self.claim_key = f"""
+            WITH c AS (
+                INSERT INTO {s}.claims (key, owner, until)
+                VALUES ($1, $2, now() + make_interval(secs => $3))
+                ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, until = EXCLUDED.until
+                WHERE {s}.claims.until < now()
+                RETURNING 1
+            )
+            SELECT CASE
+                WHEN EXISTS (SELECT 1 FROM c) THEN 'claimed'
+                WHEN (SELECT owner FROM {s}.claims WHERE key = $1) = '' THEN 'done'
+                ELSE 'busy' END"""
+        #: (key, owner, lease) -> 'UPDATE n'.
+        self.extend_key = f"""
+            UPDATE {s}.claims SET until = now() + make_interval(secs => $3)
+            WHERE key = $1 AND owner = $2 AND until >= now()"""
+        #: (key, ttl).
+        self.done_key = f"""
+            INSERT INTO {s}.claims (key, owner, until)
+            VALUES ($1, '', now() + make_interval(secs => $2))
+            ON CONFLICT (key) DO UPDATE SET owner = '', until = EXCLUDED.until"""
+        #: (key, owner).
+        self.release_key = f"DELETE FROM {s}.claims WHERE key = $1 AND owner = $2"
+        #: ().
+        self.prune_claims = f"DELETE FROM {s}.claims WHERE until < now()"
