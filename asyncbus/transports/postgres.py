@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._pg_inbox import PostgresInbox, current_connection
 from ._pg_outbox import PostgresOutbox
 
-__all__ = ["PostgresOutbox"]
+__all__ = ["PostgresInbox", "PostgresOutbox", "current_connection"]
