@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from asyncbus import (
+    Batch,
     Bus,
     ConfigurationError,
     DeadLetterReason,
@@ -340,6 +341,53 @@ async def test_a_sync_handler_on_a_thread_cannot_take_the_connection(
             assert dead.error is not None
             assert "called from a worker thread" in dead.error
     assert await rows(postgres_dsn, f"SELECT * FROM {schema}.claims") == []
+
+
+@pytest.mark.timeout(30)
+async def test_a_batch_subscription_is_refused_per_envelope(postgres_dsn: str, schema: str) -> None:
+    calls: list[list[Any]] = []
+
+    async def batch_handler(payloads: list[Any]) -> None:
+        calls.append(payloads)
+
+    bus = Bus()
+    inbox = PostgresInbox(postgres_dsn, schema=schema)
+    bus.subscribe(
+        "orders", batch_handler, group="g", batch=Batch(max_size=2, max_wait=0), middleware=[inbox]
+    )
+    with anyio.fail_after(20):
+        async with bus:
+            await bus.publish("orders", 1, id="b1")
+            await bus.publish("orders", 2, id="b2")
+            await bus.drain()
+            assert ledger(stage_stats(bus, "orders@g")) == (2, 0, 2, 0, 2, 0)
+            errors = {dead.error for dead in bus.dead_letters.list()}
+    assert calls == []
+    assert len(errors) == 1
+    (error,) = errors
+    assert error is not None
+    assert error.startswith("ConfigurationError: PostgresInbox: a batch subscription")
+
+
+@pytest.mark.timeout(30)
+async def test_the_pool_opened_for_a_bus_closes_with_it_and_opens_again_for_the_next(
+    postgres_dsn: str, schema: str
+) -> None:
+    calls: list[int] = []
+    inbox = PostgresInbox(postgres_dsn, schema=schema)
+    with anyio.fail_after(20):
+        for number in (1, 2):
+            bus = Bus()
+            bus.subscribe("orders", writer(schema, calls), group="g", middleware=[inbox])
+            async with bus:
+                await bus.publish("orders", number, id=f"p{number}")
+                await bus.drain()
+            assert inbox._pool is None  # closed as the bus stopped
+    assert calls == [1, 1]
+    assert await rows(postgres_dsn, f"SELECT envelope_id FROM {schema}.effects ORDER BY 1") == [
+        ("p1",),
+        ("p2",),
+    ]
 
 
 @pytest.mark.timeout(10)
