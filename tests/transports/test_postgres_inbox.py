@@ -295,6 +295,34 @@ async def test_a_handler_cancelled_by_the_bus_stopping_leaves_no_row_and_no_clai
 
 
 @pytest.mark.timeout(30)
+async def test_a_handler_timed_out_in_a_slow_query_leaves_no_row_and_no_claim(
+    postgres_dsn: str, schema: str
+) -> None:
+    async def maybe_slow(envelope: Envelope) -> None:
+        connection = current_connection()
+        await connection.execute(f"INSERT INTO {schema}.effects VALUES ($1, 1)", envelope.id)
+        if envelope.payload == "slow":
+            await connection.execute("SELECT pg_sleep(20)")
+
+    bus = Bus()
+    # One connection: the next envelope gets the one the timed-out query was cancelled on.
+    inbox = PostgresInbox(postgres_dsn, schema=schema, pool_size=1)
+    bus.subscribe("orders", maybe_slow, group="g", timeout=0.5, middleware=[inbox])
+    with anyio.fail_after(20):
+        async with bus:
+            await bus.publish("orders", "slow", id="q1")
+            await bus.drain()
+            assert ledger(stage_stats(bus, "orders@g")) == (1, 0, 1, 0, 1, 0)
+            (dead,) = bus.dead_letters.list()
+            assert dead.reason is DeadLetterReason.TIMEOUT
+            await bus.publish("orders", "fast", id="q2")
+            await bus.drain()
+            assert ledger(stage_stats(bus, "orders@g")) == (2, 1, 1, 0, 1, 0)
+    assert await rows(postgres_dsn, f"SELECT envelope_id FROM {schema}.effects") == [("q2",)]
+    assert await rows(postgres_dsn, f"SELECT envelope_id FROM {schema}.claims") == [("q2",)]
+
+
+@pytest.mark.timeout(30)
 async def test_an_unreachable_database_fails_the_envelope_without_running_the_handler() -> None:
     calls: list[int] = []
 
