@@ -41,11 +41,12 @@ from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
 from ._pg_common import caller_connection, check_dsn, check_schema, database_errors, load_asyncpg
 from ._pg_consumer import PgSubscription
 from ._pg_dedup import PgDedupStore
+from ._pg_inbox import PostgresInbox, current_connection
 from ._pg_schema import migrate, pattern_regex
 from ._pg_statements import Statements
 from .base import Capabilities, Transport
 
-__all__ = ["PostgresTransport"]
+__all__ = ["PostgresInbox", "PostgresTransport", "current_connection"]
 
 logger = logging.getLogger("asyncbus.postgres")
 
