@@ -1050,3 +1050,50 @@ async def test_a_group_announced_while_a_routed_publish_travels_is_named_in_its_
             for got in (await _next(audit), await _next(deliveries[0])):
                 assert got.envelope.id == second.id
                 await got.ack()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("routed", [False, True], ids=["publish", "publish_routed"])
+async def test_a_publish_while_a_restore_hangs_raises_transport_error_at_publish_timeout(
+    nats_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch, routed: bool
+) -> None:
+    # Another task makes the streams and consumers again and the server stops answering
+    # it: a publish, routed or not, waits for it no longer than publish_timeout.
+    publish_timeout = 0.5
+    transport = NatsTransport(
+        nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT, publish_timeout=publish_timeout
+    )
+    restoring = anyio.Event()
+    answer = anyio.Event()
+    ensure_streams = transport._ensure_streams
+
+    async def hanging_ensure_streams(js: Any) -> None:
+        restoring.set()
+        await answer.wait()
+        await ensure_streams(js)
+
+    async def publish(envelope: Envelope) -> tuple[str, ...] | None:
+        if routed:
+            return await transport.publish_routed("held", [envelope])
+        await transport.publish("held", [envelope])
+        return None
+
+    with anyio.fail_after(30):
+        async with transport, transport.subscribe("held", group="g", prefetch=4) as deliveries:
+            monkeypatch.setattr(transport, "_ensure_streams", hanging_ensure_streams)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(transport._restore)
+                await restoring.wait()
+                started = time.monotonic()
+                with pytest.raises(TransportError, match="being made again") as caught:
+                    await publish(Envelope(topic="held", payload=1))
+                waited = time.monotonic() - started
+                assert publish_timeout <= waited < publish_timeout + 0.5
+                assert f"not done within {publish_timeout:g} s" in str(caught.value)
+                answer.set()
+            # The restore done, a publish goes through as before.
+            sent = Envelope(topic="held", payload=2)
+            assert await publish(sent) == (("held@g",) if routed else None)
+            got = await _next(deliveries)
+            assert got.envelope.id == sent.id
+            await got.ack()
