@@ -41,13 +41,16 @@ responders" (no stream captures its subject) asks whether the stream exists: whe
 server says it does not, the streams are made again, and this process's consumers, then
 the publish is sent once more; when it does not say (a cluster electing the stream's
 leader answers nothing for a second or two), the publish is sent again every 0.25 s
-until ``publish_timeout``, then raises :class:`TransportError`; a pull answered "consumer deleted"
-or "no responders" (or never answered while the consumer is gone) makes the
-stream and the consumer again, a moment later (a stream still being deleted would
-take the new one's files with it), and pulls again. Publishes of this process wait
-while that happens, at most ``publish_timeout`` (then :class:`TransportError`): one
-stored before its consumers exist would reach none of them (retention is by
-interest). Another process's groups are made again by that process, on its next pull.
+until ``publish_timeout``, then raises :class:`TransportError`. A pull answered
+"consumer deleted" makes the stream and the consumer again, a moment later (a stream
+still being deleted would take the new one's files with it), and pulls again. A pull
+answered "no responders", or never answered, asks first whether the consumer exists:
+only when the server says it does not is it made again; otherwise (a cluster electing
+the consumer's leader answers "no responders" too) the pull is asked again after a
+pause. Publishes of this process wait while streams and consumers are made again, at
+most ``publish_timeout`` (then :class:`TransportError`): one stored before its
+consumers exist would reach none of them (retention is by interest). Another process's
+groups are made again by that process, on its next pull.
 
 Request inboxes (groups ``_reply.*``, one per bus process) are durable consumers
 with ``inactive_threshold = inbox_ttl``: deleted when their subscription ends, and

@@ -1097,3 +1097,80 @@ async def test_a_publish_while_a_restore_hangs_raises_transport_error_at_publish
             got = await _next(deliveries)
             assert got.envelope.id == sent.id
             await got.ack()
+
+
+def _no_responders_to_the_next_pull(
+    transport: NatsTransport, deliveries: Any, monkeypatch: pytest.MonkeyPatch
+) -> list[bool]:
+    """Send the subscription's next pull to a subject nobody listens on, so the server
+    answers it ``503`` (no responders), as a cluster does while it elects the consumer's
+    leader; once the subscription asks whether its consumer exists, its pulls go where
+    they belong again. Returns the answers it gets to that question."""
+    answers: list[bool] = []
+    next_subject = deliveries.next_subject
+    deliveries.next_subject = f"asyncbus-test.nobody.{deliveries.inbox}"
+    consumer_exists = transport._consumer_exists
+
+    async def elected(name: str) -> bool:
+        deliveries.next_subject = next_subject
+        exists = await consumer_exists(name)
+        answers.append(exists)
+        return exists
+
+    monkeypatch.setattr(transport, "_consumer_exists", elected)
+    return answers
+
+
+@pytest.mark.anyio
+async def test_a_pull_answered_no_responders_while_the_consumer_exists_is_asked_again(
+    transport: NatsTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server says the consumer exists: it is pulled from again, not made again.
+    with anyio.fail_after(20):
+        async with transport.subscribe("elect", group="g", prefetch=4) as deliveries:
+            answers = _no_responders_to_the_next_pull(transport, deliveries, monkeypatch)
+            sent = Envelope(topic="elect", payload=1)
+            await transport.publish("elect", [sent])
+            got = await _next(deliveries)
+            assert got.envelope.id == sent.id
+            await got.ack()
+            assert (answers, transport._restores, deliveries.failure) == ([True], 0, None)
+
+
+@pytest.mark.anyio
+async def test_a_pull_answered_no_responders_once_the_consumer_is_gone_makes_it_again(
+    transport: NatsTransport, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same answer once the consumer is gone (deleted while no pull was open): the
+    # server says so, and the consumer is made again before the next pull.
+    restored = anyio.Event()
+    restore = transport._restore
+
+    async def restore_and_tell(consumer: Any = None) -> None:
+        await restore(consumer)
+        restored.set()
+
+    monkeypatch.setattr(transport, "_restore", restore_and_tell)
+    name = consumer_name("lost", "g")
+    with anyio.fail_after(20):
+        async with transport.subscribe("lost", group="g", prefetch=4) as deliveries:
+            answers = _no_responders_to_the_next_pull(transport, deliveries, monkeypatch)
+            nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
+            try:
+                assert await nc.jetstream().delete_consumer(transport.stream, name)
+            finally:
+                await nc.close()
+            got: list[Any] = []
+
+            async def take() -> None:
+                got.append(await anext(deliveries))
+
+            sent = Envelope(topic="lost", payload=1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(take)
+                await restored.wait()
+                assert answers == [False]
+                await transport.publish("lost", [sent])
+            assert [delivery.envelope.id for delivery in got] == [sent.id]
+            await got[0].ack()
+            assert (answers, transport._restores, deliveries.failure) == ([False], 1, None)
