@@ -35,12 +35,16 @@ class Registered:
     :ivar cls: its class's name, exported lazily from ``asyncbus.transports``.
     :ivar schemes: the URL schemes it takes, first the plain one, each with its
         AsyncAPI protocol.
+    :ivar cluster: whether its class takes ``cluster=True`` (a cluster of its broker is
+        spoken to otherwise than one server; the command line's ``--cluster``). A
+        transport without it takes a cluster's nodes as several URLs alone.
     """
 
     name: str
     module: str
     cls: str
     schemes: Mapping[str, str]
+    cluster: bool = False
 
     @property
     def default_scheme(self) -> str:
@@ -61,7 +65,11 @@ class Registered:
 #: Every broker transport, in the order they are offered.
 TRANSPORTS: tuple[Registered, ...] = (
     Registered(
-        "redis", ".redis", "RedisTransport", {"redis": "redis", "rediss": "redis", "unix": "redis"}
+        "redis",
+        ".redis",
+        "RedisTransport",
+        {"redis": "redis", "rediss": "redis", "unix": "redis"},
+        cluster=True,
     ),
     Registered(
         "nats", ".nats", "NatsTransport", {"nats": "nats", "tls": "nats", "ws": "ws", "wss": "wss"}
