@@ -2,8 +2,10 @@
 
 It talks to the broker alone (no bus, no application imported): the transport is made
 from the URL's scheme (``redis://``, ``rediss://``, ``unix://``: Redis; ``nats://``,
-``tls://``: NATS; ``amqp://``, ``amqps://``: RabbitMQ) and the prefix, and used through
-its :class:`~asyncbus.transports.GroupAdmin` side.
+``tls://``: NATS; ``amqp://``, ``amqps://``: RabbitMQ), the prefix and, for a Redis
+Cluster, ``--cluster``, and used through its :class:`~asyncbus.transports.GroupAdmin`
+side. Several URLs, separated by commas, name the nodes of a cluster, as the transports
+take them.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ _EPILOG = """\
 examples:
   python -m asyncbus groups --url redis://127.0.0.1:6379/0
   python -m asyncbus groups --url nats://127.0.0.1:4222 --prefix shop --format json
+  python -m asyncbus groups --cluster --url redis://10.0.0.1:6379,redis://10.0.0.2:6379
   python -m asyncbus groups delete 'orders.*' app.handlers:old_name \\
       --url amqp://guest:guest@127.0.0.1:5672/
   python -m asyncbus groups delete 'orders.*@app.handlers:old_name' --url ... --yes"""
@@ -74,8 +77,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
         default=os.environ.get(URL_VARIABLE),
-        help="the broker: redis://, rediss://, unix://, nats://, tls://, amqp:// or amqps:// "
-        f"(default: ${URL_VARIABLE})",
+        help="the broker: redis://, rediss://, unix://, nats://, tls://, amqp:// or amqps://; "
+        f"a cluster's nodes separated by commas (default: ${URL_VARIABLE})",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the URL names a Redis Cluster: one node or several, separated by commas "
+        "(any that answers tells the rest). Redis only: a NATS or RabbitMQ cluster is "
+        "its nodes' URLs alone",
     )
     parser.add_argument(
         "--prefix",
@@ -98,18 +108,31 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def transport_for(url: str, prefix: str) -> Transport:
-    """The transport a URL's scheme names, under ``prefix``.
+def transport_for(url: str, prefix: str, *, cluster: bool = False) -> Transport:
+    """The transport a URL's scheme names (the first URL's, of several separated by
+    commas), under ``prefix``.
 
-    :raises ConfigurationError: for a scheme no transport takes, or a bad URL or prefix.
+    :param cluster: the URL names a cluster the transport speaks to as one
+        (``cluster=True``: a Redis Cluster).
+    :raises ConfigurationError: for a scheme no transport takes, ``cluster`` for a
+        transport that takes no such thing, or a bad URL or prefix.
     """
-    row = by_scheme(urlsplit(url).scheme)
+    row = by_scheme(urlsplit(url.split(",", 1)[0].strip()).scheme)
     if row is None:
         every = ", ".join(f"{scheme}://" for each in TRANSPORTS for scheme in each.schemes)
         raise ConfigurationError(
             f"no transport for {redact(url)!r}: the URL must begin with one of {every}"
         )
-    transport = row.load()(url, **{row.namespace: prefix})
+    named = {row.namespace: prefix}
+    if not cluster:
+        transport = row.load()(url, **named)
+    elif row.cluster:
+        transport = row.load()(url, **named, cluster=True)
+    else:
+        raise ConfigurationError(
+            f"--cluster is for a Redis Cluster; the {row.name} transport takes a "
+            "cluster's nodes as its URLs alone, separated by commas (leave --cluster out)"
+        )
     assert isinstance(transport, Transport)
     return transport
 
@@ -169,7 +192,10 @@ def _confirm(pattern: str, group: str, groups: list[GroupInfo]) -> bool:
 
 
 async def _run(arguments: argparse.Namespace) -> int:
-    transport = transport_for(arguments.url, arguments.prefix)
+    try:
+        transport = transport_for(arguments.url, arguments.prefix, cluster=arguments.cluster)
+    except ConfigurationError as error:  # named as the command line names it
+        raise ConfigurationError(str(error).replace("cluster=True", "--cluster")) from error
     if not isinstance(transport, GroupAdmin):  # (every broker transport is one)
         return _fail(f"the {transport.name} transport cannot list groups", 2)
     async with transport:

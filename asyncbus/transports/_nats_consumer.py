@@ -105,7 +105,12 @@ class PullHost(Protocol):
         ...
 
     async def _consumer_exists(self, name: str) -> bool:
-        """Whether the durable consumer ``name`` is on the server."""
+        """Whether the durable consumer ``name`` is on the server (``False``: the server
+        says it, or its stream, does not exist).
+
+        :raises TransportError: when the server does not answer (within
+            ``request_timeout``) or answers something else.
+        """
         ...
 
     async def _restore(self, consumer: PullConsumer | None = None) -> None:
@@ -272,6 +277,10 @@ class PullConsumer:
         #: Why the consumer cannot be pulled from (it, or its stream, is gone), until
         #: :meth:`restore` made it again.
         self.failure: str | None = None
+        #: Why it may be gone (a pull answered "no responders", or never answered): the
+        #: next pull asks the server first, and only a consumer it says is gone is
+        #: made again.
+        self.doubt: str | None = None
         self.restore_backoff = Backoff(_PULL_PAUSE, _RESTORE_BACKOFF_MAX)
         self.closed = False
         self.wakeup = anyio.Event()
@@ -316,13 +325,19 @@ class PullConsumer:
             self.request = None
             # nats-py keys it by an Enum whose hash is not the string's: compare instead.
             description = next((v for k, v in headers.items() if k == "Description"), "")
-            if status == "503" or (status == "409" and "Deleted" in description):
+            if status == "409" and "Deleted" in description:
                 self.failure = (
                     f"consumer {self.name} of stream {self.transport.stream} is gone "
                     f"({status} {description})".rstrip()
                 )
                 # Not at once: a stream being deleted ends its consumers' requests
                 # first, and one made again before its files are gone loses them.
+                self.pause_until = time.monotonic() + _PULL_PAUSE
+            elif status == "503":
+                # No responders: the consumer is gone (a server that lost its state), or
+                # its cluster is electing the consumer's leader. The next pull, after a
+                # pause, asks the server which (request_more) before making it again.
+                self.doubt = f"{status} {description or 'No Responders'}"
                 self.pause_until = time.monotonic() + _PULL_PAUSE
             elif status not in ("404", "408"):
                 # 409 (too many waiting requests, leadership change...) and the like:
@@ -398,12 +413,19 @@ class PullConsumer:
             # The request never answered, not even 408 at its expiry: the server
             # restarted, or the consumer is gone (a pull on it gets no reply at all).
             self.request = None
+            self.doubt = "its pull request was never answered"
+        if self.doubt is not None:
+            doubt, self.doubt = self.doubt, None
             try:
                 gone = not await self.transport._consumer_exists(self.name)
             except TransportError:
-                gone = False  # not connected right now: nats-py reconnects, ask again then
+                # No answer (its cluster electing a leader) or not connected right now
+                # (nats-py reconnects): no news that it is gone; pull again.
+                gone = False
             if gone:
-                self.failure = f"consumer {self.name} of stream {self.transport.stream} is gone"
+                self.failure = (
+                    f"consumer {self.name} of stream {self.transport.stream} is gone ({doubt})"
+                )
                 return
         room = self.prefetch - len(self.unsettled) - len(self.ready)
         if room <= 0:

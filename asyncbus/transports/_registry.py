@@ -37,6 +37,9 @@ class Registered:
         AsyncAPI protocol.
     :ivar namespace: the keyword of its constructor that keeps one deployment's names
         apart from another's on the same broker (``prefix``; PostgreSQL's ``schema``).
+    :ivar cluster: whether its class takes ``cluster=True`` (a cluster of its broker is
+        spoken to otherwise than one server; the command line's ``--cluster``). A
+        transport without it takes a cluster's nodes as several URLs alone.
     """
 
     name: str
@@ -44,6 +47,7 @@ class Registered:
     cls: str
     schemes: Mapping[str, str]
     namespace: str = "prefix"
+    cluster: bool = False
 
     @property
     def default_scheme(self) -> str:
@@ -64,7 +68,11 @@ class Registered:
 #: Every broker transport, in the order they are offered.
 TRANSPORTS: tuple[Registered, ...] = (
     Registered(
-        "redis", ".redis", "RedisTransport", {"redis": "redis", "rediss": "redis", "unix": "redis"}
+        "redis",
+        ".redis",
+        "RedisTransport",
+        {"redis": "redis", "rediss": "redis", "unix": "redis"},
+        cluster=True,
     ),
     Registered(
         "nats", ".nats", "NatsTransport", {"nats": "nats", "tls": "nats", "ws": "ws", "wss": "wss"}

@@ -41,13 +41,16 @@ responders" (no stream captures its subject) asks whether the stream exists: whe
 server says it does not, the streams are made again, and this process's consumers, then
 the publish is sent once more; when it does not say (a cluster electing the stream's
 leader answers nothing for a second or two), the publish is sent again every 0.25 s
-until ``publish_timeout``, then raises :class:`TransportError`; a pull answered "consumer deleted"
-or "no responders" (or never answered while the consumer is gone) makes the
-stream and the consumer again, a moment later (a stream still being deleted would
-take the new one's files with it), and pulls again. Publishes of this process wait
-while that happens: one stored before its consumers exist would reach none of
-them (retention is by interest). Another process's groups are made again by that
-process, on its next pull.
+until ``publish_timeout``, then raises :class:`TransportError`. A pull answered
+"consumer deleted" makes the stream and the consumer again, a moment later (a stream
+still being deleted would take the new one's files with it), and pulls again. A pull
+answered "no responders", or never answered, asks first whether the consumer exists:
+only when the server says it does not is it made again; otherwise (a cluster electing
+the consumer's leader answers "no responders" too) the pull is asked again after a
+pause. Publishes of this process wait while streams and consumers are made again, at
+most ``publish_timeout`` (then :class:`TransportError`): one stored before its
+consumers exist would reach none of them (retention is by interest). Another process's
+groups are made again by that process, on its next pull.
 
 Request inboxes (groups ``_reply.*``, one per bus process) are durable consumers
 with ``inactive_threshold = inbox_ttl``: deleted when their subscription ends, and
@@ -819,10 +822,8 @@ class NatsTransport(Transport):
 
         :returns: the stage names of the groups reached (``()``: none).
         """
-        self.check_topic(topic)
-        if self._restore_lock.locked():
-            async with self._restore_lock:  # the consumers are being made again
-                pass
+        subject = self._subject(topic)  # (checks the topic)
+        await self._wait_for_restore(subject)
         names = self._groups.known(topic)
         if not names:
             await self._read_groups()
@@ -921,17 +922,7 @@ class NatsTransport(Transport):
         """Publish ``messages`` (body, headers) to ``subject`` in one pipelined write;
         return once the stream stored every one."""
         deadline = anyio.current_time() + self.publish_timeout
-        if self._restore_lock.locked():
-            # The stream and consumers are being made again: a publish stored before
-            # this process's consumers exist would reach none of them.
-            with anyio.move_on_after(self.publish_timeout):
-                async with self._restore_lock:
-                    pass
-            if self._restore_lock.locked():
-                raise TransportError(
-                    f"publish to {subject} was not confirmed: the stream {self.stream} is "
-                    f"being made again (not done within {self.publish_timeout:g} s)"
-                )
+        await self._wait_for_restore(subject)
         publisher = self._publisher()
         try:
             try:
@@ -949,6 +940,24 @@ class NatsTransport(Transport):
                 f"publish of {what} {first}{'...' if len(messages) > 1 else ''} to "
                 f"{subject} was not confirmed: {type(error).__name__}: {error}"
             ) from error
+
+    async def _wait_for_restore(self, subject: str) -> None:
+        """Wait, at most ``publish_timeout``, while another task makes the streams and
+        consumers again (:meth:`_restore`): a publish stored before this process's
+        consumers exist would reach none of them (retention is by interest).
+
+        :raises TransportError: when that is not done within ``publish_timeout``.
+        """
+        if not self._restore_lock.locked():
+            return
+        with anyio.move_on_after(self.publish_timeout) as waited:
+            async with self._restore_lock:
+                pass
+        if waited.cancelled_caught:
+            raise TransportError(
+                f"publish to {subject} was not confirmed: the stream {self.stream} is "
+                f"being made again (not done within {self.publish_timeout:g} s)"
+            )
 
     async def _publish_without_stream(
         self, subject: str, messages: list[tuple[bytes, dict[str, str]]], deadline: float

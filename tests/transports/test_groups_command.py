@@ -6,13 +6,18 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import pytest
 from _brokers import make_transport  # type: ignore[import-not-found]
+from _private_brokers import RedisClusterNodes  # type: ignore[import-not-found]
 
 from asyncbus import Bus
+from asyncbus.transports.redis import RedisTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -134,6 +139,19 @@ async def test_the_url_may_come_from_the_environment(redis_url: str, unique_pref
         (("delete", "orders", "--url", "redis://127.0.0.1:6379/0"), "PATTERN and GROUP"),
         (("delete", "a", "b", "c", "--url", "redis://127.0.0.1:6379/0"), "PATTERN and GROUP"),
         (("orders.*", "--url", "redis://127.0.0.1:6379/0"), "invalid choice"),
+        (
+            ("--url", "redis://127.0.0.1:6379,redis://127.0.0.1:6380"),
+            "several URLs name the nodes of a Redis Cluster: pass --cluster",
+        ),
+        (("--cluster", "--url", "nats://127.0.0.1:4222"), "--cluster is for a Redis Cluster"),
+        (
+            ("--cluster", "--url", "amqp://guest:guest@127.0.0.1:5672/"),
+            "--cluster is for a Redis Cluster",
+        ),
+        (
+            ("--cluster", "--url", "redis://127.0.0.1:6379/1"),
+            "a cluster node is redis://[[user]:password@]host[:port]",
+        ),
     ],
 )
 async def test_the_command_refuses_bad_arguments_with_status_2(
@@ -176,3 +194,75 @@ async def test_on_a_terminal_the_command_asks_before_deleting(
     )
     _, out, _ = await _command(*where, "--format", "json")
     assert [group["name"] for group in json.loads(out)] == (["orders.*@old"] if code else [])
+
+
+@pytest.mark.parametrize("kind", ["nats", "rabbit"], indirect=True)
+async def test_the_command_takes_a_clusters_nodes_as_urls_separated_by_commas(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    # The first node is down: the transport goes on to the next, as it does in a bus
+    # (RabbitMQ's warns of the one that did not answer).
+    dead = url.replace(f":{urlsplit(url).port}", ":1", 1)
+    code, out, err = await _command(
+        "--url", f"{dead},{url}", "--prefix", unique_prefix, "--format", "json"
+    )
+    assert (code, json.loads(out)) == (0, [])
+    warned = [line for line in err.splitlines() if "('127.0.0.1', 1)" not in line]
+    assert (warned, bool(err)) == ([], kind == "rabbit")
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A Redis Cluster of the test's own (about 3 s to start)."""
+    pytest.importorskip("redis")
+    with RedisClusterNodes(tmp_path) as nodes:
+        yield nodes
+
+
+@pytest.mark.cluster
+async def test_the_command_lists_and_deletes_the_groups_of_a_redis_cluster(
+    redis_cluster: RedisClusterNodes, unique_prefix: str
+) -> None:
+    def transport() -> RedisTransport:
+        return RedisTransport(redis_cluster.urls, prefix=unique_prefix, cluster=True)
+
+    old = Bus(transport=transport())
+
+    @old.subscribe("orders.*", group="old")
+    async def handle(n: int) -> None:
+        raise AssertionError("the old group's process is gone")
+
+    async with old:
+        await old.subscribed()
+    async with Bus(transport=transport()) as publisher:
+        for n in range(2):
+            assert (await publisher.publish("orders.created", n)).accepted == ("orders.*@old",)
+
+    every_node = ["--cluster", "--url", ",".join(redis_cluster.urls), "--prefix", unique_prefix]
+    code, out, err = await _command(*every_node, "--format", "json")
+    assert (code, err) == (0, "")
+    assert _without_time(json.loads(out)) == [
+        {
+            "pattern": "orders.*",
+            "group": "old",
+            "name": "orders.*@old",
+            "backlog": 2,
+            "consumers": 0,
+        }
+    ]
+    # One node is enough: it tells the client the others.
+    one_node = ["--cluster", "--url", redis_cluster.urls[-1], "--prefix", unique_prefix]
+    code, out, err = await _command(*one_node)
+    assert (code, err) == (0, "")
+    header, row = out.splitlines()
+    assert (header.split()[0], row.split()[:4]) == ("PATTERN", ["orders.*", "old", "2", "0"])
+
+    code, out, err = await _command("delete", "orders.*@old", *one_node)
+    assert (code, out, err) == (0, "deleted group 'old' on 'orders.*'\n", "")
+    code, out, err = await _command(*every_node, "--format", "json")
+    assert (code, json.loads(out), err) == (0, [], "")
+
+    # Without --cluster, several URLs are refused (the message names the flag).
+    code, out, err = await _command("--url", ",".join(redis_cluster.urls))
+    assert (code, out) == (2, "")
+    assert "pass --cluster" in err

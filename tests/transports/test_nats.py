@@ -1050,3 +1050,127 @@ async def test_a_group_announced_while_a_routed_publish_travels_is_named_in_its_
             for got in (await _next(audit), await _next(deliveries[0])):
                 assert got.envelope.id == second.id
                 await got.ack()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("routed", [False, True], ids=["publish", "publish_routed"])
+async def test_a_publish_while_a_restore_hangs_raises_transport_error_at_publish_timeout(
+    nats_url: str, cleanup: str, monkeypatch: pytest.MonkeyPatch, routed: bool
+) -> None:
+    # Another task makes the streams and consumers again and the server stops answering
+    # it: a publish, routed or not, waits for it no longer than publish_timeout.
+    publish_timeout = 0.5
+    transport = NatsTransport(
+        nats_url, prefix=cleanup, ack_timeout=ACK_TIMEOUT, publish_timeout=publish_timeout
+    )
+    restoring = anyio.Event()
+    answer = anyio.Event()
+    ensure_streams = transport._ensure_streams
+
+    async def hanging_ensure_streams(js: Any) -> None:
+        restoring.set()
+        await answer.wait()
+        await ensure_streams(js)
+
+    async def publish(envelope: Envelope) -> tuple[str, ...] | None:
+        if routed:
+            return await transport.publish_routed("held", [envelope])
+        await transport.publish("held", [envelope])
+        return None
+
+    with anyio.fail_after(30):
+        async with transport, transport.subscribe("held", group="g", prefetch=4) as deliveries:
+            monkeypatch.setattr(transport, "_ensure_streams", hanging_ensure_streams)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(transport._restore)
+                await restoring.wait()
+                started = time.monotonic()
+                with pytest.raises(TransportError, match="being made again") as caught:
+                    await publish(Envelope(topic="held", payload=1))
+                waited = time.monotonic() - started
+                assert publish_timeout <= waited < publish_timeout + 0.5
+                assert f"not done within {publish_timeout:g} s" in str(caught.value)
+                answer.set()
+            # The restore done, a publish goes through as before.
+            sent = Envelope(topic="held", payload=2)
+            assert await publish(sent) == (("held@g",) if routed else None)
+            got = await _next(deliveries)
+            assert got.envelope.id == sent.id
+            await got.ack()
+
+
+def _no_responders_to_the_next_pull(
+    transport: NatsTransport, deliveries: Any, monkeypatch: pytest.MonkeyPatch
+) -> list[bool]:
+    """Send the subscription's next pull to a subject nobody listens on, so the server
+    answers it ``503`` (no responders), as a cluster does while it elects the consumer's
+    leader; once the subscription asks whether its consumer exists, its pulls go where
+    they belong again. Returns the answers it gets to that question."""
+    answers: list[bool] = []
+    next_subject = deliveries.next_subject
+    deliveries.next_subject = f"asyncbus-test.nobody.{deliveries.inbox}"
+    consumer_exists = transport._consumer_exists
+
+    async def elected(name: str) -> bool:
+        deliveries.next_subject = next_subject
+        exists = await consumer_exists(name)
+        answers.append(exists)
+        return exists
+
+    monkeypatch.setattr(transport, "_consumer_exists", elected)
+    return answers
+
+
+@pytest.mark.anyio
+async def test_a_pull_answered_no_responders_while_the_consumer_exists_is_asked_again(
+    transport: NatsTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server says the consumer exists: it is pulled from again, not made again.
+    with anyio.fail_after(20):
+        async with transport.subscribe("elect", group="g", prefetch=4) as deliveries:
+            answers = _no_responders_to_the_next_pull(transport, deliveries, monkeypatch)
+            sent = Envelope(topic="elect", payload=1)
+            await transport.publish("elect", [sent])
+            got = await _next(deliveries)
+            assert got.envelope.id == sent.id
+            await got.ack()
+            assert (answers, transport._restores, deliveries.failure) == ([True], 0, None)
+
+
+@pytest.mark.anyio
+async def test_a_pull_answered_no_responders_once_the_consumer_is_gone_makes_it_again(
+    transport: NatsTransport, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same answer once the consumer is gone (deleted while no pull was open): the
+    # server says so, and the consumer is made again before the next pull.
+    restored = anyio.Event()
+    restore = transport._restore
+
+    async def restore_and_tell(consumer: Any = None) -> None:
+        await restore(consumer)
+        restored.set()
+
+    monkeypatch.setattr(transport, "_restore", restore_and_tell)
+    name = consumer_name("lost", "g")
+    with anyio.fail_after(20):
+        async with transport.subscribe("lost", group="g", prefetch=4) as deliveries:
+            answers = _no_responders_to_the_next_pull(transport, deliveries, monkeypatch)
+            nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2)
+            try:
+                assert await nc.jetstream().delete_consumer(transport.stream, name)
+            finally:
+                await nc.close()
+            got: list[Any] = []
+
+            async def take() -> None:
+                got.append(await anext(deliveries))
+
+            sent = Envelope(topic="lost", payload=1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(take)
+                await restored.wait()
+                assert answers == [False]
+                await transport.publish("lost", [sent])
+            assert [delivery.envelope.id for delivery in got] == [sent.id]
+            await got[0].ack()
+            assert (answers, transport._restores, deliveries.failure) == ([False], 1, None)
