@@ -289,40 +289,55 @@ class PostgresOutbox:
         whether a whole batch went out (more may wait).
 
         The advisory lock is the transaction's: one relay at a time, and a relay that
-        dies lets go of it (and of the batch, whose rows stay) with its connection.
+        dies lets go of it (and of the batch, whose rows stay) with its connection. What
+        went out is deleted even when the bus's stop cancels the batch (shielded, within
+        a bound): a clean stop sends nothing twice.
         """
         sql = self._sql
-        failure: _SendFailed | None = None
-        async with connection.transaction():
+        transaction = connection.transaction()
+        await transaction.start()
+        committed = False
+        try:
             if not await connection.fetchval(sql.relay_lock, self.schema):
                 return False  # (another relay is at work)
             rows = await connection.fetch(sql.batch, self.batch_size)
             sent: list[int] = []
             dead: list[tuple[int, str]] = []
-            for row in rows:
-                if not running():
-                    break
-                envelope, why = self._decoded(row["meta"], row["body"])
-                if envelope is None:
-                    logger.error(
-                        "outbox %s: row %d cannot be forwarded (%s); it is kept aside "
-                        "(its dead column says why)",
-                        self.schema,
-                        row["id"],
-                        why,
-                    )
-                    dead.append((row["id"], why))
-                    continue
-                try:
-                    await forward(envelope)
-                except Exception as error:  # deliberate: what went out is still deleted
-                    failure = _SendFailed(error)
-                    break
-                sent.append(row["id"])
-            if sent:
-                await self._mark_sent(connection, sent)
-            if dead:
-                await connection.execute(sql.set_aside, [i for i, _ in dead], [w for _, w in dead])
+            failure: _SendFailed | None = None
+            try:
+                for row in rows:
+                    if not running():
+                        break
+                    envelope, why = self._decoded(row["meta"], row["body"])
+                    if envelope is None:
+                        logger.error(
+                            "outbox %s: row %d cannot be forwarded (%s); it is kept aside "
+                            "(its dead column says why)",
+                            self.schema,
+                            row["id"],
+                            why,
+                        )
+                        dead.append((row["id"], why))
+                        continue
+                    try:
+                        await forward(envelope)
+                    except Exception as error:  # deliberate: what went out is still deleted
+                        failure = _SendFailed(error)
+                        break
+                    sent.append(row["id"])
+            finally:
+                with anyio.fail_after(_CLOSE_TIMEOUT, shield=True):
+                    if sent:
+                        await self._mark_sent(connection, sent)
+                    if dead:
+                        await connection.execute(
+                            sql.set_aside, [i for i, _ in dead], [why for _, why in dead]
+                        )
+                    await transaction.commit()
+                    committed = True
+        finally:
+            if not committed:
+                await _roll_back(transaction)
         if failure is not None:
             raise failure from failure.error
         return len(rows) == self.batch_size and len(sent) + len(dead) == len(rows)
@@ -393,6 +408,16 @@ class _Statements:
 
 def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+async def _roll_back(transaction: Any) -> None:
+    """Roll back the relay's batch (shielded, within a bound); a connection too broken to
+    do it is dropped by the relay, and the server rolls back when it goes."""
+    with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+        try:
+            await transaction.rollback()
+        except Exception:  # deliberate: the error that got here is the one raised
+            logger.debug("outbox: the rollback of a batch failed", exc_info=True)
 
 
 async def _close(connection: Any) -> None:

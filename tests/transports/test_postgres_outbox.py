@@ -19,7 +19,15 @@ import anyio
 import asyncpg
 import pytest
 
-from asyncbus import Bus, BusClosedError, ConfigurationError, EncodeError, Envelope, middleware
+from asyncbus import (
+    Bus,
+    BusClosedError,
+    ConfigurationError,
+    ConnectError,
+    EncodeError,
+    Envelope,
+    middleware,
+)
 from asyncbus.middleware import deduplicate
 from asyncbus.transports.postgres import PostgresOutbox
 from asyncbus.transports.redis import RedisTransport
@@ -234,6 +242,54 @@ async def test_two_relays_sharing_the_schema_forward_each_row_once_in_order(
             assert by_bus[label] == sorted(by_bus[label])
 
 
+async def test_a_relay_whose_bus_stops_leaves_the_rest_to_another_in_order(
+    postgres_dsn: str, database: asyncpg.Connection, schema: str
+) -> None:
+    """The first bus's relay is held mid-batch (its stage full, its handler waiting),
+    then its bus closes: what it sent is deleted, the rest goes out through the other."""
+    first_outbox = PostgresOutbox(postgres_dsn, schema=schema, batch_size=5)
+    second_outbox = PostgresOutbox(postgres_dsn, schema=schema, batch_size=5, poll_interval=0.1)
+    first, second = Bus(outbox=first_outbox), Bus(outbox=second_outbox)
+    got: dict[str, list[int]] = {"first": [], "second": []}
+    holding, gate, seen = anyio.Event(), anyio.Event(), Seen()
+    reports = []
+
+    @first.subscribe("ticks", group="counter", capacity=1)
+    async def held(n: int) -> None:
+        got["first"].append(n)
+        holding.set()
+        await gate.wait()
+
+    @second.subscribe("ticks", group="counter")
+    async def counted(n: int) -> None:
+        got["second"].append(n)
+        seen.add(n)
+
+    async def close_first() -> None:
+        reports.append(await first.aclose())
+
+    async def first_is_closing() -> bool:
+        return not first.running
+
+    async with first:
+        async with database.transaction():
+            await first.publish_many("ticks", range(30), connection=database)
+        with anyio.fail_after(WAIT):
+            await holding.wait()
+        async with second:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(close_first)
+                await until(first_is_closing)
+                gate.set()
+            await seen.reach(30 - len(got["first"]))
+            await forwarded(second_outbox)
+            await second.drain()
+    (report,) = reports
+    assert report.drained and report.abandoned == []
+    assert got["first"] + got["second"] == list(range(30))
+    assert (got["first"][0], got["second"][-1]) == (0, 29)
+
+
 async def test_a_relay_stopped_between_send_and_delete_sends_again_with_the_same_id(
     make_bus: Callable[..., tuple[Bus, PostgresOutbox]],
     database: asyncpg.Connection,
@@ -417,6 +473,14 @@ async def test_tables_of_a_newer_version_stop_the_start(
     with pytest.raises(ConfigurationError, match="version 99"):
         async with Bus(outbox=PostgresOutbox(postgres_dsn, schema=schema)):
             pass
+
+
+async def test_a_database_that_cannot_be_reached_fails_the_start() -> None:
+    bus = Bus(outbox=PostgresOutbox("postgresql://postgres@127.0.0.1:1/test"))
+    with anyio.fail_after(WAIT), pytest.raises(ConnectError, match="cannot connect"):
+        async with bus:
+            pass
+    assert not bus.running
 
 
 async def test_two_buses_starting_together_make_the_tables_once(
