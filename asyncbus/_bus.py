@@ -74,6 +74,7 @@ from ._subscription import Subscription, check_middleware, check_options, make_s
 from ._time.held import ScheduledEnvelope
 from ._time.periodic import CatchUp, Schedule, make_schedule, periodic_topic, tick_handler
 from ._time.service import Timekeeping
+from ._transactional import Transactional
 from ._types import Handler, Middleware
 from .middleware.retry import Retry
 from .transports.base import Transport
@@ -258,6 +259,12 @@ class Bus:
         between two heartbeats of this process (its identity and statistics, written
         through the broker) that make :meth:`cluster_statistics` the whole deployment's
         view; at most 60. ``None`` turns them off.
+    :param outbox: where ``publish(..., connection=)`` writes, inside the caller's
+        database transaction, whatever the transport (``PostgresOutbox(dsn)``): the bus
+        opens it when it starts and runs its relay, which forwards each committed
+        envelope through the transport at least once, in order. ``None``: only a
+        transport that writes in transactions itself (``PostgresTransport``) takes
+        ``connection=``. One outbox per bus.
     :raises ConfigurationError: for a value that cannot work (NaN or an infinite TTL,
         a negative size, middleware that is not a sequence of callables, ...).
     """
@@ -277,6 +284,7 @@ class Bus:
         worker_niceness: int | None = None,
         stale_group_after: float | None = 3600.0,
         heartbeat: float | None = 5.0,
+        outbox: object | None = None,
     ) -> None:
         workers = check_count(
             workers if workers is not None else (os.cpu_count() or 1), "Bus: workers", 1
@@ -380,6 +388,9 @@ class Bus:
         self._publisher.replies = self._replies
         #: Envelopes published for later and periodic schedules (see ``_time``).
         self._time = Timekeeping(self._publisher, self._mode.time_keeper, self._mode.claim_store)
+        #: ``publish(connection=)``: the outbox or the transport that writes it, and the
+        #: outbox's relay (see ``_transactional.py``).
+        self._transactional = Transactional(self._publisher, outbox, transport, codec)
         self._dead_lettering = DeadLettering(
             name,
             self._mode,
@@ -469,6 +480,8 @@ class Bus:
         self._host = host
         self._life.state = "running"
         try:
+            # (The relay starts once the bus accepts publishes: it forwards only then.)
+            self._transactional.start(self._tasks(), self._life.is_running)
             built = {id(subscription) for _, subscription, _ in chains}
             for stage, subscription, chain in chains:
                 self._start(stage, subscription, chain)
@@ -552,6 +565,7 @@ class Bus:
         try:
             async with AsyncExitStack() as stack:
                 await self._mode.open(stack, self.dead_letters)
+                await self._transactional.open(stack)
                 portal = await stack.enter_async_context(BlockingPortal())
                 async with anyio.create_task_group() as task_group:
                     self._life.task_group = task_group
@@ -1141,6 +1155,7 @@ class Bus:
         priority: Priority | int | None = None,
         delay: float | None = None,
         at: datetime | None = None,
+        connection: Any = None,
     ) -> Receipt:
         """Publish ``payload`` on ``topic`` to every matching stage (once per group).
 
@@ -1154,11 +1169,21 @@ class Bus:
             admission control serve higher classes first and shed lower ones first.
         :param ttl: seconds after which the envelope expires unhandled.
         :param timeout: longest wait for room in ``BLOCK`` stages.
+        :param connection: an asyncpg connection inside the caller's open transaction:
+            the envelope is written through it (by the bus's ``outbox``, else by a
+            transport that writes in transactions, such as ``PostgresTransport``) and
+            published if and only if that transaction commits, then delivered at least
+            once. The receipt names no stage (nothing is routed before the commit);
+            its ``id`` is the envelope's. Not with ``delay``/``at``
+            (``ConfigurationError``).
         :raises BusClosedError: before start or after ``aclose`` began.
         :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``
             (``.receipt`` tells which stages accepted).
         :raises ConfigurationError: for a malformed topic, or one the transport's
-            broker cannot carry (:attr:`Transport.limits`): nothing is sent.
+            broker cannot carry (:attr:`Transport.limits`): nothing is sent. With
+            ``connection``: a bus that cannot write in a transaction, a connection that
+            is not an asyncpg one or not inside a transaction, or ``delay``/``at``.
+        :raises TransportError: with ``connection``, when the database refused the write.
 
         Every call yields to the event loop once, like anyio's ``send``: a publishing
         loop never starves other tasks. In memory it yields before it admits anything,
@@ -1171,7 +1196,15 @@ class Bus:
         """
         await self._services.publish_yield()
         try:
-            if delay is not None or at is not None:
+            if delay is not None or at is not None or connection is not None:
+                if connection is not None:
+                    return await self._transactional.publish(
+                        topic,
+                        payload,
+                        publish_options(headers, ttl, slip, key, id, timeout, priority),
+                        connection,
+                        delay is not None or at is not None,
+                    )
                 return await self._publish_later(
                     topic,
                     payload,
@@ -1215,6 +1248,7 @@ class Bus:
         priority: Priority | int | None = None,
         delay: float | None = None,
         at: datetime | None = None,
+        connection: Any = None,
     ) -> list[Receipt]:
         """Publish one envelope per payload on ``topic``; their receipts, in payload order.
 
@@ -1229,19 +1263,27 @@ class Bus:
         :param payloads: any iterable (a generator is read once); a ``str``, ``bytes``,
             ``bytearray`` or mapping is refused: it is one payload, not several.
         :param timeout: one deadline for the whole call's waits in ``BLOCK`` stages.
+        :param connection: an asyncpg connection inside the caller's open transaction,
+            as for :meth:`publish`: the envelopes are written through it, in order, and
+            published if and only if it commits; their receipts name no stage.
         :raises BusClosedError: before start or after ``aclose`` began; cut off by the
             stop while it waited for room, with ``.receipt`` and ``.receipts`` as below.
         :raises PublishTimeout: a ``BLOCK`` stage stayed full past ``timeout``:
             ``.receipts`` holds the receipts of the envelopes published before,
             ``.receipt`` the partial one of the envelope that timed out; the envelopes
             after it were not published.
-        :raises ConfigurationError: bad options or ``payloads``.
+        :raises ConfigurationError: bad options or ``payloads``; with ``connection``,
+            as for :meth:`publish`.
         :raises RuntimeError: called from another thread than the event loop's (use
             :meth:`publish_threadsafe` there); nothing is published.
         """
         await self._services.publish_yield()
         try:
             options = publish_options(headers, ttl, slip, key, None, timeout, priority)
+            if connection is not None:
+                return await self._transactional.publish_many(
+                    topic, payloads, options, connection, delay is not None or at is not None
+                )
             if delay is not None or at is not None:
                 due = self._time.due(delay, at, f"publish_many({topic!r})")
                 assert due is not None

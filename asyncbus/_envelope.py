@@ -146,6 +146,8 @@ class Receipt:
     It is truthy when no stage rejected or dropped the envelope. A publish given
     ``delay=`` or ``at=`` reached no stage yet: its receipt says when it is due
     (``scheduled``, an aware UTC datetime); ``id`` cancels it (``bus.cancel_scheduled``).
+    Nor did a publish given ``connection=``: it names no stage, and ``id`` is the id its
+    envelope is delivered with once the transaction commits.
     """
 
     id: str
