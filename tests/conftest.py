@@ -120,6 +120,12 @@ def postgres_dsn() -> str:
     return POSTGRES_DSN
 
 
+@pytest.fixture(scope="session")
+def postgres_url(postgres_dsn: str) -> str:
+    """``postgres_dsn``, under the name the broker table's tests look for."""
+    return postgres_dsn
+
+
 @pytest.fixture
 def unique_prefix() -> str:
     """A broker-name prefix unique to one test, so tests never see each other's data."""

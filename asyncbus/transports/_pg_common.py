@@ -65,7 +65,7 @@ def check_schema(owner: str, schema: object) -> str:
 
 def load_asyncpg() -> Any:
     """The asyncpg module (imported on first use, never when asyncbus is)."""
-    import asyncpg  # type: ignore[import-untyped]  # (asyncpg ships no type hints)
+    import asyncpg
 
     return asyncpg
 

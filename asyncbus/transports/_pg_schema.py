@@ -5,11 +5,14 @@ migrated by the transport itself, in its own schema.
 pattern as a PostgreSQL regular expression, so a publish finds the groups its topic
 reaches in the same statement that writes to them (a group registered by another
 process is seen by the next publish that starts after it committed). ``messages`` holds
-one row per (group, envelope): a claim is ``claimed_by``/``claimed_until`` set with
-``FOR UPDATE SKIP LOCKED``; ``available_at`` delays a nacked row; ``attempt`` and
-``deliveries`` count attempts (``attempt`` the envelope's at the last nack,
-``deliveries`` the claims since). ``dead_letters`` and ``claims`` (``deduplicate()``'s
-store) complete it. ``version`` says which of these layouts the schema holds.
+one row per (group, envelope); a second publish of one id is a second row (at least
+once, as on the other brokers: ``deduplicate()`` drops the copy). A claim is
+``claimed_by``/``claimed_until`` set with ``FOR UPDATE SKIP LOCKED``; ``available_at``
+delays a nacked row; ``attempt`` and ``deliveries`` count attempts (``attempt`` the
+envelope's at the last nack, ``deliveries`` the claims since). ``consumers`` holds the
+live subscriptions (renewed while they live, for the groups listing); ``dead_letters``
+and ``claims`` (``deduplicate()``'s store) complete it. ``version`` says which of these
+layouts the schema holds.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ _STEPS: dict[int, tuple[str, ...]] = {
             grp text NOT NULL,
             regex text NOT NULL,
             alive_until double precision,
+            last_active double precision,
             UNIQUE (pattern, grp)
+        )""",
+        """CREATE TABLE {s}.consumers (
+            id text PRIMARY KEY,
+            group_id integer NOT NULL REFERENCES {s}.groups (id) ON DELETE CASCADE,
+            alive_until double precision NOT NULL
         )""",
         """CREATE TABLE {s}.messages (
             seq bigserial PRIMARY KEY,
@@ -46,8 +55,7 @@ _STEPS: dict[int, tuple[str, ...]] = {
                 DEFAULT extract(epoch FROM clock_timestamp()),
             available_at timestamptz NOT NULL DEFAULT now(),
             claimed_by text,
-            claimed_until timestamptz,
-            UNIQUE (group_id, envelope_id)
+            claimed_until timestamptz
         )""",
         "CREATE INDEX ON {s}.messages (group_id, seq)",
         "CREATE INDEX ON {s}.messages (claimed_by) WHERE claimed_by IS NOT NULL",

@@ -32,7 +32,6 @@ class Statements:
                 INSERT INTO {s}.messages (group_id, envelope_id, meta, body, attempt)
                 SELECT g.id, e.id, e.meta, e.body, e.attempt FROM g CROSS JOIN {_ROWS}
                 ORDER BY g.id, e.n
-                ON CONFLICT (group_id, envelope_id) DO NOTHING
                 RETURNING group_id
             ),
             woken AS (SELECT {wake} FROM (SELECT DISTINCT group_id FROM ins) d)
@@ -42,7 +41,6 @@ class Statements:
             WITH ins AS (
                 INSERT INTO {s}.messages (group_id, envelope_id, meta, body, attempt)
                 SELECT $1, e.id, e.meta, e.body, e.attempt FROM {_ROWS} ORDER BY e.n
-                ON CONFLICT (group_id, envelope_id) DO NOTHING
                 RETURNING group_id
             )
             SELECT {wake} FROM (SELECT DISTINCT group_id FROM ins) d"""
@@ -52,6 +50,38 @@ class Statements:
             ON CONFLICT (pattern, grp) DO UPDATE SET alive_until = CASE
                 WHEN {s}.groups.alive_until IS NULL THEN NULL ELSE EXCLUDED.alive_until END
             RETURNING id"""
+        #: (consumer, group id, alive until).
+        self.join = f"""
+            INSERT INTO {s}.consumers (id, group_id, alive_until) VALUES ($1, $2, $3)
+            ON CONFLICT (id) DO UPDATE SET
+                group_id = EXCLUDED.group_id, alive_until = EXCLUDED.alive_until"""
+        #: (consumer).
+        self.leave = f"DELETE FROM {s}.consumers WHERE id = $1"
+        #: (live consumers, now, alive until): renew those and their groups' last
+        #: activity, forget dead ones.
+        self.keep_consumers = f"""
+            WITH kept AS (
+                UPDATE {s}.consumers SET alive_until = $3 WHERE id = ANY($1::text[])
+                RETURNING group_id
+            ),
+            active AS (
+                UPDATE {s}.groups SET last_active = $2 WHERE id IN (SELECT group_id FROM kept)
+            )
+            DELETE FROM {s}.consumers WHERE alive_until < $2 AND NOT (id = ANY($1::text[]))"""
+        #: (group ids) -> those that still exist.
+        self.existing_groups = f"SELECT id FROM {s}.groups WHERE id = ANY($1::int[])"
+        #: (now) -> (pattern, grp, backlog, live consumers, last active) of each group but
+        #: the request inboxes.
+        self.groups = f"""
+            SELECT g.pattern, g.grp,
+                (SELECT count(*) FROM {s}.messages m WHERE m.group_id = g.id),
+                (SELECT count(*) FROM {s}.consumers c
+                    WHERE c.group_id = g.id AND c.alive_until >= $1),
+                g.last_active
+            FROM {s}.groups g WHERE g.alive_until IS NULL
+            ORDER BY g.pattern, g.grp"""
+        #: (pattern, grp) -> the id of the group deleted, with its rows (none: NULL).
+        self.delete_group = f"DELETE FROM {s}.groups WHERE pattern = $1 AND grp = $2 RETURNING id"
         #: (group id) drops a request inbox and its rows.
         self.drop_group = f"DELETE FROM {s}.groups WHERE id = $1"
         #: (group id, consumer, ack timeout, most rows) -> (seq, meta, body, attempt,

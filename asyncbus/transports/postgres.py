@@ -27,6 +27,7 @@ from .._dead_letters import DeadLetter
 from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, TransportError
+from .._groups import GroupInfo
 from ._codec import Codec, dead_letter_from_wire, dead_letter_to_wire, envelope_to_wire
 from ._kit import TaskOwner, redact, require_asyncio
 from ._kit.options import (
@@ -42,11 +43,12 @@ from ._pg_common import caller_connection, check_dsn, check_schema, database_err
 from ._pg_consumer import PgSubscription
 from ._pg_dedup import PgDedupStore
 from ._pg_inbox import PostgresInbox, current_connection
+from ._pg_outbox import PostgresOutbox
 from ._pg_schema import migrate, pattern_regex
 from ._pg_statements import Statements
 from .base import Capabilities, Transport
 
-__all__ = ["PostgresInbox", "PostgresTransport", "current_connection"]
+__all__ = ["PostgresInbox", "PostgresOutbox", "PostgresTransport", "current_connection"]
 
 logger = logging.getLogger("asyncbus.postgres")
 
@@ -130,9 +132,9 @@ class PostgresTransport(Transport):
         self._listener: Any = None
         self._tasks = TaskOwner("PostgresTransport")
         self._subscriptions: dict[int, set[PgSubscription]] = {}
-        self._group_ids: dict[tuple[str, str], int] = {}
         self._next_prune = 0.0
         self._listening = anyio.Lock()
+        self._upkeep_every = min(self.ack_timeout / 3, 5.0)
 
     def __repr__(self) -> str:
         return f"PostgresTransport({redact(self.dsn)!r}, schema={self.schema!r})"
@@ -158,9 +160,10 @@ class PostgresTransport(Transport):
         except BaseException as error:
             await self._close_pool()
             if isinstance(error, database_errors()) and not isinstance(error, TransportError):
+                why = str(error) or f"no answer within {self.publish_timeout} s"
                 raise ConnectError(
                     f"PostgreSQL at {redact(self.dsn)} could not be used: "
-                    f"{type(error).__name__}: {error}"
+                    f"{type(error).__name__}: {why}"
                 ) from error
             raise
         self._listening = anyio.Lock()
@@ -297,11 +300,9 @@ class PostgresTransport(Transport):
     # -- consuming --------------------------------------------------------------------
 
     async def _group_id(self, pattern: str, group: str) -> int:
-        known = self._group_ids.get((pattern, group))
-        if known is not None:
-            return known
-        inbox = group.startswith(INBOX_GROUP_PREFIX)
-        alive = time.time() + _INBOX_TTL if inbox else None
+        """The id of (``pattern``, ``group``), registered when it is new (not cached: a
+        group deleted by any process is registered again by the next who needs it)."""
+        alive = time.time() + _INBOX_TTL if group.startswith(INBOX_GROUP_PREFIX) else None
         found = await self.run(
             f"registering group {group!r}",
             "fetchval",
@@ -311,10 +312,11 @@ class PostgresTransport(Transport):
             pattern_regex(pattern),
             alive,
         )
-        group_id = int(found)
-        if not inbox:  # an inbox's row may be swept: look it up each time
-            self._group_ids[(pattern, group)] = group_id
-        return group_id
+        return int(found)
+
+    def _alive_until(self) -> float:
+        """Until when a live consumer's row counts, renewed every upkeep."""
+        return time.time() + 3 * self._upkeep_every
 
     @asynccontextmanager
     async def subscribe(
@@ -326,24 +328,38 @@ class PostgresTransport(Transport):
         group_id = await self._group_id(pattern, group)
         consumer = f"{secrets.token_hex(8)}:{group}"
         subscription = PgSubscription(self, group_id, pattern, group, prefetch, consumer)
-        listening = self._subscriptions.setdefault(group_id, set())
-        listening.add(subscription)
+        await self.run(
+            "joining a group", "execute", self.sql.join, consumer, group_id, self._alive_until()
+        )
+        self._subscriptions.setdefault(group_id, set()).add(subscription)
         await self._listen()
         try:
             yield subscription
         finally:
+            listening = self._subscriptions.get(subscription.group_id, set())
             listening.discard(subscription)
             if not listening:
-                self._subscriptions.pop(group_id, None)
+                self._subscriptions.pop(subscription.group_id, None)
             await subscription.release()
-            if group.startswith(INBOX_GROUP_PREFIX) and self._pool is not None:
-                with self.cleanup_scope(self.close_timeout):
-                    try:
-                        await self.run(
-                            "dropping a request inbox", "execute", self.sql.drop_group, group_id
-                        )
-                    except TransportError as error:
-                        logger.warning("%s (it expires by itself)", error)
+            await self._leave(subscription)
+
+    async def _leave(self, subscription: PgSubscription) -> None:
+        """Forget a subscription's consumer row (and a request inbox with its rows)."""
+        if self._pool is None:
+            return
+        inbox = subscription.group.startswith(INBOX_GROUP_PREFIX)
+        with self.cleanup_scope(self.close_timeout):
+            try:
+                await self.run("leaving a group", "execute", self.sql.leave, subscription.consumer)
+                if inbox:
+                    await self.run(
+                        "dropping a request inbox",
+                        "execute",
+                        self.sql.drop_group,
+                        subscription.group_id,
+                    )
+            except TransportError as error:
+                logger.warning("%s (it expires by itself)", error)
 
     # -- wake-ups and upkeep -------------------------------------------------------------
 
@@ -385,7 +401,7 @@ class PostgresTransport(Transport):
         """Renew held claims and live inboxes; sweep dead inboxes, old dead letters and
         claims; listen again after a lost connection."""
         while True:
-            await anyio.sleep(min(self.ack_timeout / 3, 5.0))
+            await anyio.sleep(self._upkeep_every)
             try:
                 await self._upkeep()
             except TransportError as error:
@@ -393,20 +409,21 @@ class PostgresTransport(Transport):
 
     async def _upkeep(self) -> None:
         await self._listen()
-        held = [
-            subscription.consumer
-            for subscriptions in self._subscriptions.values()
-            for subscription in subscriptions
-            if subscription.keep_alive and subscription.held
-        ]
+        await self._bind_again()
+        live = [s for subscriptions in self._subscriptions.values() for s in subscriptions]
+        held = [s.consumer for s in live if s.keep_alive and s.held]
         if held:
             await self.run("renewing claims", "execute", self.sql.renew, held, self.ack_timeout)
-        inboxes = [
-            group_id
-            for group_id, subscriptions in self._subscriptions.items()
-            if any(s.group.startswith(INBOX_GROUP_PREFIX) for s in subscriptions)
-        ]
         now = time.time()
+        await self.run(
+            "keeping consumers",
+            "execute",
+            self.sql.keep_consumers,
+            [s.consumer for s in live],
+            now,
+            self._alive_until(),
+        )
+        inboxes = [s.group_id for s in live if s.group.startswith(INBOX_GROUP_PREFIX)]
         await self.run(
             "keeping inboxes", "execute", self.sql.keep_inboxes, inboxes, now, now + _INBOX_TTL
         )
@@ -414,6 +431,54 @@ class PostgresTransport(Transport):
             self._next_prune = anyio.current_time() + _PRUNE_EVERY
             await self._prune_dead_letters()
             await self.run("pruning claims", "execute", self.sql.prune_claims)
+
+    async def _bind_again(self) -> None:
+        """Register again the groups this process reads that were deleted (by any
+        process): their subscriptions go on under the new record."""
+        if not self._subscriptions:
+            return
+        rows = await self.run(
+            "looking for deleted groups",
+            "fetch",
+            self.sql.existing_groups,
+            list(self._subscriptions),
+        )
+        existing = {row[0] for row in rows}
+        for old in [group_id for group_id in self._subscriptions if group_id not in existing]:
+            subscriptions = self._subscriptions.pop(old)
+            first = next(iter(subscriptions))
+            group_id = await self._group_id(first.pattern, first.group)
+            self._subscriptions.setdefault(group_id, set()).update(subscriptions)
+            for subscription in subscriptions:
+                subscription.group_id = group_id
+                subscription.held.clear()  # (their rows went with the group)
+                await self.run(
+                    "joining a group",
+                    "execute",
+                    self.sql.join,
+                    subscription.consumer,
+                    group_id,
+                    self._alive_until(),
+                )
+                subscription.wake.set()
+
+    # -- groups ---------------------------------------------------------------------------
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every group of the schema (request inboxes left out), with its backlog, its
+        live consumers (every process's) and when one was last seen reading."""
+        rows = await self.run("listing groups", "fetch", self.sql.groups, time.time())
+        return [
+            GroupInfo(pattern, group, int(backlog), int(consumers), last_active)
+            for pattern, group, backlog, consumers, last_active in rows
+        ]
+
+    async def delete_group(self, pattern: str, group: str) -> bool:
+        """Delete the group with every row it holds; whether it existed."""
+        found = await self.run(
+            f"deleting group {group!r}", "fetchval", self.sql.delete_group, pattern, group
+        )
+        return found is not None
 
     # -- dead letters ---------------------------------------------------------------------
 

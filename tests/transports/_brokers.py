@@ -68,6 +68,9 @@ class Broker:
     #: Options of its private server that keep every confirmed write on disk across a
     #: kill (a broker that always does needs none).
     durable_private: dict[str, Any] = field(default_factory=dict)
+    #: The constructor keyword that takes the test's prefix (PostgreSQL: ``schema``,
+    #: which takes ``_`` where a prefix has ``-``).
+    namespace: str = "prefix"
 
     def url(self, port: int | None = None, *, credentials: str | None = None) -> str:
         """The URL of this broker on 127.0.0.1:``port`` (default: the shared server)."""
@@ -75,6 +78,10 @@ class Broker:
         return self.url_template.format(
             port=self.port if port is None else port, auth=f"{given}@" if given else ""
         )
+
+    def namespaced(self, prefix: str) -> str:
+        """``prefix`` as this broker's transport takes it."""
+        return prefix.replace("-", "_") if self.namespace == "schema" else prefix
 
     def transport_class(self) -> type[Transport]:
         """Its transport class (the client library is imported then, not before)."""
@@ -85,7 +92,7 @@ class Broker:
     def make(self, url: str, prefix: str | None = None, **options: Any) -> Transport:
         """Its transport on ``url`` (under ``prefix``), with the given options."""
         if prefix is not None:
-            options["prefix"] = prefix
+            options[self.namespace] = self.namespaced(prefix)
         return self.transport_class()(url, **options)  # type: ignore[arg-type, call-arg]
 
     def start_private(self, directory: Path, *, durable: bool = False) -> Any:
@@ -129,6 +136,16 @@ async def _forget_rabbit(url: str, prefix: str) -> None:
     from asyncbus.transports.rabbit import RabbitTransport
 
     await RabbitTransport(url, prefix=prefix).delete_everything()
+
+
+async def _forget_postgres(url: str, prefix: str) -> None:
+    import asyncpg
+
+    connection = await asyncpg.connect(url, timeout=5)
+    try:
+        await connection.execute(f"DROP SCHEMA IF EXISTS {prefix.replace('-', '_')} CASCADE")
+    finally:
+        await connection.close()
 
 
 #: Every broker the suite knows, by name.
@@ -185,6 +202,22 @@ BROKERS: dict[str, Broker] = {
             features=frozenset(),
             forget=_forget_rabbit,
             private="private_rabbit",
+        ),
+        Broker(
+            name="postgres",
+            title="PostgreSQL",
+            port=5432,
+            url_template="postgresql://{auth}127.0.0.1:{port}/test",
+            credentials="postgres",
+            transport="asyncbus.transports.postgres:PostgresTransport",
+            extra="postgres",
+            client_modules=("asyncpg",),
+            client="asyncpg",
+            messaging_system="postgresql",
+            features=frozenset({"dedup_store", "quick_restart"}),
+            forget=_forget_postgres,
+            private="private_postgres",
+            namespace="schema",
         ),
     )
 }

@@ -21,6 +21,10 @@ under ``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
   ``kill -9``), started without an event loop so a module can share one.
 * ``private_rabbit`` is a RabbitMQ node of its own (its own name, ports, data and an
   empty plugin list); it takes 5-15 s to start.
+* ``private_postgres`` is a PostgreSQL server of its own (``initdb`` on first start,
+  trust authentication, user ``postgres``); run as the ``postgres`` user when the tests
+  run as root, with its files in a directory of the system's temporary folder (the
+  test's own is not open to that user).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +55,7 @@ __all__ = [
     "nats_connections",
     "private_nats",
     "private_nats_cluster",
+    "private_postgres",
     "private_rabbit",
     "private_redis",
     "private_redis_replica",
@@ -236,6 +242,44 @@ async def _private(
         yield server
     finally:
         await server.kill()
+
+
+def _postgres_command(port: int, directory: Path) -> list[str]:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+    server = str(found[-1]) if found else _binary("postgres")
+    initdb = str(Path(server).with_name("initdb"))
+    data = directory / "data"
+    script = (
+        f"test -f {data}/PG_VERSION || {{ {initdb} -D {data} -U postgres --auth=trust "
+        f"-E UTF8 >/dev/null && echo 'CREATE DATABASE test;' | {server} --single -D {data} "
+        "postgres >/dev/null; }; "
+        # The lock files of a server this test killed (its pid may linger as a zombie).
+        f"rm -f {data}/postmaster.pid {directory}/.s.PGSQL.*; "
+        f"exec {server} -D {data} -p {port} -k {directory} "
+        "-c listen_addresses=127.0.0.1 -c max_connections=200"
+    )
+    if os.geteuid() != 0:
+        return ["sh", "-c", script]
+    # PostgreSQL refuses to run as root: its files and process belong to postgres.
+    shutil.chown(directory, "postgres", "postgres")
+    directory.chmod(0o700)
+    return ["runuser", "-u", "postgres", "--", "sh", "-c", script]
+
+
+@asynccontextmanager
+async def private_postgres(directory: Path) -> AsyncIterator[PrivateServer]:
+    """A PostgreSQL server of the test's own (see the module's docstring); ``directory``
+    is not used: its files live in a temporary folder the server's user can reach, removed
+    afterwards. Its URL names its database ``test``, as the shared server's does."""
+    home = Path(tempfile.mkdtemp(prefix="asyncbus-pg-"))
+    try:
+        async with _private(
+            _postgres_command, "postgresql", home, userinfo="postgres", start_timeout=30.0
+        ) as server:
+            server.url += "/test"
+            yield server
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def private_redis(

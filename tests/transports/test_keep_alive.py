@@ -97,6 +97,5 @@ def test_keep_alive_is_on_and_max_deliveries_is_ten_by_default(kind: str) -> Non
 def test_max_deliveries_must_be_a_positive_int(kind: str, bad: Any) -> None:
     from asyncbus import ConfigurationError
 
-    transport_type = type(make_transport(kind, "unused://", "p", ack_timeout=ACK_TIMEOUT))
     with pytest.raises(ConfigurationError, match="max_deliveries"):
-        transport_type("unused://", prefix="p", max_deliveries=bad)
+        make_transport(kind, "unused://", "p", max_deliveries=bad)
