@@ -204,9 +204,14 @@ def check_scaling_out(
 ) -> None:
     require_service(brokers.BROKERS[broker].title, brokers.BROKERS[broker].port)
     prefix = f"readme-{uuid.uuid4().hex[:8]}"
-    assert code.count('prefix="shop"') == 3
+    assert (code.count('prefix="shop"'), code.count('schema="shop"')) == (3, 1)
     script = tmp_path / "shop.py"
-    script.write_text(code.replace('prefix="shop"', f'prefix="{prefix}"'))
+    schema = brokers.BROKERS["postgres"].namespaced(prefix)
+    script.write_text(
+        code.replace('prefix="shop"', f'prefix="{prefix}"').replace(
+            'schema="shop"', f'schema="{schema}"'
+        )
+    )
     try:
         result = run_script(script, broker, timeout=90)
     finally:
