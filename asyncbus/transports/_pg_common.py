@@ -17,6 +17,7 @@ from .._exceptions import ConfigurationError
 from ._codec import Codec
 from ._kit import check_url, redact, require_extra
 from ._pg_statements import Statements
+from .base import TransportSettings
 
 __all__ = [
     "DSN_FORM",
@@ -34,8 +35,9 @@ SCHEMES = ("postgresql", "postgres")
 #: What a DSN looks like, for messages.
 DSN_FORM = "postgresql://user@host:5432/database"
 
-#: A schema name asyncbus quotes nowhere: lower-case letters, digits and ``_``.
-_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+#: A schema name asyncbus quotes nowhere: lower-case letters, digits and ``_`` (57 at
+#: most, so its channels' names stay within PostgreSQL's 63 bytes).
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]{0,56}")
 
 
 def check_dsn(owner: str, dsn: object) -> str:
@@ -57,7 +59,7 @@ def check_schema(owner: str, schema: object) -> str:
     :class:`ConfigurationError`: it is written into SQL, unquoted."""
     if not isinstance(schema, str) or _SCHEMA.fullmatch(schema) is None:
         raise ConfigurationError(
-            f"{owner}: schema must be lower-case letters, digits and '_' (at most 63, "
+            f"{owner}: schema must be lower-case letters, digits and '_' (at most 57, "
             f"not starting with a digit), got {schema!r}"
         )
     return schema
@@ -107,6 +109,7 @@ class PgHost(Protocol):
 
     sql: Statements
     codec: Codec
+    settings: TransportSettings
     ack_timeout: float
     poll_interval: float
     close_timeout: float
@@ -115,6 +118,9 @@ class PgHost(Protocol):
 
     async def run(self, doing: str, method: str, statement: str, *args: Any) -> Any:
         """``pool.<method>(statement, *args)``, a database error a ``TransportError``."""
+
+    async def listen(self) -> None:
+        """Listen for notifications (again, after a lost connection)."""
 
     def cleanup_scope(self, timeout: float = ...) -> AbstractContextManager[anyio.CancelScope]:
         """A shielded, bounded scope for clean-up with the database."""

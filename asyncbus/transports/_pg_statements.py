@@ -2,7 +2,8 @@
 one schema (see :mod:`._pg_schema` for the tables).
 
 A statement that makes work available (a publish, a nack, a release) also notifies the
-schema's channel with the group's id, in the same statement: the notification goes out
+schema's channel with the group's id, and one that stores a dead letter the schema's
+``_dead`` channel with its row, in the same statement: the notification goes out
 when the statement's transaction commits (the caller's, for a publish given
 ``connection=``), never before the rows can be seen.
 """
@@ -25,6 +26,7 @@ class Statements:
     def __init__(self, schema: str) -> None:
         s = schema
         wake = f"pg_notify('{s}', group_id::text)"
+        told = f"pg_notify('{s}_dead', '+' || seq)"
         #: (topic, ids, metas, bodies, attempts) -> the groups reached (pattern, grp).
         self.publish = f"""
             WITH g AS (SELECT id, pattern, grp FROM {s}.groups WHERE $1 ~ regex),
@@ -114,8 +116,12 @@ class Statements:
             SELECT {wake} FROM u"""
         #: (seq, envelope id, dead at, entry).
         self.reject = f"""
-            WITH d AS (DELETE FROM {s}.messages WHERE seq = $1)
-            INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry) VALUES ($2, $3, $4)"""
+            WITH d AS (DELETE FROM {s}.messages WHERE seq = $1),
+            ins AS (
+                INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry)
+                VALUES ($2, $3, $4) RETURNING seq
+            )
+            SELECT {told} FROM ins"""
         #: (seqs, consumer, group id): given back uncounted, unless claimed by another.
         self.release = f"""
             WITH u AS (
@@ -141,16 +147,32 @@ class Statements:
         self.backlog = f"""
             SELECT count(*) FROM {s}.messages m JOIN {s}.groups g ON g.id = m.group_id
             WHERE g.pattern = $1 AND g.grp = $2"""
-        #: (envelope id, dead at, entry).
-        self.add_dead_letter = (
+        #: (envelope id, dead at, entry): stored, and the watchers told.
+        self.add_dead_letter = f"""
+            WITH ins AS (
+                INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry)
+                VALUES ($1, $2, $3) RETURNING seq
+            )
+            SELECT {told} FROM ins"""
+        #: (envelope id, dead at, entry): stored again (the watchers are told apart).
+        self.restore_dead_letter = (
             f"INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry) VALUES ($1, $2, $3)"
+        )
+        #: (envelope ids) -> (seq, entry) of each removed.
+        self.take_dead_letters = f"""
+            DELETE FROM {s}.dead_letters WHERE envelope_id = ANY($1::text[])
+            RETURNING seq, entry"""
+        #: (what) tells the dead-letter watchers.
+        self.tell = f"SELECT pg_notify('{s}_dead', $1)"
+        #: () removes every dead letter and tells the watchers to read again.
+        self.clear_dead_letters = f"""
+            WITH d AS (DELETE FROM {s}.dead_letters) SELECT pg_notify('{s}_dead', '!')"""
+        #: (seqs) -> entry of those still kept, oldest first.
+        self.dead_letters_at = (
+            f"SELECT entry FROM {s}.dead_letters WHERE seq = ANY($1::bigint[]) ORDER BY seq"
         )
         #: () -> entry, oldest first.
         self.dead_letters = f"SELECT entry FROM {s}.dead_letters ORDER BY seq"
-        #: (envelope ids).
-        self.remove_dead_letters = (
-            f"DELETE FROM {s}.dead_letters WHERE envelope_id = ANY($1::text[])"
-        )
         #: (dead before, most kept).
         self.prune_dead_letters = f"""
             DELETE FROM {s}.dead_letters WHERE dead_at < $1 OR seq <= (

@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, ClassVar
 
 import anyio
@@ -28,7 +28,7 @@ from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, TransportError
 from .._groups import GroupInfo
-from ._codec import Codec, dead_letter_from_wire, dead_letter_to_wire, envelope_to_wire
+from ._codec import Codec, dead_letter_to_wire, envelope_to_wire
 from ._kit import TaskOwner, redact, require_asyncio
 from ._kit.options import (
     DEFAULT_MAX_MESSAGE_SIZE,
@@ -41,12 +41,13 @@ from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
 from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
 from ._pg_common import caller_connection, check_dsn, check_schema, database_errors, load_asyncpg
 from ._pg_consumer import PgSubscription
+from ._pg_dead_letters import PgDeadLetters
 from ._pg_dedup import PgDedupStore
 from ._pg_inbox import PostgresInbox, current_connection
 from ._pg_outbox import PostgresOutbox
 from ._pg_schema import migrate, pattern_regex
 from ._pg_statements import Statements
-from .base import Capabilities, Transport
+from .base import Capabilities, DeadLetterChange, Transport
 
 __all__ = ["PostgresInbox", "PostgresOutbox", "PostgresTransport", "current_connection"]
 
@@ -128,6 +129,7 @@ class PostgresTransport(Transport):
         self.close_timeout = min(5.0, self.publish_timeout)
         #: The SQL of every statement, for this schema.
         self.sql = Statements(self.schema)
+        self._dead = PgDeadLetters(self, f"{self.schema}_dead")
         self._pool: Any = None
         self._listener: Any = None
         self._tasks = TaskOwner("PostgresTransport")
@@ -332,7 +334,7 @@ class PostgresTransport(Transport):
             "joining a group", "execute", self.sql.join, consumer, group_id, self._alive_until()
         )
         self._subscriptions.setdefault(group_id, set()).add(subscription)
-        await self._listen()
+        await self.listen()
         try:
             yield subscription
         finally:
@@ -363,6 +365,10 @@ class PostgresTransport(Transport):
 
     # -- wake-ups and upkeep -------------------------------------------------------------
 
+    def _dead_letter_news(self, _connection: Any, _pid: int, _channel: str, news: str) -> None:
+        """A notification on the dead-letter channel."""
+        self._dead.heard(news)
+
     def _wake(self, _connection: Any, _pid: int, _channel: str, payload: str) -> None:
         """A notification: the rows of group ``payload`` changed."""
         try:
@@ -372,7 +378,7 @@ class PostgresTransport(Transport):
         for subscription in self._subscriptions.get(group_id, ()):
             subscription.wake.set()
 
-    async def _listen(self) -> None:
+    async def listen(self) -> None:
         """Listen on the schema's channel (again, after a lost connection); a failure is
         logged: consumers still poll."""
         async with self._listening:  # one connection, however many subscribe at once
@@ -387,12 +393,15 @@ class PostgresTransport(Transport):
                 with anyio.fail_after(self.publish_timeout):
                     listener = await asyncpg.connect(self.dsn)
                     await listener.add_listener(self.schema, self._wake)
+                    await listener.add_listener(self._dead.channel, self._dead_letter_news)
             except database_errors() as error:  # TimeoutError among them
                 if listener is not None:
                     listener.terminate()
                 logger.warning("PostgreSQL: cannot listen for wake-ups (polling): %s", error)
                 return
             self._listener = listener
+            if stale is not None:
+                self._dead.missed()  # what was said while nobody listened
         for subscriptions in self._subscriptions.values():  # what was missed meanwhile
             for subscription in subscriptions:
                 subscription.wake.set()
@@ -408,7 +417,7 @@ class PostgresTransport(Transport):
                 logger.warning("%s (tried again in a moment)", error)
 
     async def _upkeep(self) -> None:
-        await self._listen()
+        await self.listen()
         await self._bind_again()
         live = [s for subscriptions in self._subscriptions.values() for s in subscriptions]
         held = [s.consumer for s in live if s.keep_alive and s.held]
@@ -429,7 +438,7 @@ class PostgresTransport(Transport):
         )
         if anyio.current_time() >= self._next_prune:
             self._next_prune = anyio.current_time() + _PRUNE_EVERY
-            await self._prune_dead_letters()
+            await self._dead.prune()
             await self.run("pruning claims", "execute", self.sql.prune_claims)
 
     async def _bind_again(self) -> None:
@@ -482,45 +491,33 @@ class PostgresTransport(Transport):
 
     # -- dead letters ---------------------------------------------------------------------
 
-    async def _prune_dead_letters(self) -> None:
-        settings = self.settings
-        await self.run(
-            "pruning dead letters",
-            "execute",
-            self.sql.prune_dead_letters,
-            time.time() - settings.dead_letter_ttl,
-            settings.dead_letter_maxlen,
-        )
-
     async def add_dead_letter(self, entry: DeadLetter) -> None:
         """Store a dead letter the bus recorded without a delivery."""
-        await self.run(
-            "storing a dead letter",
-            "execute",
-            self.sql.add_dead_letter,
-            entry.envelope.id,
-            entry.dead_at,
-            dead_letter_to_wire(entry, self.codec),
-        )
+        await self._dead.add(entry)
 
     async def dead_letters(self) -> list[DeadLetter]:
         """Every dead letter kept, oldest first (expired and surplus ones dropped first)."""
-        await self._prune_dead_letters()
-        rows = await self.run("listing dead letters", "fetch", self.sql.dead_letters)
-        entries: list[DeadLetter] = []
-        for row in rows:
-            try:
-                entries.append(dead_letter_from_wire(row[0], self.codec))
-            except Exception as error:  # DecodeError: a row written by someone else
-                logger.warning("PostgreSQL: an unreadable dead letter is skipped: %s", error)
-        return entries
+        return await self._dead.listed()
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Forget the dead letters of these envelope ids."""
-        if ids:
-            await self.run(
-                "removing dead letters", "execute", self.sql.remove_dead_letters, list(ids)
-            )
+        await self._dead.take(ids)
+
+    async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Remove the dead letters of these ids; those this call removed, oldest first."""
+        return await self._dead.take(ids)
+
+    async def clear_dead_letters(self) -> None:
+        """Remove every dead letter kept (every watcher reads the store again)."""
+        await self._dead.clear()
+
+    async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
+        """Keep ``entries`` again (every watcher reads the store again)."""
+        await self._dead.restore(entries)
+
+    def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
+        """Every change to the dead letters from now on, by any process."""
+        return self._dead.watch()
 
     # -- stores ---------------------------------------------------------------------------
 
