@@ -122,8 +122,9 @@ def postgres_dsn() -> str:
 
 @pytest.fixture(scope="session")
 def postgres_url(postgres_dsn: str) -> str:
-    """``postgres_dsn``, under the name the broker table's tests look for."""
-    return postgres_dsn
+    """``postgres_dsn`` without TLS (the broker table's URL: see there), under the name
+    the broker table's tests look for."""
+    return f"{postgres_dsn}?sslmode=disable"
 
 
 @pytest.fixture

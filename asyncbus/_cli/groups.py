@@ -90,7 +90,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix",
         default="asyncbus",
-        help="the transports' prefix (default: %(default)s)",
+        help="the transports' prefix (PostgreSQL: the schema; default: %(default)s)",
     )
     parser.add_argument(
         "--format",

@@ -32,7 +32,7 @@ What a trace holds (span names, kinds and parents):
 * The ``$deadletter`` announcement is ``announce $deadletter``.
 
 Attributes follow the OpenTelemetry messaging semantic conventions:
-``messaging.system`` (``asyncbus`` in memory, ``redis``, ``nats`` or ``rabbitmq`` over
+``messaging.system`` (``asyncbus`` in memory, ``redis``, ``nats``, ``rabbitmq`` or ``postgresql`` over
 a broker), ``messaging.operation.type`` (``send`` / ``process``),
 ``messaging.operation.name``, ``messaging.destination.name`` (the topic),
 ``messaging.destination.template`` (the stage's pattern),
@@ -77,7 +77,13 @@ __all__ = ["instrument", "uninstrument"]
 logger = logging.getLogger("asyncbus.integrations.opentelemetry")
 
 #: ``messaging.system`` of each transport name.
-_SYSTEMS = {"memory": "asyncbus", "redis": "redis", "nats": "nats", "rabbit": "rabbitmq"}
+_SYSTEMS = {
+    "memory": "asyncbus",
+    "redis": "redis",
+    "nats": "nats",
+    "rabbit": "rabbitmq",
+    "postgres": "postgresql",
+}
 #: ``messaging.operation.name`` (and the span name's first word) of each send.
 _OPERATIONS: dict[str, str] = {
     "publish": "publish",

@@ -75,7 +75,13 @@ def load_asyncpg() -> Any:
 def database_errors() -> tuple[type[BaseException], ...]:
     """What asyncpg raises when the database refuses, goes away or does not answer."""
     asyncpg = load_asyncpg()
-    return (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+    return (
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        asyncpg.InternalClientError,  # a connection the server ended mid-operation
+        OSError,
+        TimeoutError,
+    )
 
 
 def caller_connection(owner: str, connection: Any) -> Any:
@@ -111,6 +117,7 @@ class PgHost(Protocol):
     codec: Codec
     settings: TransportSettings
     ack_timeout: float
+    publish_timeout: float
     poll_interval: float
     close_timeout: float
     max_deliveries: int

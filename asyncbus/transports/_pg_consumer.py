@@ -16,6 +16,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
@@ -141,17 +142,22 @@ class PgSubscription:
 
     async def _claim(self, room: int) -> bool:
         transport = self.transport
-        rows = await transport.run(
-            "claiming",
-            "fetch",
-            transport.sql.claim,
-            self.group_id,
-            self.consumer,
-            transport.ack_timeout,
-            room,
-        )
-        for row in sorted(rows, key=lambda row: row[0]):
-            self._take(*row)
+        # Shielded (bounded): a claim cancelled in flight may still commit, and rows
+        # claimed but never recorded would wait out ack_timeout instead of being given
+        # back when the subscription ends.
+        with transport.cleanup_scope(transport.publish_timeout):
+            rows = await transport.run(
+                "claiming",
+                "fetch",
+                transport.sql.claim,
+                self.group_id,
+                self.consumer,
+                transport.ack_timeout,
+                room,
+            )
+            for row in sorted(rows, key=lambda row: row[0]):
+                self._take(*row)
+        await anyio.lowlevel.checkpoint_if_cancelled()
         return bool(rows)
 
     def _take(

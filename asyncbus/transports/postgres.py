@@ -199,11 +199,15 @@ class PostgresTransport(Transport):
         if pool is None:
             raise TransportError("PostgresTransport is not connected: use `async with transport:`")
         try:
-            return await getattr(pool, method)(statement, *args)
+            with anyio.fail_after(self.publish_timeout):
+                return await getattr(pool, method)(statement, *args)
         except database_errors() as error:
-            raise TransportError(
-                f"PostgreSQL: {doing} failed: {type(error).__name__}: {error}"
-            ) from error
+            raise self._failed(doing, error) from error
+
+    def _failed(self, doing: str, error: BaseException) -> TransportError:
+        """What a database error means to the caller (a timeout says how long it waited)."""
+        why = str(error) or f"no answer within {self.publish_timeout} s"
+        return TransportError(f"PostgreSQL: {doing} failed: {type(error).__name__}: {why}")
 
     # -- publishing -------------------------------------------------------------------
 
@@ -245,12 +249,11 @@ class PostgresTransport(Transport):
         if pool is None:
             raise TransportError("PostgresTransport is not connected: use `async with transport:`")
         try:
-            async with pool.acquire() as connection, connection.transaction():
-                return await self._write(connection, topic, envelopes)
+            with anyio.fail_after(self.publish_timeout):  # one deadline for the whole call
+                async with pool.acquire() as connection, connection.transaction():
+                    return await self._write(connection, topic, envelopes)
         except database_errors() as error:
-            raise TransportError(
-                f"PostgreSQL: publishing on {topic!r} failed: {type(error).__name__}: {error}"
-            ) from error
+            raise self._failed(f"publishing on {topic!r}", error) from error
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """Write one row per envelope and group reached, in one transaction."""
@@ -274,9 +277,8 @@ class PostgresTransport(Transport):
         try:
             await self._write(connection, topic, envelopes)
         except database_errors() as error:
-            raise TransportError(
-                f"PostgreSQL: publishing on {topic!r} in the caller's transaction failed: "
-                f"{type(error).__name__}: {error}"
+            raise self._failed(
+                f"publishing on {topic!r} in the caller's transaction", error
             ) from error
 
     async def publish_to_group(

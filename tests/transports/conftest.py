@@ -93,6 +93,16 @@ async def rabbit_prefix(rabbit_url: str, unique_prefix: str) -> AsyncIterator[st
         await RabbitTransport(rabbit_url, prefix=unique_prefix).delete_everything()
 
 
+@pytest.fixture
+async def postgres_prefix(postgres_url: str, unique_prefix: str) -> AsyncIterator[str]:
+    """``unique_prefix``; its schema (``-`` read as ``_``) is dropped after the test."""
+    yield unique_prefix
+    from _brokers import forget  # type: ignore[import-not-found]  # beside this file
+
+    with anyio.CancelScope(shield=True):
+        await forget("postgres", postgres_url, unique_prefix)
+
+
 # The helpers beside this file (_private_brokers, _proxy, _brokers, the workers) are
 # imported by name: pytest's importlib mode puts no test directory on sys.path by itself.
 _HERE = str(Path(__file__).parent)

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import anyio
 import pytest
-from _brokers import make_transport  # type: ignore[import-not-found]
+from _brokers import BROKERS, make_transport  # type: ignore[import-not-found]
 from _private_brokers import RedisClusterNodes  # type: ignore[import-not-found]
 
 from asyncbus import Bus
@@ -58,7 +58,7 @@ async def test_the_command_lists_the_groups_then_deletes_one_with_its_backlog(
     kind: str, url: str, unique_prefix: str
 ) -> None:
     await _renamed(kind, url, unique_prefix)
-    where = ["--url", url, "--prefix", unique_prefix]
+    where = ["--url", url, "--prefix", BROKERS[kind].namespaced(unique_prefix)]
 
     code, out, err = await _command(*where, "--format", "json")
     assert (code, err) == (0, "")
@@ -87,7 +87,7 @@ async def test_the_command_lists_the_groups_then_deletes_one_with_its_backlog(
     code, out, err = await _command(*where, "--format", "json")
     assert (code, json.loads(out)) == (0, [])
     code, out, err = await _command(*where)
-    assert (code, out) == (0, f"no groups under prefix {unique_prefix!r}\n")
+    assert (code, out) == (0, f"no groups under prefix {where[-1]!r}\n")
 
     # Deleted everywhere: a publish reaches no group (a no_subscribers dead letter).
     async with Bus(transport=make_transport(kind, url, unique_prefix)) as publisher:
@@ -107,7 +107,7 @@ async def test_the_command_refuses_to_delete_a_group_a_worker_reads_unless_force
     async def work(n: int) -> None:
         pass
 
-    where = ["--url", url, "--prefix", unique_prefix]
+    where = ["--url", url, "--prefix", BROKERS[kind].namespaced(unique_prefix)]
     with anyio.fail_after(90):
         async with worker:
             await worker.subscribed()
