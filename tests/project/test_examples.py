@@ -1,8 +1,8 @@
 """Every program in examples/ runs and says what it should.
 
 The scripts run as a user runs them, ``python examples/NAME.py`` in a subprocess; the
-FastAPI service is also driven in-process through httpx's ASGI transport with its
-lifespan, and served by uvicorn on 127.0.0.1.
+FastAPI services are driven in-process through httpx's ASGI transport with their
+lifespan, and the in-memory one is also served by uvicorn on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -74,7 +75,7 @@ SCRIPTS = {
     ],
 }
 #: examples that are apps, not scripts; tested below.
-APPS = {"fastapi_orders.py"}
+APPS = {"fastapi_orders.py", "outbox_orders.py"}
 #: scripts that need a broker on this machine; tested below.
 BROKER_SCRIPTS = {"scaled_out_redis.py"}
 
@@ -139,21 +140,26 @@ def test_example_scripts_end_with_asyncbus_run() -> None:
 _modules = itertools.count()
 
 
-def load_fastapi_example() -> ModuleType:
-    """Import a fresh copy of examples/fastapi_orders.py (its bus and stock are module state)."""
+def load_example(name: str) -> ModuleType:
+    """Import a fresh copy of ``examples/name`` (its bus and state are module state)."""
     pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    name = f"_example_fastapi_orders_{next(_modules)}"
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / "fastapi_orders.py")
+    module_name = f"_example_{name.removesuffix('.py')}_{next(_modules)}"
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / name)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[name]
+        del sys.modules[module_name]
         raise
     return module
+
+
+def load_fastapi_example() -> ModuleType:
+    """Import a fresh copy of examples/fastapi_orders.py (its bus and stock are module state)."""
+    pytest.importorskip("uvicorn")
+    return load_example("fastapi_orders.py")
 
 
 @pytest.fixture
@@ -271,3 +277,91 @@ def test_fastapi_example_serves_over_uvicorn_and_drains_on_shutdown() -> None:
     assert "mailer: confirmation sent for order 7" in output
     assert "warehouse: reserved 3 x pen for order 7" in output
     assert "Application shutdown complete." in output
+
+
+# -- the order service on PostgreSQL ---------------------------------------------------
+
+
+async def drop_schemas(dsn: str, *schemas: str) -> None:
+    import asyncpg
+
+    connection = await asyncpg.connect(dsn, timeout=5)
+    try:
+        for schema in schemas:
+            await connection.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    finally:
+        await connection.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.backends("asyncio")
+@pytest.mark.timeout(60)
+async def test_postgres_orders_example_publishes_with_the_order_and_takes_stock_once(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    httpx = pytest.importorskip("httpx")
+    asyncpg = pytest.importorskip("asyncpg")
+    schema = f"orders_{uuid.uuid4().hex[:8]}"
+    schemas = (schema, f"{schema}_bus", f"{schema}_inbox")
+    monkeypatch.setenv("ORDERS_DSN", postgres_dsn)
+    monkeypatch.setenv("ORDERS_SCHEMA", schema)
+    service = load_example("outbox_orders.py")
+    app, bus = service.app, service.bus
+    transport = httpx.ASGITransport(app=app)
+    try:
+        with anyio.fail_after(45):
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=transport, base_url="http://orders") as client,
+            ):
+                book = await client.post("/orders", json={"product": "book", "quantity": 2})
+                pens = await client.post("/orders", json={"product": "pen", "quantity": 5})
+                # The order row and its message are written, then the commit fails.
+                lamp = await client.post("/orders", json={"product": "lamp", "quantity": 1})
+                assert (book.status_code, pens.status_code) == (201, 201)
+                assert lamp.status_code == 422
+                assert lamp.json() == {"detail": "no product 'lamp'"}
+                await bus.drain(timeout=20)
+                assert (await client.get("/stock")).json() == {"book": 8, "pen": 95}
+
+                # The book order's envelope once more, same id: a redelivery.
+                order = book.json()
+                copy = await bus.publish(
+                    "orders.created",
+                    {"id": order["id"], "product": "book", "quantity": 2},
+                    id=order["message"],
+                )
+                assert copy.accepted == ("orders.created@stock",)
+                await bus.drain(timeout=20)
+                assert (await client.get("/stock")).json() == {"book": 8, "pen": 95}
+
+                stage = bus.statistics().stage("orders.created@stock")
+                # Three envelopes reached the stage (two orders, one copy); all acked, the
+                # copy skipped by the inbox. The rolled-back one never existed.
+                assert (stage.published, stage.acked, stage.dead_lettered) == (3, 3, 0)
+                assert bus.dead_letters.list() == []
+            assert not bus.running
+
+        connection = await asyncpg.connect(postgres_dsn, timeout=5)
+        try:
+            orders = await connection.fetch(
+                f"SELECT id, product, quantity FROM {schema}.orders ORDER BY id"
+            )
+            messages = await connection.fetchval(f"SELECT count(*) FROM {schema}_bus.messages")
+            claims = await connection.fetch(
+                f"SELECT stage, envelope_id FROM {schema}_inbox.claims ORDER BY envelope_id"
+            )
+        finally:
+            await connection.close()
+        assert [tuple(row) for row in orders] == [
+            (order["id"], "book", 2),
+            (pens.json()["id"], "pen", 5),
+        ]
+        assert messages == 0
+        assert sorted(tuple(row) for row in claims) == sorted(
+            ("orders.created@stock", message)
+            for message in (order["message"], pens.json()["message"])
+        )
+    finally:
+        sys.modules.pop(service.__name__, None)
+        await drop_schemas(postgres_dsn, *schemas)
