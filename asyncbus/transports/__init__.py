@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._codec import WIRE_FORMAT_VERSION as WIRE_FORMAT_VERSION
 from ._codec import Codec as Codec
 from ._codec import JsonCodec as JsonCodec
 from ._codec import MsgspecCodec as MsgspecCodec
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from .redis import RedisTransport as RedisTransport
 
 __all__ = [
+    "WIRE_FORMAT_VERSION",
     "AcksWrittenBehind",
     "BacklogReader",
     "BaseDelivery",

@@ -16,6 +16,7 @@ from .._exceptions import DecodeError, EncodeError, SerializationError
 from ._wire_fields import envelope_from_fields, optional_text, real, text
 
 __all__ = [
+    "WIRE_FORMAT_VERSION",
     "Codec",
     "JsonCodec",
     "MsgspecCodec",
@@ -31,6 +32,13 @@ __all__ = [
     "envelope_to_wire",
     "wire_data",
 ]
+
+
+#: The version of the documented wire format (docs/guide.md, "On the wire"): where each
+#: envelope field lives on each broker and how it is written. Every envelope's meta
+#: carries it as ``v``; a reader takes meta without ``v`` as this version (what asyncbus
+#: wrote before the marker) and reads the fields it knows whatever ``v`` says.
+WIRE_FORMAT_VERSION = 1
 
 
 class RawBody(bytes):
@@ -87,7 +95,8 @@ class JsonCodec:
 
 class MsgspecCodec:
     """JSON with msgspec: faster; what it takes is :func:`wire_data`'s rule, as for
-    :class:`JsonCodec` (the same payloads, the same bytes)."""
+    :class:`JsonCodec` (the same payloads, the same bytes but for floats in exponent
+    form: ``1e16`` where the standard library writes ``1e+16``)."""
 
     content_type = "application/json"
 
@@ -329,13 +338,15 @@ def default_codec() -> Codec:
 
 
 def envelope_meta(envelope: Envelope) -> dict[str, Any]:
-    """Everything about an envelope but its payload, as JSON-ready values.
+    """Everything about an envelope but its payload, as JSON-ready values, led by the
+    wire format's version (``v``: :data:`WIRE_FORMAT_VERSION`).
 
     Fields at their defaults (no headers, no ttl, no slip, the correlation id equal to
     the id, no causation, reply address or sender) are left out: every envelope pays
     for the meta on the wire and in the broker, and most use none of them.
     """
     meta: dict[str, Any] = {
+        "v": WIRE_FORMAT_VERSION,
         "id": envelope.id,
         "topic": envelope.topic,
         "timestamp": envelope.timestamp,

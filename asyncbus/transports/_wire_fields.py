@@ -94,7 +94,9 @@ def envelope_from_fields(fields: Any, payload: Any, attempt: int | None) -> Enve
     """The envelope described by ``fields`` (its meta, decoded from JSON) with ``payload``.
 
     Fields left out take their defaults, as :func:`~._codec.envelope_meta` leaves them
-    out; ``id``, ``topic`` and ``timestamp`` are required.
+    out; ``id``, ``topic`` and ``timestamp`` are required. The format's version ``v`` is
+    not read: meta without it (written before it existed, or by another client) is
+    read alike, and unknown fields are ignored.
 
     :param attempt: the broker's count, used instead of the stored ``attempt``.
     :raises DecodeError: when ``fields`` is not an object, or a field is missing or has
