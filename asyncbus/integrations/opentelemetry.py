@@ -32,8 +32,8 @@ What a trace holds (span names, kinds and parents):
 * The ``$deadletter`` announcement is ``announce $deadletter``.
 
 Attributes follow the OpenTelemetry messaging semantic conventions:
-``messaging.system`` (``asyncbus`` in memory, ``redis``, ``nats``, ``rabbitmq`` or ``postgresql`` over
-a broker), ``messaging.operation.type`` (``send`` / ``process``),
+``messaging.system`` (``asyncbus`` in memory, ``redis``, ``nats``, ``rabbitmq`` or
+``postgresql`` over a broker), ``messaging.operation.type`` (``send`` / ``process``),
 ``messaging.operation.name``, ``messaging.destination.name`` (the topic),
 ``messaging.destination.template`` (the stage's pattern),
 ``messaging.destination.subscription.name`` (the stage), ``messaging.consumer.group.name``,

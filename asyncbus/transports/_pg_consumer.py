@@ -23,6 +23,7 @@ from .._envelope import Envelope
 from .._exceptions import DecodeError
 from ._codec import RawBody, dead_letter_to_wire, envelope_from_wire
 from ._kit.delivery import BaseDelivery
+from ._kit.options import checked_prefetch
 from ._kit.redeliveries import over_max_deliveries
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = ["PgDelivery", "PgSubscription"]
 
 #: Why a delivery can no longer be settled once its subscription gave it back.
 _RELEASED = "was released when its subscription ended"
+_GIVEN_BACK = "was given back when its subscription's prefetch came down"
 
 
 class PgDelivery(BaseDelivery):
@@ -183,6 +185,22 @@ class PgSubscription:
         self.held[seq] = delivery
         self.ready.append(delivery)
 
+    async def set_prefetch(self, prefetch: int) -> None:
+        """Hold at most ``prefetch`` from now on: what was received and not handed out
+        beyond that is given back at once, uncounted (the newest first)."""
+        self.prefetch = checked_prefetch(prefetch)
+        beyond: list[PgDelivery] = []
+        while len(self.held) - len(beyond) > self.prefetch and self.ready:
+            beyond.append(self.ready.pop())
+        for delivery in beyond:
+            del self.held[delivery.seq]
+            delivery.take_back(_GIVEN_BACK)
+        await self._give_back([delivery.seq for delivery in beyond])
+        self.wake.set()
+
+    async def flush(self) -> None:
+        """Nothing to wait for: every settle was written when it returned."""
+
     async def release(self) -> None:
         """Give back every row held (handed out or not), uncounted, and wake the group's
         other consumers; a row another consumer claimed meanwhile is left to it."""
@@ -190,15 +208,13 @@ class PgSubscription:
         self.ready.clear()
         for delivery in held.values():
             delivery.take_back(_RELEASED)
-        if not held:
+        await self._give_back(list(held))
+
+    async def _give_back(self, rows: list[int]) -> None:
+        if not rows:
             return
         transport = self.transport
         with transport.cleanup_scope(transport.close_timeout):
             await transport.run(
-                "releasing",
-                "execute",
-                transport.sql.release,
-                list(held),
-                self.consumer,
-                self.group_id,
+                "giving back", "execute", transport.sql.release, rows, self.consumer, self.group_id
             )
