@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import anyio
 
@@ -51,6 +52,11 @@ def check_dsn(owner: str, dsn: object) -> str:
         # made on one database.
         raise ConfigurationError(f"{owner}: one PostgreSQL server per dsn, got {redact(dsn)!r}")
     check_url(owner, dsn, SCHEMES, DSN_FORM)
+    if not urlsplit(dsn.strip()).path.strip("/"):
+        # asyncpg would take the user's name for it: a quiet guess at where work goes.
+        raise ConfigurationError(
+            f"{owner}: the dsn names no database: write it like {DSN_FORM}, got {redact(dsn)!r}"
+        )
     return dsn.strip()
 
 
