@@ -178,19 +178,25 @@ class PostgresTransport(Transport):
         await self._close_pool()
 
     async def _close_pool(self) -> None:
+        """Close the connections, politely within the close's time (shielded, bounded by
+        the bus's deadline), then at once: a server that does not answer holds nothing."""
         pool, self._pool = self._pool, None
         listener, self._listener = self._listener, None
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.close_timeout):
-            if listener is not None:
-                try:
+        closed = False
+        with self.cleanup_scope(self.close_timeout):
+            try:
+                if listener is not None:
                     await listener.close()
-                except database_errors():
-                    listener.terminate()
-            if pool is not None:
-                try:
+                if pool is not None:
                     await pool.close()
-                except database_errors():
-                    pool.terminate()
+                closed = True
+            except database_errors() as error:
+                logger.debug("PostgreSQL: closing: %s", error)
+        if not closed:
+            if listener is not None:
+                listener.terminate()
+            if pool is not None:
+                pool.terminate()
 
     async def run(self, doing: str, method: str, statement: str, *args: Any) -> Any:
         """``pool.<method>(statement, *args)``; a database error is a
@@ -417,6 +423,8 @@ class PostgresTransport(Transport):
                 await self._upkeep()
             except TransportError as error:
                 logger.warning("%s (tried again in a moment)", error)
+            except Exception:  # deliberate: the upkeep outlives what it meets
+                logger.exception("PostgreSQL: the upkeep failed (tried again in a moment)")
 
     async def _upkeep(self) -> None:
         await self.listen()

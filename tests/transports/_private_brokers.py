@@ -39,7 +39,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -103,7 +103,11 @@ class PrivateServer:
         userinfo: str = "",
         start_timeout: float = START_TIMEOUT,
         monitor_port: int | None = None,
+        ready: Callable[[PrivateServer], Awaitable[bool]] | None = None,
     ) -> None:
+        #: Whether the server, accepting connections, also serves them (PostgreSQL
+        #: accepts while it recovers, refusing each with "starting up").
+        self._ready = ready
         self._command = command
         #: The server's HTTP monitoring port, when it has one (NATS: ``-m``).
         self.monitor_port = monitor_port
@@ -141,7 +145,9 @@ class PrivateServer:
                     await anyio.sleep(0.05)
                 else:
                     await stream.aclose()
-                    return
+                    if self._ready is None or await self._ready(self):
+                        return
+                    await anyio.sleep(0.05)
 
     async def kill(self) -> None:
         """``kill -9`` the server (only this test's process) and reap it."""
@@ -266,6 +272,19 @@ def _postgres_command(port: int, directory: Path) -> list[str]:
     return ["runuser", "-u", "postgres", "--", "sh", "-c", script]
 
 
+async def _postgres_serves(server: PrivateServer) -> bool:
+    import asyncpg
+
+    try:
+        connection = await asyncpg.connect(
+            f"postgresql://postgres@127.0.0.1:{server.port}/test", ssl=False, timeout=2
+        )
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        return False  # "the database system is starting up", among others
+    await connection.close()
+    return True
+
+
 @asynccontextmanager
 async def private_postgres(directory: Path) -> AsyncIterator[PrivateServer]:
     """A PostgreSQL server of the test's own (see the module's docstring); ``directory``
@@ -274,9 +293,14 @@ async def private_postgres(directory: Path) -> AsyncIterator[PrivateServer]:
     home = Path(tempfile.mkdtemp(prefix="asyncbus-pg-"))
     try:
         async with _private(
-            _postgres_command, "postgresql", home, userinfo="postgres", start_timeout=30.0
+            _postgres_command,
+            "postgresql",
+            home,
+            userinfo="postgres",
+            start_timeout=30.0,
+            ready=_postgres_serves,
         ) as server:
-            server.url += "/test"
+            server.url += "/test?sslmode=disable"  # (as the broker table writes it)
             yield server
     finally:
         shutil.rmtree(home, ignore_errors=True)

@@ -10,6 +10,7 @@ JetStream's acks: an answer that is no ack fails that publish, never hangs it.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -59,6 +60,20 @@ async def _write_undecodable(kind: str, url: str, prefix: str, topic: str) -> No
             await nc.jetstream().publish(f"{prefix}.{topic}", body, headers={HEADER_META: meta})
         finally:
             await nc.close()
+    elif kind == "postgres":
+        import asyncpg
+
+        from asyncbus.transports.postgres import PostgresTransport
+
+        schema = prefix.replace("-", "_")
+        # The transport's own publish statement, with rows written by this raw client.
+        statement = PostgresTransport(url, schema=schema).sql.publish
+        connection = await asyncpg.connect(url)
+        try:
+            row_id = json.loads(meta)["id"]
+            await connection.fetch(statement, topic, [row_id], [meta.encode()], [body], [1])
+        finally:
+            await connection.close()
     else:
         import aiormq
         from pamqp.commands import Basic
