@@ -14,7 +14,7 @@ import contextlib
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -101,6 +101,30 @@ async def postgres_prefix(postgres_url: str, unique_prefix: str) -> AsyncIterato
 
     with anyio.CancelScope(shield=True):
         await forget("postgres", postgres_url, unique_prefix)
+
+
+@pytest.fixture
+async def postgres_schemas(
+    postgres_dsn: str, unique_prefix: str
+) -> AsyncIterator[Callable[[str], str]]:
+    """Makes schema names of the test's own (``postgres_schemas("bus")``), each dropped
+    with everything in it after the test."""
+    made: list[str] = []
+
+    def name(role: str) -> str:
+        made.append(f"{unique_prefix.replace('-', '_')}_{role}")
+        return made[-1]
+
+    yield name
+    import asyncpg
+
+    with anyio.CancelScope(shield=True):
+        connection = await asyncpg.connect(postgres_dsn)
+        try:
+            for schema in made:
+                await connection.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        finally:
+            await connection.close()
 
 
 # The helpers beside this file (_private_brokers, _proxy, _brokers, the workers) are

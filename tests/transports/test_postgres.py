@@ -8,7 +8,7 @@ schema of its own, dropped afterwards.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -37,18 +37,9 @@ ACK_TIMEOUT = 2.0
 
 
 @pytest.fixture
-async def schema(postgres_dsn: str, unique_prefix: str) -> AsyncIterator[str]:
+def schema(postgres_schemas: Callable[[str], str]) -> str:
     """A schema name unique to the test, dropped (with its tables) afterwards."""
-    name = unique_prefix.replace("-", "_")
-    yield name
-    import asyncpg
-
-    with anyio.CancelScope(shield=True):
-        connection = await asyncpg.connect(postgres_dsn)
-        try:
-            await connection.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
-        finally:
-            await connection.close()
+    return postgres_schemas("bus")
 
 
 class TestPostgres(TransportSuite):

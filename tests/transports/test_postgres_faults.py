@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -35,24 +35,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.backends("asyncio"), pytest.mark.ti
 
 
 @pytest.fixture
-async def schemas(postgres_dsn: str, unique_prefix: str) -> AsyncIterator[Callable[[str], str]]:
+def schemas(postgres_schemas: Callable[[str], str]) -> Callable[[str], str]:
     """Schema names of the test's own (``schemas("bus")``), dropped afterwards."""
-    made: list[str] = []
-
-    def name(role: str) -> str:
-        made.append(f"{unique_prefix.replace('-', '_')}_{role}")
-        return made[-1]
-
-    yield name
-    import asyncpg
-
-    with anyio.CancelScope(shield=True):
-        connection = await asyncpg.connect(postgres_dsn)
-        try:
-            for schema in made:
-                await connection.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        finally:
-            await connection.close()
+    return postgres_schemas
 
 
 def _script(tmp_path: Path, code: str) -> subprocess.Popen[str]:

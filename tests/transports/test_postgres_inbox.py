@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -32,20 +31,19 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
+async def schema(postgres_dsn: str, postgres_schemas: Callable[[str], str]) -> str:
     """A schema of this test's own, holding ``effects`` (what handlers write); dropped
     with everything in it afterwards."""
-    name = f"inbox_test_{uuid.uuid4().hex[:10]}"
+    name = postgres_schemas("inbox")
     connection = await asyncpg.connect(postgres_dsn)
     try:
         await connection.execute(
             f"CREATE SCHEMA {name}; CREATE TABLE {name}.effects "
             "(envelope_id text NOT NULL, attempt integer NOT NULL)"
         )
-        yield name
     finally:
-        await connection.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
         await connection.close()
+    return name
 
 
 async def rows(dsn: str, query: str) -> list[tuple[Any, ...]]:

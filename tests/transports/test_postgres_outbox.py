@@ -11,7 +11,6 @@ dropped afterwards.
 from __future__ import annotations
 
 import math
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -39,16 +38,9 @@ WAIT = 20.0
 
 
 @pytest.fixture
-async def schema(postgres_dsn: str) -> AsyncIterator[str]:
+def schema(postgres_schemas: Callable[[str], str]) -> str:
     """A schema name unique to the test; the schema is dropped after it."""
-    name = f"outbox_test_{uuid.uuid4().hex[:10]}"
-    yield name
-    with anyio.CancelScope(shield=True):
-        connection = await asyncpg.connect(postgres_dsn)
-        try:
-            await connection.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
-        finally:
-            await connection.close()
+    return postgres_schemas("outbox")
 
 
 @pytest.fixture
