@@ -46,6 +46,9 @@ groups (alternating, ``--rounds`` times), reporting the publish time per envelop
 rows written per envelope and the growth of the messages table (heap, indexes and
 TOAST) and of the server's write-ahead log per envelope.
 
+The runs themselves live in :mod:`._postgres_runs`; this module alternates them,
+reports and judges.
+
 Run: ``python -m asyncbus bench postgres [--messages N] [--rounds R] [--check]
 [--fanout 1,3,10] [--dsn DSN] [--loop uvloop|asyncio]`` (or ``python
 benchmarks/postgres_bench.py``). Skipped with a note (exit status 0) when nothing
