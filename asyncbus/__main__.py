@@ -22,6 +22,7 @@ From there:
     python -m asyncbus bench --quick    (the same as: python benchmarks/run.py --quick)
     python -m asyncbus bench brokers    (Redis Streams and NATS JetStream end to end)
     python -m asyncbus bench rabbit     (RabbitMQ end to end)
+    python -m asyncbus bench postgres   (PostgreSQL end to end)
     python -m asyncbus bench cpu        (CPU-bound stages: thread and process offload)
     python -m asyncbus bench scale      (one group shared by 1, 2 and 4 processes)"""
 
@@ -29,6 +30,7 @@ From there:
 _BENCH_MODULES = {
     "brokers": "suite._brokers",
     "rabbit": "suite._rabbit",
+    "postgres": "suite._postgres",
     "cpu": "cpu_stages",
     "scale": "scale",
 }
@@ -106,9 +108,9 @@ COMMANDS: dict[str, Command] = {
         run=_demo,
     ),
     "bench": Command(
-        help="run the benchmark suite of a checkout (see --help there); 'bench brokers' and "
-        "'bench rabbit' run the broker end-to-end benchmarks, 'bench cpu' the CPU-bound "
-        "stages (benchmarks/cpu_stages.py)",
+        help="run the benchmark suite of a checkout (see --help there); 'bench brokers', "
+        "'bench rabbit' and 'bench postgres' run the broker end-to-end benchmarks, "
+        "'bench cpu' the CPU-bound stages (benchmarks/cpu_stages.py)",
         configure=lambda parser: None,
         run=_bench,
         passthrough=True,

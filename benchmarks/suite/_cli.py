@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog=(
             "The brokers end to end, on local servers (see --help there): "
             "'python -m asyncbus bench brokers' (Redis Streams and NATS JetStream vs "
-            "hand-written clients and FastStream) and 'python -m asyncbus bench rabbit' "
+            "hand-written clients and FastStream), 'python -m asyncbus bench postgres' "
+            "(PostgreSQL vs hand-written asyncpg) and 'python -m asyncbus bench rabbit' "
             "(RabbitMQ vs hand-written aio-pika). CPU-bound stages, thread and process "
             "offload, on this interpreter and a free-threaded one: 'python -m asyncbus "
             "bench cpu'."

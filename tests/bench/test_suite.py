@@ -99,10 +99,12 @@ def test_the_bench_help_names_the_broker_benchmarks(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit) as exited:
         asyncbus_main(["bench", "--help"])
     assert exited.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the epilog
+    # argparse wraps the epilog, at spaces and after hyphens
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
     assert text.startswith("usage: python -m asyncbus bench [-h] [--quick]")
     assert "'python -m asyncbus bench brokers' (Redis Streams and NATS JetStream vs" in text
     assert "'python -m asyncbus bench rabbit' (RabbitMQ vs hand-written aio-pika)" in text
+    assert "'python -m asyncbus bench postgres' (PostgreSQL vs hand-written asyncpg)" in text
 
 
 def test_the_cpu_stages_benchmark_is_a_bench_subcommand(
