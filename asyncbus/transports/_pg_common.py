@@ -16,7 +16,7 @@ import anyio
 
 from .._exceptions import ConfigurationError
 from ._codec import Codec
-from ._kit import check_url, redact, require_extra
+from ._kit import AckWriter, check_url, redact, require_extra
 from ._pg_statements import Statements
 from .base import TransportSettings
 
@@ -120,6 +120,7 @@ class PgHost(Protocol):
     """What the transport's consumers and stores use of it (so they need not import it)."""
 
     sql: Statements
+    acks: AckWriter[int, int]
     codec: Codec
     settings: TransportSettings
     ack_timeout: float

@@ -41,6 +41,8 @@ class PgDelivery(BaseDelivery):
 
     __slots__ = ("_queued_at", "_subscription", "seq")
 
+    acks_behind = True
+
     def __init__(
         self,
         subscription: PgSubscription,
@@ -63,10 +65,16 @@ class PgDelivery(BaseDelivery):
         if subscription.held.pop(self.seq, None) is not None:
             subscription.wake.set()  # room for one more
 
-    async def _ack(self) -> None:
-        """Delete the row."""
-        transport = self._subscription.transport
-        await transport.run("acking", "execute", transport.sql.ack, self.seq)
+    def _queue_ack(self) -> None:
+        """Queue the row's deletion for the transport's ack writer (in batches)."""
+        subscription = self._subscription
+        subscription.transport.acks.queue(
+            subscription.group_id,
+            subscription.stage,
+            self.seq,
+            self.envelope.id,
+            subscription.prefetch,
+        )
 
     async def _nack(self, delay: float | None) -> None:
         """Unclaim the row for its next attempt, available after ``delay`` seconds."""
@@ -114,6 +122,8 @@ class PgSubscription:
         self.group = group
         self.prefetch = prefetch
         self.consumer = consumer
+        #: The stage name, ``pattern@group``.
+        self.stage = f"{pattern}@{group}"
         self.held: dict[int, PgDelivery] = {}
         self.ready: deque[PgDelivery] = deque()
         self.wake = anyio.Event()
@@ -199,7 +209,8 @@ class PgSubscription:
         self.wake.set()
 
     async def flush(self) -> None:
-        """Nothing to wait for: every settle was written when it returned."""
+        """Return once every ack queued by this subscription's deliveries is written."""
+        await self.transport.acks.flush([self.group_id])
 
     async def release(self) -> None:
         """Give back every row held (handed out or not), uncounted, and wake the group's

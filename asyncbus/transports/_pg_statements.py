@@ -101,8 +101,8 @@ class Statements:
             ) c
             WHERE m.seq = c.seq
             RETURNING m.seq, m.meta, m.body, m.attempt, m.deliveries, m.queued_at"""
-        #: (seq).
-        self.ack = f"DELETE FROM {s}.messages WHERE seq = $1"
+        #: (seqs).
+        self.ack_many = f"DELETE FROM {s}.messages WHERE seq = ANY($1::bigint[])"
         #: (seq, delay): the next attempt, available after the delay.
         self.nack = f"""
             WITH u AS (

@@ -29,7 +29,7 @@ from .._envelope import Envelope
 from .._exceptions import ConfigurationError, ConnectError, TransportError
 from .._groups import GroupInfo
 from ._codec import Codec, dead_letter_to_wire, envelope_to_wire
-from ._kit import TaskOwner, redact, require_asyncio
+from ._kit import AckWriter, TaskOwner, redact, require_asyncio
 from ._kit.options import (
     DEFAULT_MAX_MESSAGE_SIZE,
     checked_max_message_size,
@@ -57,6 +57,12 @@ logger = logging.getLogger("asyncbus.postgres")
 _INBOX_TTL = 300.0
 #: Seconds between two prunings of dead letters and expired claims.
 _PRUNE_EVERY = 60.0
+
+
+async def _keep_session(_connection: Any) -> None:
+    """A pool connection given back needs no reset query: the transport sets nothing on
+    its session (its ``LISTEN`` has a connection of its own, its locks end with their
+    transactions), and asyncpg still rolls back a transaction left open."""
 
 
 class PostgresTransport(Transport):
@@ -137,6 +143,10 @@ class PostgresTransport(Transport):
         self._next_prune = 0.0
         self._listening = anyio.Lock()
         self._upkeep_every = min(self.ack_timeout / 3, 5.0)
+        #: Acks queued by deliveries (``ack_nowait``), deleted in batches by one task.
+        self.acks: AckWriter[int, int] = AckWriter(
+            "PostgresTransport", self._write_acks, self.cleanup_scope, timeout=self.close_timeout
+        )
 
     def __repr__(self) -> str:
         return f"PostgresTransport({redact(self.dsn)!r}, schema={self.schema!r})"
@@ -156,6 +166,7 @@ class PostgresTransport(Transport):
                     min_size=1,
                     max_size=self.pool_size,
                     command_timeout=self.publish_timeout,
+                    reset=_keep_session,
                 )
                 async with self._pool.acquire() as connection:
                     await migrate(connection, self.schema)
@@ -169,13 +180,35 @@ class PostgresTransport(Transport):
                 ) from error
             raise
         self._listening = anyio.Lock()
+        self.acks.open()
         await self._tasks.open()
+        self._tasks.start_soon(self.acks.run, name="asyncbus postgres acks")
         self._tasks.start_soon(self._maintain, name="asyncbus postgres upkeep")
 
     async def aclose(self) -> None:
-        """Stop the upkeep task and close every connection (shielded, bounded)."""
-        await self._tasks.aclose()
-        await self._close_pool()
+        """Write the acks queued, stop the background tasks and close every connection
+        (shielded, bounded)."""
+        if self._pool is not None:
+            with self.cleanup_scope(self.close_timeout):
+                try:
+                    await self.acks.flush()
+                except TransportError as error:
+                    logger.warning("PostgreSQL: acks lost at close (delivered again): %s", error)
+        try:
+            await self._tasks.aclose()
+        finally:
+            self.acks.close()  # what is still queued is lost: reported by unsettled_acks
+            await self._close_pool()
+
+    async def _write_acks(self, batch: dict[int, list[tuple[int, str | None]]]) -> tuple[()]:
+        """Delete the rows of every ack queued, in one statement."""
+        rows = [seq for acks in batch.values() for seq, _ in acks]
+        await self.run("acking", "execute", self.sql.ack_many, rows)
+        return ()
+
+    def unsettled_acks(self) -> list[tuple[str, str]]:
+        """(stage name, envelope id) of the acks the transport closed without writing."""
+        return self.acks.take_lost()
 
     async def _close_pool(self) -> None:
         """Close the connections, politely within the close's time (shielded, bounded by
@@ -255,8 +288,11 @@ class PostgresTransport(Transport):
         if pool is None:
             raise TransportError("PostgresTransport is not connected: use `async with transport:`")
         try:
-            with anyio.fail_after(self.publish_timeout):  # one deadline for the whole call
-                async with pool.acquire() as connection, connection.transaction():
+            # One deadline for the whole call. No transaction around it: the publish is
+            # one statement (atomic alone); the dead letters of an envelope that reached
+            # no group follow it, as they would a moment later.
+            with anyio.fail_after(self.publish_timeout):
+                async with pool.acquire() as connection:
                     return await self._write(connection, topic, envelopes)
         except database_errors() as error:
             raise self._failed(f"publishing on {topic!r}", error) from error
