@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _brokers import make_transport, names  # type: ignore[import-not-found]
+from _brokers import make_transport, names, url_for  # type: ignore[import-not-found]
 
 from asyncbus import Bus, Envelope, Retry
 from asyncbus.testing.transport_suite import QUIET
@@ -88,7 +88,7 @@ async def test_a_retry_delay_longer_than_ack_timeout_does_not_redeliver(
 
 @pytest.mark.parametrize("kind", names())
 def test_keep_alive_is_on_and_max_deliveries_is_ten_by_default(kind: str) -> None:
-    transport = make_transport(kind, "unused://", "p", ack_timeout=ACK_TIMEOUT)
+    transport = make_transport(kind, url_for(kind, 1), "p", ack_timeout=ACK_TIMEOUT)
     assert (transport.keep_alive, transport.max_deliveries) == (True, 10)
 
 
@@ -98,4 +98,4 @@ def test_max_deliveries_must_be_a_positive_int(kind: str, bad: Any) -> None:
     from asyncbus import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="max_deliveries"):
-        make_transport(kind, "unused://", "p", max_deliveries=bad)
+        make_transport(kind, url_for(kind, 1), "p", max_deliveries=bad)
