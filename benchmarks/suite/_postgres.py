@@ -126,15 +126,16 @@ class Target:
         return ratio > self.goal if self.strict else ratio >= self.goal
 
 
-#: The targets ``--check`` judges. Set from the runs quoted in docs/benchmarks.md
-#: ("PostgreSQL end to end") with room for this shared machine's noise: single publishes
-#: measured 0.76x, three groups 0.58x. The batch row is a floor against regressions
-#: (measured 0.10x before acks were written in batches). Against the peers, the job
-#: queues a user would pick instead, asyncbus has to be ahead: above 1x.
+#: The targets ``--check`` judges. Single publishes and three groups: at least 0.8x the
+#: hand-written loop (measured 0.95x-1.44x and 1.29x-1.41x once acks were written in
+#: batches). The batch row's goal is 0.8x too, not met yet (measured 0.55x-0.66x: the
+#: bus's batch path, not the database, is the difference); its check is a floor against
+#: regressions until it is. Against the peers, the job queues a user would pick
+#: instead, asyncbus has to be ahead: above 1x.
 TARGETS: tuple[Target, ...] = (
-    Target("asyncbus", "hand-written", 0.5),
-    Target("asyncbus batch", "hand-written batch", 0.05),
-    Target(f"asyncbus {FANOUT} groups", f"hand-written {FANOUT} groups", 0.4),
+    Target("asyncbus", "hand-written", 0.8),
+    Target("asyncbus batch", "hand-written batch", 0.4),
+    Target(f"asyncbus {FANOUT} groups", f"hand-written {FANOUT} groups", 0.8),
     *(Target("asyncbus", peer, 1.0, strict=True) for peer in PEERS),
 )
 #: The ratio columns of the table: title -> baseline side.
