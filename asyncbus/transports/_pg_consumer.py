@@ -11,16 +11,17 @@ poll, whichever comes first; a delayed nack of its own wakes it when due.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
-from .._exceptions import DecodeError
+from .._exceptions import DecodeError, TransportError
 from ._codec import RawBody, dead_letter_to_wire, envelope_from_wire
 from ._kit.delivery import BaseDelivery
 from ._kit.options import checked_prefetch
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
     from ._pg_common import PgHost
 
 __all__ = ["PgDelivery", "PgSubscription"]
+
+logger = logging.getLogger("asyncbus.postgres")
+
+#: The longest delay a nack is given (seconds: about 31 years; an infinite one too).
+_LONGEST = 1e9
 
 #: Why a delivery can no longer be settled once its subscription gave it back.
 _RELEASED = "was released when its subscription ended"
@@ -80,8 +86,10 @@ class PgDelivery(BaseDelivery):
         """Unclaim the row for its next attempt, available after ``delay`` seconds."""
         subscription = self._subscription
         transport = subscription.transport
-        wait = 0.0 if delay is None or not math.isfinite(delay) or delay < 0 else delay
-        await transport.run("nacking", "execute", transport.sql.nack, self.seq, wait)
+        wait = 0.0 if delay is None or math.isnan(delay) or delay < 0 else min(delay, _LONGEST)
+        await transport.run(
+            "nacking", "execute", transport.sql.nack, self.seq, wait, subscription.consumer
+        )
         if wait > 0:
             subscription.due_soon(anyio.current_time() + wait)
 
@@ -97,6 +105,7 @@ class PgDelivery(BaseDelivery):
             entry.envelope.id,
             entry.dead_at,
             stored,
+            self._subscription.consumer,
         )
 
 
@@ -157,7 +166,8 @@ class PgSubscription:
         # Shielded (bounded): a claim cancelled in flight may still commit, and rows
         # claimed but never recorded would wait out ack_timeout instead of being given
         # back when the subscription ends.
-        with transport.cleanup_scope(transport.publish_timeout):
+        rows: list[Any] = []
+        with transport.cleanup_scope(transport.publish_timeout + 1.0) as scope:
             rows = await transport.run(
                 "claiming",
                 "fetch",
@@ -170,6 +180,8 @@ class PgSubscription:
             for row in sorted(rows, key=lambda row: row[0]):
                 self._take(*row)
         await anyio.lowlevel.checkpoint_if_cancelled()
+        if scope.cancelled_caught:  # the close's deadline cut it short
+            raise TransportError("PostgreSQL: claiming was cut short by the transport's close")
         return bool(rows)
 
     def _take(
@@ -222,10 +234,20 @@ class PgSubscription:
         await self._give_back(list(held))
 
     async def _give_back(self, rows: list[int]) -> None:
+        """Unclaim ``rows``; a database that cannot be told leaves them to come back
+        after ``ack_timeout`` (logged, not raised: this runs as a subscription ends)."""
         if not rows:
             return
         transport = self.transport
         with transport.cleanup_scope(transport.close_timeout):
-            await transport.run(
-                "giving back", "execute", transport.sql.release, rows, self.consumer, self.group_id
-            )
+            try:
+                await transport.run(
+                    "giving back",
+                    "execute",
+                    transport.sql.release,
+                    rows,
+                    self.consumer,
+                    self.group_id,
+                )
+            except TransportError as error:
+                logger.warning("%s (they come back after ack_timeout)", error)

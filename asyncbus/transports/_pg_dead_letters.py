@@ -20,7 +20,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._dead_letters import DeadLetter, dead_letter_key
-from .._exceptions import DecodeError
+from .._exceptions import DecodeError, TransportError
 from ._codec import (
     dead_letter_from_wire,
     dead_letter_keys_from_wire,
@@ -122,7 +122,10 @@ class PgDeadLetters:
             said = "-" + keys.decode() if len(keys) <= _MOST_KEYS_BYTES else STALE
             if len(taken) < len(rows):
                 said = STALE  # an unreadable one went too: its key is unknown
-            await host.run("telling of dead letters taken", "execute", host.sql.tell, said)
+            try:
+                await host.run("telling of dead letters taken", "execute", host.sql.tell, said)
+            except TransportError as error:  # taken all the same: the caller has them
+                logger.warning("%s (the other processes read their lists again later)", error)
         return taken
 
     async def clear(self) -> None:

@@ -226,7 +226,11 @@ class PostgresOutbox:
 
     async def _connect(self) -> Any:
         asyncpg = load_asyncpg()
-        return await asyncpg.connect(self.dsn, timeout=_CONNECT_TIMEOUT)
+        # Every statement bounded too: a server that stops answering (a half-open
+        # connection after a failover) fails the relay's batch, which connects again.
+        return await asyncpg.connect(
+            self.dsn, timeout=_CONNECT_TIMEOUT, command_timeout=_CONNECT_TIMEOUT
+        )
 
     async def _make_tables(self, connection: Any) -> None:
         """The schema and tables, made once (under a lock: processes starting together

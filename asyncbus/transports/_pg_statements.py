@@ -103,23 +103,27 @@ class Statements:
             RETURNING m.seq, m.meta, m.body, m.attempt, m.deliveries, m.queued_at"""
         #: (seqs).
         self.ack_many = f"DELETE FROM {s}.messages WHERE seq = ANY($1::bigint[])"
-        #: (seq, delay): the next attempt, available after the delay.
+        #: (seq, delay, consumer): the next attempt, available after the delay (only
+        #: while the consumer holds the claim: one that lost it leaves the row alone).
         self.nack = f"""
             WITH u AS (
                 UPDATE {s}.messages SET
                     claimed_by = NULL, claimed_until = NULL,
                     attempt = attempt + greatest(deliveries, 1), deliveries = 0,
                     available_at = now() + make_interval(secs => $2)
-                WHERE seq = $1
+                WHERE seq = $1 AND claimed_by = $3
                 RETURNING group_id
             )
             SELECT {wake} FROM u"""
-        #: (seq, envelope id, dead at, entry).
+        #: (seq, envelope id, dead at, entry, consumer): moved to the dead letters while
+        #: the consumer holds the claim (one that lost it leaves the row to its holder).
         self.reject = f"""
-            WITH d AS (DELETE FROM {s}.messages WHERE seq = $1),
+            WITH d AS (
+                DELETE FROM {s}.messages WHERE seq = $1 AND claimed_by = $5 RETURNING seq
+            ),
             ins AS (
                 INSERT INTO {s}.dead_letters (envelope_id, dead_at, entry)
-                VALUES ($2, $3, $4) RETURNING seq
+                SELECT $2, $3, $4 WHERE EXISTS (SELECT 1 FROM d) RETURNING seq
             )
             SELECT {told} FROM ins"""
         #: (seqs, consumer, group id): given back uncounted, unless claimed by another.

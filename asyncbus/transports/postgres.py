@@ -463,12 +463,12 @@ class PostgresTransport(Transport):
                 logger.exception("PostgreSQL: the upkeep failed (tried again in a moment)")
 
     async def _upkeep(self) -> None:
-        await self.listen()
-        await self._bind_again()
         live = [s for subscriptions in self._subscriptions.values() for s in subscriptions]
         held = [s.consumer for s in live if s.keep_alive and s.held]
-        if held:
+        if held:  # first: nothing else the upkeep does may make a claim run out
             await self.run("renewing claims", "execute", self.sql.renew, held, self.ack_timeout)
+        await self.listen()
+        await self._bind_again()
         now = time.time()
         await self.run(
             "keeping consumers",
@@ -506,7 +506,10 @@ class PostgresTransport(Transport):
             self._subscriptions.setdefault(group_id, set()).update(subscriptions)
             for subscription in subscriptions:
                 subscription.group_id = group_id
-                subscription.held.clear()  # (their rows went with the group)
+                for gone in subscription.held.values():  # their rows went with the group
+                    gone.take_back("was deleted with its group")
+                subscription.held.clear()
+                subscription.ready.clear()
                 await self.run(
                     "joining a group",
                     "execute",

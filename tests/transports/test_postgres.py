@@ -13,7 +13,9 @@ from typing import Any
 
 import anyio
 import pytest
+from _brokers import url_for  # type: ignore[import-not-found]
 from _private_brokers import free_port  # type: ignore[import-not-found]
+from _proxy import TcpProxy  # type: ignore[import-not-found]
 
 from asyncbus import (
     Bus,
@@ -22,12 +24,14 @@ from asyncbus import (
     DeadLetterReason,
     Envelope,
     Retry,
+    TransportError,
 )
 from asyncbus._dedup import Claim
 from asyncbus.testing.transport_suite import QUIET, TransportSuite
 from asyncbus.transports import Transport
 from asyncbus.transports._codec import envelope_to_wire
 from asyncbus.transports._kit.routes import INBOX_GROUP_PREFIX
+from asyncbus.transports.base import SubscriptionControl
 from asyncbus.transports.postgres import PostgresTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.backends("asyncio", "uvloop"), pytest.mark.timeout(60)]
@@ -309,3 +313,47 @@ async def test_an_unreachable_server_is_a_connect_error_without_the_password() -
             pass
     assert "secret" not in str(caught.value)
     assert "secret" not in repr(transport)
+
+
+async def test_a_consumer_that_lost_its_claim_leaves_the_row_to_its_holder(
+    postgres_dsn: str, schema: str
+) -> None:
+    """A hung consumer's claims ran out and another took the rows: the first one's late
+    nack and reject change nothing (no reset of the holder's claim, no dead letter)."""
+    async with (
+        _transport(postgres_dsn, schema, ack_timeout=1.0, keep_alive=False) as transport,
+        transport.subscribe("t", group="g", prefetch=2) as first,
+        transport.subscribe("t", group="g", prefetch=2) as second,
+    ):
+        await transport.publish("t", [Envelope(topic="t", payload=n) for n in range(2)])
+        with anyio.fail_after(10):
+            lost = [await anext(first), await anext(first)]
+            taken = [await anext(second), await anext(second)]  # after 1 s
+        assert sorted(d.envelope.payload for d in taken) == [0, 1]
+        await lost[0].nack()
+        await lost[1].reject(DeadLetterReason.REJECTED.value)
+        assert await transport.dead_letters() == []
+        assert await transport.backlog("t", "g") == 2
+        for delivery in taken:
+            await delivery.ack()
+        assert isinstance(second, SubscriptionControl)
+        await second.flush()
+        assert await transport.backlog("t", "g") == 0
+
+
+async def test_a_claim_from_a_server_gone_silent_is_a_transport_error(
+    postgres_url: str, schema: str
+) -> None:
+    with TcpProxy(5432) as proxy:
+        async with (
+            _transport(
+                url_for("postgres", proxy.port), schema, publish_timeout=1.0, poll_interval=0.2
+            ) as transport,
+            transport.subscribe("t", group="g", prefetch=1) as deliveries,
+        ):
+            proxy.blackhole()
+            started = anyio.current_time()
+            with anyio.fail_after(10), pytest.raises(TransportError, match="claiming"):
+                await anext(deliveries)
+            assert anyio.current_time() - started < 1.0 + 0.2 + 1.5
+            proxy.forward()
