@@ -167,19 +167,26 @@ class PgSubscription:
         # claimed but never recorded would wait out ack_timeout instead of being given
         # back when the subscription ends.
         rows: list[Any] = []
+        failed: TransportError | None = None
         with transport.cleanup_scope(transport.publish_timeout + 1.0) as scope:
-            rows = await transport.run(
-                "claiming",
-                "fetch",
-                transport.sql.claim,
-                self.group_id,
-                self.consumer,
-                transport.ack_timeout,
-                room,
-            )
+            try:
+                rows = await transport.run(
+                    "claiming",
+                    "fetch",
+                    transport.sql.claim,
+                    self.group_id,
+                    self.consumer,
+                    transport.ack_timeout,
+                    room,
+                )
+            except TransportError as error:
+                failed = error
             for row in sorted(rows, key=lambda row: row[0]):
                 self._take(*row)
+        # A cancellation that came meanwhile (the bus stopping) wins over the failure.
         await anyio.lowlevel.checkpoint_if_cancelled()
+        if failed is not None:
+            raise failed
         if scope.cancelled_caught:  # the close's deadline cut it short
             raise TransportError("PostgreSQL: claiming was cut short by the transport's close")
         return bool(rows)
