@@ -86,6 +86,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from ._brokers import IN_FLIGHT
 from ._postgres_latency import Latencies, latency_report, measure_latency, p50_ratios
 from ._postgres_peers import PEERS, missing, peer_run
 from ._postgres_runs import (
@@ -94,7 +95,6 @@ from ._postgres_runs import (
     CONCURRENCY,
     DSN,
     FANOUT,
-    IN_FLIGHT,
     POOL,
     PUBLISHERS,
     WARM_UP,

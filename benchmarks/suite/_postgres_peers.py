@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 
+from ._brokers import publish_concurrently
 from ._postgres_runs import (
     CONCURRENCY,
     POOL,
@@ -44,7 +45,6 @@ from ._postgres_runs import (
     Run,
     Timer,
     drop_schema,
-    publish_concurrently,
 )
 
 __all__ = ["PEERS", "missing", "peer_run"]

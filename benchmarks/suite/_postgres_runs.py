@@ -10,7 +10,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +19,11 @@ import anyio
 from asyncbus import Batch, Bus
 from asyncbus.transports.postgres import PostgresTransport
 
+from ._brokers import publish_concurrently  # IN_FLIGHT (100) publishes at a time
+
 DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"
 TOPIC = "bench.items"
 GROUP = "bench"
-IN_FLIGHT = 100
 BATCH = 100
 CONCURRENCY = 8
 CAPACITY = 256
@@ -82,22 +83,6 @@ class Counter:
     def check(self) -> None:
         if self.handled != self.total:
             raise RuntimeError(f"handled {self.handled} envelopes, expected {self.total}")
-
-
-async def publish_concurrently(count: int, publish: Callable[[int], Awaitable[object]]) -> None:
-    """``count`` publishes by ``IN_FLIGHT`` tasks, each awaiting its own in turn."""
-    next_index = 0
-
-    async def worker() -> None:
-        nonlocal next_index
-        while next_index < count:
-            index = next_index
-            next_index += 1
-            await publish(index)
-
-    async with anyio.create_task_group() as task_group:
-        for _ in range(min(IN_FLIGHT, count)):
-            task_group.start_soon(worker)
 
 
 async def publish_chunks(chunks: Sequence[Sequence[Payload]], publish: Any) -> None:

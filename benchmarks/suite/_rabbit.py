@@ -61,8 +61,9 @@ import anyio
 from asyncbus import Batch, Bus
 from asyncbus.transports.rabbit import RabbitTransport
 
+from ._brokers import publish_concurrently  # 100 publishes in flight
+
 URL = "amqp://guest:guest@127.0.0.1:5672/"
-IN_FLIGHT = 100
 PREFETCH = 100
 ACK_EVERY = 50
 #: Publishes per call (or per gathered batch) on the pipelined sides.
@@ -108,22 +109,6 @@ class Result:
         return self.ratio_of("asyncbus", "aio-pika")
 
 
-async def _publish_concurrently(count: int, publish: Callable[[int], Awaitable[object]]) -> None:
-    """``count`` publishes, ``IN_FLIGHT`` at a time (each task awaits its confirm)."""
-    next_n = 0
-
-    async def worker() -> None:
-        nonlocal next_n
-        while next_n < count:
-            n = next_n
-            next_n += 1
-            await publish(n)
-
-    async with anyio.create_task_group() as task_group:
-        for _ in range(IN_FLIGHT):
-            task_group.start_soon(worker)
-
-
 async def run_asyncbus(url: str, count: int) -> Run:
     """Messages per second through ``Bus(transport=RabbitTransport(...))``."""
     prefix = f"bench-asyncbus-{secrets.token_hex(4)}"
@@ -142,7 +127,7 @@ async def run_asyncbus(url: str, count: int) -> Run:
     try:
         async with bus:
             started, cpu = time.perf_counter(), time.process_time()
-            await _publish_concurrently(count, lambda n: bus.publish(TOPIC, n))
+            await publish_concurrently(count, lambda n: bus.publish(TOPIC, n))
             await done.wait()
             await bus.drain()  # settled too, as the other side's last ack
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -196,7 +181,7 @@ async def run_aio_pika(url: str, count: int) -> Run:
             )
 
         started, cpu = time.perf_counter(), time.process_time()
-        await _publish_concurrently(count, publish)
+        await publish_concurrently(count, publish)
         await done.wait()
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         await queue.cancel(tag)
