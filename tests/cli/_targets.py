@@ -4,6 +4,8 @@ Set up by environment variables, read at import:
 
 * ``CLI_TEST_PREFIX``: run over Redis with this prefix (else in memory);
 * ``CLI_TEST_BLOCK=1``: a job with ``"slow": true`` blocks until cancelled;
+* a job with ``"gate": true`` waits (at most 30 s) until the test pushes to the Redis
+  list ``{prefix}:gate``, holding the stage (one job at a time) until then;
 * ``CLI_TEST_CONCURRENCY``: the jobs stage's consumers and capacity (default 1);
 * ``CLI_TEST_CRASH=1``: the first job with ``"crash": true`` ends the process
   (``os._exit(17)``), once per prefix; its redelivery is handled.
@@ -58,6 +60,8 @@ async def _job(envelope: Envelope) -> None:
     if BLOCK and job.get("slow"):
         logger.info("blocking", extra={"cli_test": "blocking", "n": job["n"]})
         await anyio.sleep_forever()
+    if job.get("gate") and PREFIX is not None:
+        await _redis().blpop([f"{PREFIX}:gate"], timeout=30)
     if job.get("exit"):
         raise SystemExit(0)  # not a failure: it stops the bus at once
     if CRASH and job.get("crash") and await _redis().set(f"{PREFIX}:crashed", 1, nx=True):

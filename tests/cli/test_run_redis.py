@@ -41,6 +41,17 @@ async def handled_counts(redis_url: str, prefix: str) -> dict[int, int]:
     return {int(n): int(times) for n, times in counts.items()}
 
 
+async def open_gate(redis_url: str, prefix: str) -> None:
+    """Let the job waiting at the gate (``"gate": true``) go on."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.rpush(f"{prefix}:gate", 1)
+    finally:
+        await client.aclose()
+
+
 def worker(prefix: str, *options: str, **env: str) -> tuple[tuple[str, ...], dict[str, str]]:
     """The arguments and environment of the command running ``_targets:bus``."""
     arguments = ("_targets:bus", "--app-dir", str(HERE), *options)
@@ -59,12 +70,15 @@ async def test_sigterm_under_load_drains_every_confirmed_job_and_exits_0(
     arguments, env = worker(redis_prefix, "--graceful-timeout", "60")
     async with run_command(*arguments, env=env) as command:
         await command.wait_for_event("running")
-        await publish(publisher, [{"n": n} for n in range(100)])
+        # Job 50 holds the stage until the test opens its gate, so the drain cannot end
+        # before the jobs published while it drains are in the broker.
+        await publish(publisher, [{"n": n, "gate": n == 50} for n in range(100)])
         await command.wait_for(lambda r: r.get("cli_test") == "handled", count=10)
         command.send(signal.SIGTERM)  # mid-load: most jobs are still in the broker
         await command.wait_for(lambda r: "draining" in r.get("message", ""))
         # Published while it drains: the broker holds them for the group, so they count.
         await publish(publisher, [{"n": n} for n in range(100, 150)])
+        await open_gate(redis_url, redis_prefix)
         assert await command.exit_code(timeout=60) == 0, command.text()
     report = command.report()
     assert report["drained"] is True and report["abandoned"] == []
