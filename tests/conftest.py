@@ -27,6 +27,10 @@ _HERE = str(Path(__file__).parent)
 if _HERE not in sys.path:
     sys.path.append(_HERE)
 
+import _steps  # noqa: E402  (beside this file: on sys.path from the line above)
+
+_tally = _steps.StepTally()
+
 
 #: The anyio backends a test can run on, by name: (backend, options) for anyio.
 BACKENDS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -49,6 +53,24 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MOCK_CLOCK}); by default all three, asyncio alone under tests/transports and "
         "tests/cli",
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow steps (``chaos``, ``browser``, ``readme``) run last, each as a block."""
+    _steps.order(items)
+    _tally.remember(items)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _tally.count(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lines = _tally.lines()
+    if len(lines) > 1:  # (one step alone says nothing the usual summary does not)
+        terminalreporter.section("steps")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
