@@ -10,7 +10,10 @@ Two ways to run a batch (``_chain.BatchPlan``):
 * **fast**, when the chain is pass-through but for a retry policy: this loop expires,
   decodes, calls the handler once, then forwards results along slips and turns each
   failure into its verdict (the retry policy's, else a dead letter) for the whole list,
-  with no task or coroutine per envelope;
+  with no task or coroutine per envelope. It asks the layers it stands in for: which
+  envelopes expire (``expire.may_expire``, ``expire.expired``), which results are
+  forwarded (``routing_slip.forwards``) and what a failure becomes
+  (the ``Retry`` layer's own decision); no rule of theirs is restated here;
 * **per envelope** otherwise (user middleware, ``deduplicate``, an instrumentation):
   a task per envelope runs the chain, whose innermost layer joins the batch
   (``_batch.Gather``); once every envelope joined or finished, the handler is called
@@ -39,7 +42,6 @@ from ._consumer import (
     logger,
 )
 from ._consumer import start_consumers as start_message_consumers
-from ._dead_letters import DeadLetterReason
 from ._delivering import settle_delivery
 from ._envelope import Envelope
 from ._failures import handler_failure, stray_cancellation
@@ -49,16 +51,14 @@ from ._stage import Stage
 from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, Verdict
+from .middleware.expire import EXPIRED, expired, may_expire
 from .middleware.retry import Retry
+from .middleware.routing_slip import forwards
 from .transports.base import BaseDelivery
 
 __all__ = ["consume_batch", "start_consumers"]
 
 _clock = time.perf_counter
-_EXPIRED = DeadLetterNow(DeadLetterReason.EXPIRED)
-_ttl = operator.attrgetter("ttl")
-_slip = operator.attrgetter("slip")
-_reply_to = operator.attrgetter("reply_to")
 _payload = operator.attrgetter("payload")
 
 
@@ -185,7 +185,7 @@ async def _run_fast(
     """Expire, decode, call once, forward and settle, for the whole list at once."""
     extract = plan.extract
     count = len(envelopes)
-    if extract is None and list(map(_ttl, envelopes)).count(None) == count:
+    if extract is None and not any(map(may_expire, envelopes)):
         # The common case: nothing to expire or decode.
         items = list(map(_payload, envelopes))
         members: Sequence[int] = range(count)
@@ -201,11 +201,7 @@ async def _run_fast(
         raise
     deliveries = stage.deliveries
     ledger = stage.ledger
-    if (
-        isinstance(each, AllAcked)
-        and not any(map(_slip, envelopes))
-        and list(map(_reply_to, envelopes)).count(None) == count
-    ):
+    if isinstance(each, AllAcked) and not any(map(forwards, envelopes)):
         # Every one acked, nothing to forward: counted at once; over a broker whose
         # acks are written behind, each delivery's ack queued here, without an await.
         if len(members) == len(held):  # all of them (their positions are distinct)
@@ -235,7 +231,7 @@ async def _run_fast(
             verdict = outcome
         else:
             verdict = outcome
-            if envelope.slip or envelope.reply_to is not None:
+            if forwards(envelope):
                 try:
                     await host.forward(envelope, outcome)
                 except Exception as error:  # as the routing_slip layer's failure would be
@@ -290,11 +286,10 @@ async def _admit(
     early: list[tuple[int, Verdict]] = []
     now = 0.0
     for position, envelope in enumerate(envelopes):
-        ttl = envelope.ttl
-        if ttl is not None:
+        if may_expire(envelope):
             now = now or time.time()
-            if now >= envelope.timestamp + ttl:
-                early.append((position, _EXPIRED))
+            if expired(envelope, now):
+                early.append((position, EXPIRED))
                 continue
         if extract is None:
             items.append(envelope.payload)

@@ -279,8 +279,9 @@ class BatchPlan:
     Called with one envelope it is that envelope's chain (used per envelope when
     middleware must see each one: the innermost layer joins the batch). On the
     **fast** path (only ``routing_slip``, ``expire`` and a :class:`Retry` around the
-    handler) the consumer does their work itself for the whole list, with no task or
-    coroutine per envelope.
+    handler) the consumer does their work for the whole list, with no task or
+    coroutine per envelope, asking each layer's own rule (``may_expire``/``expired``,
+    ``forwards``, the retry policy's decision).
 
     :ivar batch: the subscription's :class:`Batch`.
     :ivar call: the handler called once with a list; the outcome per item.
