@@ -1,6 +1,8 @@
-"""The Redis transport's dead letters as one list for every process: claims and watching.
+"""The Redis transport's dead letters as one list for every process: stored, listed,
+claimed and watched.
 
-The entries are the stream ``{prefix}:deadletters`` (``id``, ``entry`` fields). Taking
+The entries are the stream ``{prefix}:deadletters`` (``id``, ``entry`` fields), trimmed
+to the store's size as they are added and to its TTL as they are listed. Taking
 one out (a replay, a purge) is a script that deletes each entry it finds (``XDEL`` says
 whether this call deleted it: the claim) and, for what it deleted, adds a removal to
 the stream ``{prefix}:deadletters:removed`` (``n``, ``keys``), ``n`` counting removals
@@ -26,6 +28,7 @@ from ._codec import (
     dead_letter_from_wire,
     dead_letter_keys_from_wire,
     dead_letter_keys_to_wire,
+    dead_letter_to_wire,
 )
 from ._redis_dedup import RedisHost
 from .base import DeadLetterChange, TransportSettings
@@ -46,31 +49,97 @@ class DeadLetterHost(RedisHost, Protocol):
     #: The registered scripts of :mod:`._redis_scripts`, by name.
     _scripts: dict[str, AsyncScript]
 
-    def _queue_dead_letter(self, pipe: Any, entry: DeadLetter) -> None:
-        """Add the XADD of ``entry`` to ``pipe``."""
-        ...
-
-    def _dead_entries(self) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
-        """Every entry of the dead-letter stream, oldest first, in pages."""
-        ...
-
 
 logger = logging.getLogger("asyncbus.transports.redis")
+#: The transport's own logger, where listing the dead letters reports what it skips.
+_listing_logger = logging.getLogger("asyncbus.transport.redis")
 
 #: Removals kept for watchers that fall behind (more missed makes them read everything).
 _REMOVALS_KEPT = 10_000
 #: Entries one read of a watcher takes at most.
 _WATCH_COUNT = 1000
+#: Entries one read of a listing takes at most.
+_PAGE = 1000
 
 
 class RedisDeadLetters:
-    """Claims and watching over the dead-letter stream of ``transport``."""
+    """The dead-letter stream of ``transport``: entries added, listed, claimed, watched."""
 
     def __init__(self, transport: DeadLetterHost, dead_key: str) -> None:
         self.transport = transport
         self.dead_key = dead_key
         self.removed_key = f"{dead_key}:removed"
         self.count_key = f"{dead_key}:removals"
+
+    def queue(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
+        """Add the XADD of ``entry`` to ``pipe`` (its payload encoded by ``codec``, the
+        transport's by default)."""
+        transport = self.transport
+        if transport.settings.dead_letter_maxlen <= 0:
+            return  # a store of size 0 keeps nothing
+        document = dead_letter_to_wire(entry, codec or transport.codec)
+        pipe.xadd(
+            self.dead_key,
+            {"id": entry.envelope.id, "entry": document},
+            maxlen=transport.settings.dead_letter_maxlen,
+            approximate=True,
+        )
+
+    async def add(self, entry: DeadLetter) -> None:
+        """Append ``entry`` to the stream."""
+        transport = self.transport
+        pipe = transport._redis().pipeline(transaction=False)
+        self.queue(pipe, entry)
+        try:
+            await pipe.execute()
+        except transport._errors.RedisError as error:
+            raise transport._failed("adding a dead letter", error) from error
+
+    async def _entries(self) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+        """Every entry of the stream, oldest first, in pages."""
+        client = self.transport._redis()
+        start: bytes | str = "-"
+        while True:
+            page: Any = await client.xrange(self.dead_key, min=start, max="+", count=_PAGE)
+            for entry, fields in page:
+                yield entry, fields
+            if len(page) < _PAGE:
+                return
+            start = b"(" + page[-1][0]
+
+    async def read(self) -> list[DeadLetter]:
+        """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
+        transport = self.transport
+        client = transport._redis()
+        horizon = time.time() - transport.settings.dead_letter_ttl
+        try:
+            pipe = client.pipeline(transaction=True)
+            pipe.xtrim(self.dead_key, minid=int(horizon * 1000), approximate=False)
+            pipe.xtrim(
+                self.dead_key,
+                maxlen=max(transport.settings.dead_letter_maxlen, 0),
+                approximate=False,
+            )
+            await pipe.execute()
+            found: list[DeadLetter] = []
+            expired: list[bytes] = []
+            async for entry, fields in self._entries():
+                try:
+                    dead = dead_letter_from_wire(fields.get(b"entry", b""), transport.codec)
+                except DecodeError as error:
+                    _listing_logger.warning(
+                        "Redis: skipping unreadable dead letter %r: %s", entry, error
+                    )
+                    continue
+                if dead.dead_at <= horizon:
+                    expired.append(entry)
+                else:
+                    found.append(dead)
+            if expired:
+                await client.xdel(self.dead_key, *expired)
+        except transport._errors.RedisError as error:
+            raise transport._failed("listing dead letters", error) from error
+        return found
 
     async def take(self, ids: Sequence[str]) -> list[DeadLetter]:
         """Delete the entries of ``ids``; the ones this call deleted, oldest first."""
@@ -83,7 +152,7 @@ class RedisDeadLetters:
         found: dict[bytes, DeadLetter | None] = {}
         arguments: list[Any] = [_REMOVALS_KEPT]
         try:
-            async for entry, fields in transport._dead_entries():
+            async for entry, fields in self._entries():
                 if fields.get(b"id") not in drop:
                     continue
                 try:
@@ -110,7 +179,7 @@ class RedisDeadLetters:
         transport = self.transport
         pipe = transport._redis().pipeline(transaction=True)
         for entry in entries:
-            transport._queue_dead_letter(pipe, entry)
+            self.queue(pipe, entry)
         try:
             await pipe.execute()
             await transport._scripts["STALE_DEAD"](

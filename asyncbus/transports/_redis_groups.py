@@ -37,7 +37,7 @@ from ._wire_fields import group_from_wire
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
 
-__all__ = ["DELETE_GROUP", "GroupsHost", "Reader", "RedisGroups"]
+__all__ = ["DELETE_GROUP", "Bound", "GroupsHost", "Reader", "RedisGroups"]
 
 logger = logging.getLogger("asyncbus.transport.redis")
 
@@ -70,6 +70,13 @@ return 0
 """
 
 
+class Bound(Protocol):
+    """The bindings a transport made (:class:`~._redis_bindings.RedisBindings`)."""
+
+    #: Binding streams this transport made (forgotten when one is deleted).
+    bound: set[str]
+
+
 class GroupsHost(RedisHost, Protocol):
     """What the groups use of their transport (:class:`~.redis.RedisTransport`)."""
 
@@ -78,8 +85,11 @@ class GroupsHost(RedisHost, Protocol):
     _version_key: str
     _delayed_key: str
     _delayed_counts_key: str
-    #: Binding streams this transport made (forgotten when one is deleted).
-    _bound: set[str]
+
+    @property
+    def _bindings(self) -> Bound:
+        """The bindings this transport made."""
+        ...
 
     def stream_key(self, pattern: str, group: str) -> str:
         """The key of the binding's stream."""
@@ -121,10 +131,14 @@ class RedisGroups:
             pipe.hset(self.key, mapping=mapping)
 
     async def tell_reading(self, consumers: Iterable[Reader], *, ending: bool = False) -> None:
-        """:meth:`queue_reading`, sent now."""
-        pipe = self.transport._redis().pipeline(transaction=False)
-        self.queue_reading(pipe, consumers, ending=ending)
-        await pipe.execute()
+        """:meth:`queue_reading`, sent now; a failure is logged only (it stops nothing:
+        the readers serve listings)."""
+        try:
+            pipe = self.transport._redis().pipeline(transaction=False)
+            self.queue_reading(pipe, consumers, ending=ending)
+            await pipe.execute()
+        except Exception as error:
+            logger.debug("Redis: telling which consumers read failed: %s", error)
 
     async def _readers(self, client: Any) -> dict[str, tuple[int, float | None]]:
         """Per stream: its consumers reading now, and the newest time one was seen."""
@@ -204,5 +218,5 @@ class RedisGroups:
             )
         except transport._errors.RedisError as error:
             raise transport._failed(f"deleting group {pattern}@{group}", error) from error
-        transport._bound.discard(stream)
+        transport._bindings.bound.discard(stream)
         return bool(deleted)

@@ -244,15 +244,15 @@ async def test_concurrent_publishes_share_one_write_and_each_arrives_once(
     """A burst of publishes from many tasks is one script call, delivered to every group."""
     async with RedisTransport(redis_url, prefix=clean_prefix) as transport:
         for group in ("a", "b"):
-            await transport._bind("burst.*", group)
+            await transport._bindings.bind("burst.*", group)
         batches: list[int] = []
-        write = transport._write_publishes
+        write = transport._publisher.write
 
         async def counting_write(batch: list[Any]) -> None:
             batches.append(len(batch))
             await write(batch)
 
-        transport._publishes._write = counting_write
+        transport._publisher.writes._write = counting_write
         sent = _envelopes("burst.x", 300)
         async with anyio.create_task_group() as task_group:
             for envelope in sent:
@@ -272,7 +272,7 @@ async def test_many_envelopes_in_one_publish_are_one_script_call_in_order(
     from asyncbus.transports import _redis_scripts
 
     async with RedisTransport(redis_url, prefix=clean_prefix) as transport:
-        await transport._bind("many.*", "g")
+        await transport._bindings.bind("many.*", "g")
         client: Any = transport._client
         publish_sha = client.register_script(_redis_scripts.PUBLISH).sha
         calls: list[tuple[Any, ...]] = []
@@ -301,16 +301,16 @@ async def test_one_write_of_publishes_to_different_streams_routes_each_in_order(
     a batch mixing topics (and one no group takes) still lands each envelope where it
     belongs, once, in publish order."""
     async with RedisTransport(redis_url, prefix=clean_prefix) as transport:
-        await transport._bind("mix.a", "exact")
-        await transport._bind("mix.*", "any")
+        await transport._bindings.bind("mix.a", "exact")
+        await transport._bindings.bind("mix.*", "any")
         batches: list[int] = []
-        write = transport._write_publishes
+        write = transport._publisher.write
 
         async def counting_write(batch: list[Any]) -> None:
             batches.append(len(batch))
             await write(batch)
 
-        transport._publishes._write = counting_write
+        transport._publisher.writes._write = counting_write
         topics = ["mix.a", "mix.a", "mix.b", "nobody", "mix.b", "mix.a", "mix.c", "mix.c"]
         sent = [Envelope(topic=topic, payload=n) for n, topic in enumerate(topics)]
         async with anyio.create_task_group() as task_group:
@@ -332,9 +332,9 @@ async def test_commands_packed_by_hiredis_are_the_bytes_redis_py_packs() -> None
     from redis.asyncio.connection import Connection
     from redis.exceptions import DataError
 
-    from asyncbus.transports.redis import _packing_by_hiredis
+    from asyncbus.transports._redis_connection import packing_by_hiredis
 
-    packed_class = _packing_by_hiredis(Connection)
+    packed_class = packing_by_hiredis(Connection)
     assert packed_class is not Connection
     ours, theirs = packed_class(), Connection()
     for args in [
@@ -357,7 +357,7 @@ async def test_an_envelope_over_max_message_size_is_refused_and_nothing_is_writt
     redis_url: str, clean_prefix: str, redis: Any
 ) -> None:
     async with RedisTransport(redis_url, prefix=clean_prefix, max_message_size=1000) as transport:
-        await transport._bind("sized", "g")
+        await transport._bindings.bind("sized", "g")
         small, huge = (
             Envelope(topic="sized", payload="s"),
             Envelope(topic="sized", payload="x" * 1000),
