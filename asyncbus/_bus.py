@@ -3,236 +3,56 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
-import logging
-import math
 import os
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from datetime import datetime, timedelta, tzinfo
 from types import TracebackType
-from typing import Any, Literal, NoReturn, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
-import anyio
-import anyio.abc
 from anyio.abc import TaskGroup
-from anyio.from_thread import BlockingPortal
-from anyio.lowlevel import cancel_shielded_checkpoint, checkpoint
+from anyio.lowlevel import cancel_shielded_checkpoint
 
-from . import _instrument
 from ._adaptive import Adaptive
 from ._admission import Admission, Priority
 from ._batch import Batch
-from ._batching import start_consumers
 from ._carry import ContextVarCarrier, checked_contextvars
-from ._chain import adapt_handler, build_chain
 from ._checks import check_count, check_headers, check_seconds, check_wait
-from ._clock import Clock, loop_clock
 from ._cluster import ClusterStatistics, ClusterWatch, check_heartbeat
 from ._dead_lettering import DeadLettering
-from ._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterReason
-from ._dedup import DedupStore
-from ._envelope import (
-    Envelope,
-    Receipt,
-)
-from ._exceptions import (
-    BusClosedError,
-    ConfigurationError,
-    TransportError,
-    not_started,
-)
-from ._failures import describe_error, loop_closing, stray_cancellation
-from ._flights import FlightLimit
+from ._dead_letters import DEADLETTER_TOPIC
+from ._draining import Draining
+from ._envelope import Envelope, Receipt
+from ._exceptions import ConfigurationError
 from ._groups import GroupListing
-from ._handling import current_handling
-from ._leases import LeaseStore
-from ._life import Life, State
-from ._logging import FailureLog
+from ._life import Life
+from ._lifecycle import Lifecycle
 from ._modes import Mode, choose_mode
 from ._modes.stale_groups import check_stale_after
-from ._offload import (
-    WorkerPool,
-    hold_switch_interval,
-    release_switch_interval,
-    thread_pool_reason,
-)
 from ._options import PLAIN, PublishOptions, make_options, publish_options
 from ._ordering import KeyFailure, Ordering
 from ._publishing import Publisher
-from ._rates import RateStore
 from ._replies import Replies
 from ._routing import Router, validate_topic
-from ._runtime import FREE_THREADED, current_backend, fast_checkpoint
+from ._services import Services
+from ._snapshots import bus_statistics
 from ._stage import Backpressure, Stage
 from ._stats import BusStatistics, ShutdownReport
-from ._subscription import Subscription, check_middleware, check_options, make_subscription
+from ._subscribing import Subscribing
+from ._subscription import Subscription, check_middleware, make_subscription
 from ._time.held import ScheduledEnvelope
 from ._time.periodic import CatchUp, Schedule, make_schedule, periodic_topic, tick_handler
 from ._time.service import Timekeeping
 from ._transactional import Transactional
-from ._types import Handler, Middleware
+from ._types import Middleware
 from .middleware.retry import Retry
 from .transports.base import Transport
 
 __all__ = ["DEADLETTER_TOPIC", "Bus"]
 
-logger = logging.getLogger("asyncbus.bus")
-
-_now = time.time
-
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
-
-
-class _DrainWaiter:
-    """One ``drain()`` waiting; ``strict`` unless it runs in a handler of the bus."""
-
-    __slots__ = ("event", "strict")
-
-    def __init__(self, strict: bool) -> None:
-        self.event = anyio.Event()
-        self.strict = strict
-
-
-class _Services:
-    """What the stages, consumers and middleware of one bus reach it through.
-
-    One per bus; it holds the state the hot paths read (the yield, the
-    instrumentation, the ``drain()`` waiters) and forwards the rest to the bus.
-    """
-
-    __slots__ = (
-        "_bus",
-        "_consumers",
-        "failure_log",
-        "idle_waiters",
-        "instrumentation",
-        "publish_yield",
-        "yield_now",
-    )
-
-    def __init__(self, bus: Bus) -> None:
-        self._bus = bus
-        #: The backend's checkpoint, resolved at start (the bus's one yield per operation).
-        self.yield_now: Callable[[], Awaitable[None]] = checkpoint
-        #: What ``publish`` and ``publish_many`` await before they admit anything: the
-        #: backend's yield in memory; over a broker a cancellation check only, since
-        #: waiting for the broker's confirmation is the call's one yield (resolved at
-        #: start).
-        self.publish_yield: Callable[[], Awaitable[None]] = checkpoint
-        # Told where envelopes leave and around each dispatch (tracing, carried
-        # contextvars); None costs the hot path one attribute check.
-        self.instrumentation: _instrument.Instrumentation | None = None
-        #: ``drain()`` calls waiting for the bus to be idle.
-        self.idle_waiters: list[_DrainWaiter] = []
-        #: Writes the log records of envelopes that were not acked (rate-limited).
-        self.failure_log = FailureLog()
-        self._consumers: dict[str, _instrument.Consumer] = {}
-
-    def dead_letter(
-        self,
-        envelope: Envelope,
-        reason: DeadLetterReason,
-        error: str | None,
-        stage: str | None,
-        attempts: int,
-        cause: BaseException | None = None,
-        *,
-        stored: bool = False,
-    ) -> DeadLetter | None:
-        """Record ``envelope`` as dead (see :meth:`DeadLettering.record`)."""
-        return self._bus._dead_lettering.record(
-            envelope, reason, error, stage, attempts, cause, stored=stored
-        )
-
-    def settled(self, stage: Stage) -> None:
-        """An envelope of ``stage`` reached its end: wake ``drain()`` when it is over."""
-        if self.idle_waiters and stage.quiet:
-            self._bus._wake_drainers()
-
-    def start_soon(
-        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None
-    ) -> None:
-        """Run ``function(*args)`` in the bus's task group."""
-        self._bus._tasks().start_soon(function, *args, name=name)
-
-    async def forward(self, envelope: Envelope, result: Any) -> None:
-        """Send a handled envelope's result on: its next slip hop, or its requester."""
-        await self._bus._replies.forward(envelope, result)
-
-    def start_background(
-        self, function: Callable[..., Coroutine[Any, Any, Any]], *args: Any
-    ) -> None:
-        """Run ``function(*args)`` in the bus's task group, counted until it ends
-        (``drain()`` waits for it); nothing when the bus is not running.
-
-        From another thread (dead letters purged there), it is started on the loop.
-        """
-        bus = self._bus
-        task_group = bus._life.task_group
-        if task_group is None:
-            return
-        if threading.get_ident() != bus._life.loop_thread:
-            portal = bus._life.portal
-            with contextlib.suppress(RuntimeError):  # the portal stopped: the bus did
-                if portal is not None:
-                    portal.start_task_soon(self.start_background, function, *args)
-            return
-        bus._background += 1
-        task_group.start_soon(self._background, function, args)
-
-    async def _background(
-        self, function: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...]
-    ) -> None:
-        try:
-            await function(*args)
-        finally:
-            self._bus._background -= 1
-            if self.idle_waiters:
-                self._bus._wake_drainers()
-
-    def dedup_store(self, window: float) -> DedupStore | None:
-        """The broker's shared dedup store, ``None`` in memory or without one."""
-        return self._bus._mode.dedup_store(window)
-
-    def rate_store(self) -> RateStore | None:
-        """The broker's shared rate-limit turns, ``None`` in memory or without them."""
-        return self._bus._mode.rate_store()
-
-    def lease_store(self) -> LeaseStore | None:
-        """The broker's shared ``max_in_flight`` slots, ``None`` in memory or without them."""
-        return self._bus._mode.lease_store()
-
-    def consumer_info(self, stage: Stage) -> _instrument.Consumer:
-        """How ``stage`` is described to the instrumentation (the same for its life)."""
-        consumer = self._consumers.get(stage.name)
-        if consumer is None:
-            bus = self._bus
-            consumer = self._consumers[stage.name] = _instrument.Consumer(
-                stage.name,
-                stage.pattern,
-                stage.group,
-                bus._system,
-                stage.group == bus._replies.inbox,
-            )
-        return consumer
-
-    def cleanup_scope(self) -> contextlib.AbstractContextManager[anyio.CancelScope]:
-        """A shielded scope for settling with the broker, bounded by the close deadline."""
-        return self._bus._mode.cleanup_scope()
-
-    def refused(self, stage: Stage, error: ConfigurationError) -> None:
-        """The broker refused ``stage``'s subscription for good (``Bus._refused``)."""
-        self._bus._refused(stage, error)
-
-    async def halt(self, error: BaseException) -> NoReturn:
-        """A handler raised ``error`` (``KeyboardInterrupt``, ...): stop the bus (``Bus._halt``)."""
-        await self._bus._halt(error)
 
 
 class Bus:
@@ -300,18 +120,15 @@ class Bus:
         if worker_niceness is not None:
             worker_niceness = check_count(worker_niceness, "Bus: worker_niceness", 1)
         heartbeat = check_heartbeat(heartbeat)
-        self._switch_interval = switch_interval
-        self._worker_niceness = worker_niceness
         self.name = name
-        self._codec = codec
         #: Where envelopes wait; ``None`` or a :class:`MemoryTransport` keeps them in
         #: the stages' own streams.
         self.transport = transport
         self.workers = workers
-        self._middleware = layers
-        self._services = _Services(self)
+        #: Where the bus is in its life, as the publisher reads it.
+        self._life = Life()
+        self._services = Services(self._life)
         self._router: Router[Stage] = Router()
-        self._routes = self._router.cache  # topic -> stages, read directly on the hot path
         self._stages: dict[tuple[str, str], Stage] = {}
         self._stages_by_name: dict[str, Stage] = {}
         #: Called with every envelope routed (publishes, slip hops, replays); for test
@@ -327,63 +144,39 @@ class Bus:
             codec,
             check_stale_after(stale_group_after),
         )
-        #: The event loop's clock (see ``_clock.py``), read for every duration the bus
-        #: decides on; the running loop's own from start on.
-        self._clock: Clock = time.monotonic
-        #: Where the bus is in its life, as the publisher reads it.
-        self._life = Life()
-        self._background = 0
-        #: This process's heartbeat and the view of the deployment's (``cluster_statistics``).
-        self._cluster = ClusterWatch(
+        #: Subscriptions made stages, their consumers started (see ``_subscribing.py``).
+        self._subscribing = Subscribing(
             name,
-            self._statistics,
-            heartbeat or 5.0,
-            self._mode.heartbeats() if heartbeat is not None else None,
-            self._mode.cleanup_scope,
+            workers,
+            layers,
+            switch_interval,
+            worker_niceness,
+            self._services,
+            self._mode,
+            self._life,
+            self._router,
+            self._stages,
+            self._stages_by_name,
         )
-        self._pool: WorkerPool | None = None
-        self._report: ShutdownReport | None = None
-        self._holds_switch_interval = False
-        #: Whether this run of the bus said which pool its sync handlers run on.
-        self._told_pool = False
-        self._host: TaskGroup | None = None
-        self._runner: int | None = None
-        self._started: anyio.Event | None = None
-        self._stop_requested: anyio.Event | None = None
-        self._stopped: anyio.Event | None = None
-        self._stop_deadline = math.inf
-        self._deadline_scope: anyio.CancelScope | None = None
-        self._drained = False
-        #: What stopped the bus without a stop being asked for (a handler's
-        #: KeyboardInterrupt or SystemExit, or its task group ending by itself): raised
-        #: from ``async with bus`` / ``aclose`` once the bus has stopped.
-        self._fatal: BaseException | None = None
-        self._fatal_raised = False
-        self._exiting = False
-        #: The task that started the bus (``async with``, ``__aenter__``).
-        self._entered_by: int | None = None
-        #: Set when the event loop was torn down under the running bus (never closed).
-        self._left_running = False
-        #: Subscriptions the broker refused, not yet raised by ``subscribed()``.
-        self._refusals: list[ConfigurationError] = []
-        #: The transport's name for what this bus sends (``"memory"`` in its stages).
-        self._system = self._mode.system
+        #: ``drain()``, and when the bus is idle (see ``_draining.py``).
+        self._draining = Draining(self._services, self._stages, self._mode, self._life)
         self._publisher = Publisher(
             name,
             self._life,
-            self._wake_drainers,
+            self._draining.wake,
             self._mode,
             self._services,
             self._router,
             self._observers,
         )
+        self._draining.publisher = self._publisher
         self._replies = Replies(
             name,
             self._mode,
             self._services,
             self._publisher.send,
-            self._subscribe,
-            self._wait_subscribed,
+            self._subscribing.subscribe,
+            self._subscribing.wait_subscribed,
         )
         self._publisher.replies = self._replies
         #: Envelopes published for later and periodic schedules (see ``_time``).
@@ -400,107 +193,60 @@ class Bus:
             lambda: self._life.state,
             ttl,
             maxlen,
-            self._clock,
+            time.monotonic,  # (the event loop's clock once the bus starts)
         )
         #: Dead letters of every stage, newest last.
         self.dead_letters = self._dead_lettering.queue
+        #: The statistics now (see ``_snapshots.py``), read on the bus's thread.
+        self._statistics = functools.partial(
+            bus_statistics, self._stages, self.dead_letters, self._time
+        )
+        #: This process's heartbeat and the view of the deployment's (``cluster_statistics``).
+        self._cluster = ClusterWatch(
+            name,
+            self._statistics,
+            heartbeat or 5.0,
+            self._mode.heartbeats() if heartbeat is not None else None,
+            self._mode.cleanup_scope,
+        )
+        #: Start, stop, and what stopped the bus by itself (see ``_lifecycle.py``).
+        self._lifecycle = Lifecycle(
+            name,
+            self._life,
+            self._mode,
+            self._services,
+            self._draining,
+            self._subscribing,
+            self._transactional,
+            self._cluster,
+            self._time,
+            self._replies,
+            self.dead_letters,
+        )
+        self._services.connect(
+            self._mode, self._draining, self._replies, self._dead_lettering, self._lifecycle
+        )
         if carried:
             self._services.instrumentation = ContextVarCarrier(carried)
 
     # -- life cycle -------------------------------------------------------------
-
-    def _tasks(self) -> TaskGroup:
-        """The one task group that owns every task of the running bus."""
-        if self._life.task_group is None:
-            if self._life.state == "new":
-                raise not_started("start tasks")
-            raise BusClosedError("the bus is not running: use `async with bus:`")
-        return self._life.task_group
 
     @property
     def running(self) -> bool:
         """Whether the bus accepts publishes from outside its handlers."""
         return self._life.state == "running"
 
-    async def __aenter__(self) -> Bus:
-        if self._life.state in ("starting", "running", "closing"):
-            raise RuntimeError("this Bus is already running")
-        previous = self._life.state
-        self._life.state = "starting"
-        self._started = anyio.Event()
-        try:
-            return await self._start_bus(previous)
-        finally:
-            self._started.set()
+    @property
+    def _report(self) -> ShutdownReport | None:
+        """The report of the bus's last stop (``None`` until it stopped)."""
+        return self._lifecycle.report
 
-    async def _start_bus(self, previous: State) -> Bus:
-        pool = WorkerPool(self.workers)
-        try:
-            # Every middleware factory runs here, before anything starts: one that
-            # raises leaves the bus as it was, with no task to clean up.
-            chains = [
-                (stage, subscription, self._chain(subscription, pool))
-                for stage in self._stages.values()
-                for subscription in stage.subscriptions
-            ]
-        except BaseException:  # deliberate: whatever a factory raises, undo the state
-            self._life.state = previous
-            raise
-        self._pool = pool
-        self._told_pool = False
-        self._life.loop_thread = threading.get_ident()
-        self._services.yield_now = fast_checkpoint()
-        self._services.publish_yield = self._mode.publish_yield(self._services.yield_now)
-        self._clock = loop_clock()
-        self.dead_letters.use_clock(self._clock)
-        self._stop_requested = anyio.Event()
-        self._stopped = anyio.Event()
-        self._stop_deadline = math.inf
-        self._drained = False
-        self._report = None
-        self._exiting = False
-        self._fatal = None
-        self._fatal_raised = False
-        self._entered_by = anyio.get_current_task().id
-        self._left_running = False
-        self._refusals = []
-        # The bus's own task group runs inside a runner task, so the task that entered
-        # ``async with bus`` is never inside the cancel scope that stops the bus:
-        # ``aclose()`` works from any task and inside any cancel scope.
-        host = anyio.create_task_group()
-        await host.__aenter__()
-        try:
-            await host.start(self._run, name=f"asyncbus {self.name}")
-        except BaseException:
-            # Deliberate: the runner failed before it started (a broker that cannot be
-            # reached) or the start was cancelled: close the empty host group and
-            # raise that error itself, unwrapped.
-            await host.__aexit__(None, None, None)
-            raise
-        self._host = host
-        self._life.state = "running"
-        try:
-            # (The relay starts once the bus accepts publishes: it forwards only then.)
-            self._transactional.start(self._tasks(), self._life.is_running)
-            built = {id(subscription) for _, subscription, _ in chains}
-            for stage, subscription, chain in chains:
-                self._start(stage, subscription, chain)
-            for stage in list(self._stages.values()):  # subscribed while it started
-                for subscription in stage.subscriptions:
-                    if id(subscription) not in built:
-                        self._start(stage, subscription, self._chain(subscription, pool))
-            # Over a broker, a publish made as soon as this returns must find every group.
-            await self.subscribed()
-        except BaseException:
-            # Deliberate: whatever interrupts the start (a cancellation included), no
-            # running bus is left behind for an ``async with`` that never began.
-            self._request_stop(-math.inf)
-            with anyio.CancelScope(shield=True):
-                await self._stopped.wait()
-            self._host = None
-            await host.__aexit__(None, None, None)
-            self._raise_fatal()  # (a handler stopped the bus while it started)
-            raise
+    def _tasks(self) -> TaskGroup:
+        """The one task group that owns every task of the running bus."""
+        return self._life.tasks()
+
+    async def __aenter__(self) -> Bus:
+        await self._lifecycle.start()
         return self
 
     async def subscribed(self) -> None:
@@ -513,177 +259,7 @@ class Bus:
             (a pattern it cannot take) since the last call: that subscription was
             withdrawn and the rest of the bus runs on as it was.
         """
-        await self._wait_subscribed()
-        if self._refusals:
-            first = self._refusals[0]
-            self._refusals.clear()
-            raise first
-
-    async def _wait_subscribed(self) -> None:
-        """Wait until every stage's broker subscription exists or was refused."""
-        for stage in list(self._stages.values()):
-            if stage.subscribed is not None:
-                await stage.subscribed.wait()
-
-    def _refused(self, stage: Stage, error: ConfigurationError) -> None:
-        """The broker refused ``stage``'s subscription for good; its pump has ended.
-
-        On the running bus the stage is withdrawn (made by a ``subscribe`` there): the
-        other stages go on, nothing of the bus's state is left of it, and the error
-        reaches the next ``subscribed()``. While the bus starts, the start fails with
-        it (``subscribed()`` raises it in ``async with bus``).
-        """
-        self._refusals.append(error)
-        if self._started is not None and self._started.is_set():
-            logger.error(
-                "stage %r: the broker refused its subscription, which is withdrawn "
-                "(the rest of the bus goes on): %s",
-                stage.name,
-                describe_error(error),
-            )
-            key = (stage.pattern, stage.group)
-            if self._stages.get(key) is stage:
-                del self._stages[key]
-                del self._stages_by_name[stage.name]
-                self._router.remove(stage)
-            stage.withdraw()
-            self._services._consumers.pop(stage.name, None)
-        if stage.subscribed is not None:
-            stage.subscribed.set()  # (wakes subscribed())
-        if self._services.idle_waiters:
-            self._wake_drainers()
-
-    async def _run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        """The runner task: owns the transport, the portal and the bus's task group.
-
-        It also carries out the shutdown: when a stop is requested it drains until the
-        deadline (which later requests may bring forward), then cancels the rest, so
-        the stop happens whatever becomes of the caller that asked for it.
-        """
-        self._runner = anyio.get_current_task().id
-        asked = True  # (set again when the task group ends: was a stop asked for?)
-        try:
-            async with AsyncExitStack() as stack:
-                await self._mode.open(stack, self.dead_letters)
-                await self._transactional.open(stack)
-                portal = await stack.enter_async_context(BlockingPortal())
-                async with anyio.create_task_group() as task_group:
-                    self._life.task_group = task_group
-                    self._life.portal = portal
-                    for stage in self._stages.values():
-                        stage.open()
-                    if self._cluster.store is not None:
-                        task_group.start_soon(self._cluster.run)
-                    self._time.start(task_group, self._life.is_running)
-                    task_status.started()
-                    try:
-                        await self._wait_for_stop_request()
-                        with anyio.CancelScope(deadline=self._stop_deadline) as deadline:
-                            self._deadline_scope = deadline
-                            try:
-                                await self._wait_idle(strict=True)
-                            except TransportError as error:
-                                # The broker cannot tell what it still holds (it is
-                                # unreachable): close anyway; what this process holds
-                                # is listed as abandoned, and the broker delivers it
-                                # again once it is back.
-                                logger.warning(
-                                    "closing without knowing the broker's backlog: %s", error
-                                )
-                            else:
-                                self._drained = True
-                    finally:
-                        asked = self._stop_requested is not None and self._stop_requested.is_set()
-                        if not asked and self._loop_left_it_running():
-                            # Nobody closed the bus and its event loop is ending: stop
-                            # at once, list the work as abandoned, say so once (below).
-                            self._left_running = asked = True
-                            self._request_stop(-math.inf)  # (a broker: a short grace)
-                        self._deadline_scope = None
-                        with anyio.CancelScope(shield=True):
-                            self._replies.close()
-                            self._life.portal = None
-                            await portal.stop(cancel_remaining=True)
-                        task_group.cancel_scope.cancel()
-            if not asked:
-                # The task group ended without a stop asked for: its scope was
-                # cancelled by something else (a task of the bus cancelled from
-                # outside). Never a silent stop: ``async with bus`` raises this.
-                self._fail(
-                    BusClosedError(
-                        "the bus stopped by itself: its task group ended without a "
-                        "stop being requested (was its task group or one of its "
-                        "tasks cancelled from outside the bus?)"
-                    )
-                )
-        finally:
-            self._life.task_group = None
-            self._life.portal = None
-            self._runner = None
-            report = self._finish(self._drained, quiet=self._left_running)
-            if self._left_running:
-                _never_closed(self.name, report)
-            if self._stopped is not None:
-                self._stopped.set()
-            host = self._host
-            if self._fatal is not None and host is not None and not self._exiting:
-                # Interrupt the body of ``async with bus``: its exit raises the error.
-                host.cancel_scope.cancel()
-
-    def _loop_left_it_running(self) -> bool:
-        """Whether the bus's tasks end because the event loop ends with the bus running.
-
-        On asyncio the runner cancels every task left (see ``loop_closing``); on trio
-        the task that started the bus returned without closing it, and trio cancels
-        the bus's abandoned task group (a trio task cannot outlive its nursery).
-        """
-        if current_backend() == "trio":
-            running = {task.id for task in anyio.get_running_tasks()}
-            return self._entered_by is not None and self._entered_by not in running
-        return loop_closing()
-
-    async def _wait_for_stop_request(self) -> None:
-        """Wait until a stop is requested; a stray cancellation of the runner is ignored."""
-        assert self._stop_requested is not None
-        while True:
-            try:
-                await self._stop_requested.wait()
-                return
-            except anyio.get_cancelled_exc_class():
-                if not stray_cancellation():
-                    raise  # the bus's own, or the scope of its task group
-                logger.warning(
-                    "the runner task of bus %r was cancelled from outside the bus; ignored",
-                    self.name,
-                )
-
-    def _fail(self, error: BaseException) -> None:
-        """Stop the bus at once for ``error``, which its ``async with`` then raises."""
-        if self._fatal is None:
-            self._fatal = error
-            logger.error("bus %r stops: %s", self.name, describe_error(error), exc_info=error)
-        if self._life.state in ("running", "closing", "starting"):
-            self._request_stop(-math.inf)
-
-    async def _halt(self, error: BaseException) -> NoReturn:
-        """A handler raised ``error`` (``KeyboardInterrupt``, ``SystemExit``): stop the bus.
-
-        Not a handler failure: the bus stops at once, as on an exception in the body
-        of ``async with bus``, whose exit (or ``aclose``) then raises ``error`` itself
-        (the body is interrupted). The calling consumer keeps its envelope until the
-        stop cancels it, so the envelope is listed in ``ShutdownReport.abandoned``:
-        neither acked nor dead-lettered. Never returns.
-        """
-        self._fail(error)
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _raise_fatal(self, *, again: bool = False) -> None:
-        """Raise what stopped the bus by itself: once, or ``again`` (the ``async with`` exit)."""
-        fatal = self._fatal
-        if fatal is not None and (again or not self._fatal_raised):
-            self._fatal_raised = True
-            raise fatal
+        await self._lifecycle.subscribed()
 
     async def __aexit__(
         self,
@@ -691,25 +267,7 @@ class Bus:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._exiting = True
-        try:
-            if exc_type is not None:
-                if self._life.state in ("running", "closing"):
-                    self._request_stop(-math.inf)  # on an exception: cancel at once
-                    assert self._stopped is not None
-                    with anyio.CancelScope(shield=True):
-                        await self._stopped.wait()
-            else:
-                await self.aclose()
-        finally:
-            host, self._host = self._host, None
-            if host is not None:
-                # The runner has finished: the host group is empty. The body's own
-                # exception (if any) propagates unwrapped once this returns.
-                await host.__aexit__(None, None, None)
-        # What stopped the bus by itself replaces the body's exception (most often the
-        # cancellation that interrupted the body for it), which stays its context.
-        self._raise_fatal(again=True)
+        await self._lifecycle.exit(exc_type is not None, self.aclose)
 
     async def aclose(self, timeout: float | None = 30.0) -> ShutdownReport:
         """Stop accepting outside publishes, drain, cancel what is left, and report.
@@ -729,108 +287,7 @@ class Bus:
         :raises ConfigurationError: for a timeout that is not ``None`` or a finite
             number ``>= 0``; the bus is left as it was.
         """
-        seconds = check_wait(timeout, "aclose(timeout)")
-        if self._life.state == "starting":
-            assert self._started is not None
-            await self._started.wait()
-        if self._life.state == "closed" or self._life.state == "new":
-            self._raise_fatal()
-            if self._report is None:
-                self._report = self._make_report(drained=True, abandoned=[], scheduled=[])
-            return self._report
-        deadline = math.inf if seconds is None else anyio.current_time() + seconds
-        inside = self._called_from_inside()
-        self._request_stop(deadline)
-        if inside:
-            return self._make_report(drained=False, abandoned=[], scheduled=[])
-        assert self._stopped is not None
-        try:
-            await self._stopped.wait()
-        except BaseException:
-            # Deliberate: the caller gave up waiting (cancelled, interrupted). The stop
-            # goes on in the runner task, now, so later calls return in their own time.
-            self._request_stop(-math.inf)
-            raise
-        self._raise_fatal()
-        assert self._report is not None
-        return self._report
-
-    def _request_stop(self, deadline: float) -> None:
-        """Ask the runner to stop: drain until ``deadline`` (the soonest asked), then cancel."""
-        if self._life.state in ("running", "starting"):
-            self._life.state = "closing"
-        deadline = self._mode.close_by(deadline)  # (a broker keeps a grace to close)
-        if deadline < self._stop_deadline:
-            self._stop_deadline = deadline
-            if self._deadline_scope is not None:
-                self._deadline_scope.deadline = deadline
-        assert self._stop_requested is not None
-        self._stop_requested.set()
-
-    def _called_from_inside(self) -> bool:
-        """Whether the calling task would be cancelled by this bus's stop.
-
-        True in a handler of this bus (its consumer, or code it runs through
-        ``anyio.from_thread``) and in any task descending from the runner task.
-        """
-        handling = current_handling()
-        if handling is not None and handling.host is self._services:
-            return True
-        runner = self._runner
-        if runner is None:
-            return False
-        parents = {task.id: task.parent_id for task in anyio.get_running_tasks()}
-        task: int | None = anyio.get_current_task().id
-        seen: set[int] = set()
-        while task is not None and task not in seen:
-            if task == runner:
-                return True
-            seen.add(task)
-            task = parents.get(task)
-        return False
-
-    def _finish(self, drained: bool = False, *, quiet: bool = False) -> ShutdownReport:
-        if self._report is not None:
-            return self._report
-        if self._holds_switch_interval:
-            self._holds_switch_interval = False
-            release_switch_interval()
-        # Acks written behind that the broker never got: those envelopes come back.
-        for name, envelope_id in self._mode.lost_acks():
-            stage = self._stages_by_name.get(name)
-            if stage is not None:
-                stage.ledger.ack_lost()
-                stage.unsettled.append(envelope_id)
-        abandoned: list[str] = []
-        for stage in self._stages.values():
-            abandoned += stage.close(log=not quiet)
-        scheduled = self._time.keeper.abandon()
-        self._services.failure_log.flush()
-        self._background = 0
-        self._life.state = "closed"
-        # A call after this may run under another backend: yield through anyio again,
-        # so it meets BusClosedError, not the old backend's yield.
-        self._services.yield_now = self._services.publish_yield = checkpoint
-        for waiter in self._services.idle_waiters:
-            waiter.event.set()
-        self._services.idle_waiters.clear()
-        self._report = self._make_report(
-            drained=drained and not abandoned, abandoned=abandoned, scheduled=scheduled
-        )
-        return self._report
-
-    def _make_report(
-        self, *, drained: bool, abandoned: list[str], scheduled: list[str]
-    ) -> ShutdownReport:
-        stages = self._stages.values()
-        return ShutdownReport(
-            drained=drained,
-            published=sum(stage.ledger.published for stage in stages),
-            completed=sum(stage.ledger.acked for stage in stages),
-            dead_lettered=sum(stage.ledger.dead_lettered for stage in stages),
-            abandoned=abandoned,
-            scheduled=scheduled,
-        )
+        return await self._lifecycle.close(check_wait(timeout, "aclose(timeout)"))
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until every queue is empty and nothing is in flight or waiting for a retry.
@@ -845,63 +302,7 @@ class Bus:
         :raises ConfigurationError: for a timeout that is not ``None`` or a finite
             number ``>= 0``.
         """
-        seconds = check_wait(timeout, "drain(timeout)")
-        handling = current_handling()
-        stage = None
-        # In a handler: what it holds (one envelope, or a batch's) is not waited for.
-        in_hand = handling.in_hand() if handling is not None else 0
-        if in_hand and handling is not None and handling.host is self._services:
-            stage = handling.stage
-            stage.draining += in_hand
-            self._wake_drainers()  # another handler's drain may have waited for this one
-        try:
-            with anyio.move_on_after(seconds):
-                await self._wait_idle(strict=stage is None)
-                return
-        finally:
-            if stage is not None:
-                stage.draining -= in_hand
-        raise TimeoutError(_not_drained(self, timeout))
-
-    async def _wait_idle(self, *, strict: bool) -> None:
-        while True:
-            while not self._idle(strict):
-                if self._life.state == "closed":
-                    return
-                waiter = _DrainWaiter(strict)
-                self._services.idle_waiters.append(waiter)
-                try:
-                    await waiter.event.wait()
-                finally:
-                    # Timed out or cancelled: leave nothing behind (a woken waiter was
-                    # already taken off the list).
-                    if not waiter.event.is_set():
-                        with contextlib.suppress(ValueError):
-                            self._services.idle_waiters.remove(waiter)
-            if not await self._mode.backlog(self._stages.values()):
-                return
-            # Envelopes still in the broker for our stages: look again shortly.
-            await anyio.sleep(0.02)
-
-    def _idle(self, strict: bool = True) -> bool:
-        if self._background or self._publisher.threadsafe_pending:
-            return False
-        if strict:
-            return all(stage.idle for stage in self._stages.values())
-        return all(stage.quiet for stage in self._stages.values())
-
-    def _wake_drainers(self) -> None:
-        """Release every ``drain()`` whose wait is over now."""
-        if not self._services.idle_waiters or not self._idle(strict=False):
-            return
-        everything = self._idle(strict=True)
-        waiting = []
-        for waiter in self._services.idle_waiters:
-            if everything or not waiter.strict:
-                waiter.event.set()
-            else:
-                waiting.append(waiter)
-        self._services.idle_waiters = waiting
+        await self._draining.drain(timeout)
 
     # -- subscribing ------------------------------------------------------------
 
@@ -1027,117 +428,17 @@ class Bus:
         if handler is None:
             # A malformed pattern or option fails here, as in the direct form, not when
             # the decorator is applied.
-            policy, _, _ = check_options(topic, **options)
-            self._mode.check_pattern(topic)
-            self._mode.check_partitions(topic, partitions)
-            joined = self._stages.get((topic, group)) if group is not None else None
-            if joined is not None:
-                _check_joins(
-                    joined,
-                    None,
-                    capacity=capacity,
-                    backpressure=policy,
-                    admission=admission,
-                    concurrency=concurrency,
-                    ordering=ordering,
-                    key_failure=key_failure,
-                    max_in_flight=max_in_flight,
-                    partitions=partitions,
-                )
+            self._subscribing.check(topic, options)
 
             def decorator(function: F) -> F:
-                self._subscribe(make_subscription(topic, function, **options))
+                self._subscribing.subscribe(make_subscription(topic, function, **options))
                 return function
 
             return decorator
         subscription = make_subscription(topic, handler, **options)
         self._mode.check_pattern(topic)
         self._mode.check_partitions(topic, partitions)
-        return self._subscribe(subscription)
-
-    def _subscribe(self, subscription: Subscription) -> Subscription:
-        if self._life.task_group is not None and threading.get_ident() != self._life.loop_thread:
-            # From another thread (a sync handler's worker, say) while the bus runs: the
-            # stage and its consumers are made on the event loop, or not at all.
-            portal = self._life.portal
-            ran = False
-
-            def on_loop() -> Subscription:
-                nonlocal ran
-                ran = True
-                return self._subscribe(subscription)
-
-            try:
-                if portal is None:
-                    raise RuntimeError("the portal is closed")
-                return portal.call(on_loop)
-            except RuntimeError as error:
-                if ran:
-                    raise  # what subscribing raised on the loop
-                raise BusClosedError(
-                    f"subscribe({subscription.topic!r}): the bus stopped before the "
-                    "subscription could start"
-                ) from error
-        key = (subscription.topic, subscription.group)
-        stage = self._stages.get(key)
-        if stage is not None:
-            _check_joins(stage, subscription)
-        chain = None
-        if self._life.task_group is not None:
-            assert self._pool is not None
-            # Built before anything is registered: a middleware factory that raises
-            # leaves the bus exactly as it was.
-            chain = self._chain(subscription, self._pool)
-        if stage is None:
-            stage = Stage(
-                self._services,
-                subscription.topic,
-                subscription.group,
-                subscription.capacity,
-                subscription.backpressure,
-                admission=subscription.admission,
-                controlled=isinstance(subscription.concurrency, Adaptive),
-                ordered=subscription.ordering == "key",
-                stop_key_on_failure=subscription.key_failure == "stop",
-            )
-            stage.partitions = subscription.partitions
-            if subscription.max_in_flight is not None:
-                stage.flights = FlightLimit(stage.name, subscription.max_in_flight)
-            if self._life.task_group is not None:
-                stage.open()
-            self._stages[key] = stage
-            self._stages_by_name[stage.name] = stage
-            self._router.add(subscription.topic, subscription.group, stage)
-        stage.subscriptions.append(subscription)
-        if chain is not None:
-            self._start(stage, subscription, chain)
-        return subscription
-
-    def _chain(self, subscription: Subscription, pool: WorkerPool) -> Handler:
-        """The subscription's handler wrapped in its middleware (every factory runs here)."""
-        handler = adapt_handler(subscription, pool, self._worker_niceness)
-        return build_chain(subscription, handler, self._middleware)
-
-    def _start(self, stage: Stage, subscription: Subscription, chain: Handler) -> None:
-        if subscription.offload == "thread":
-            if not self._told_pool:
-                self._told_pool = True
-                logger.info(
-                    "bus %r: sync handlers (stage %r first) run on the worker thread pool, "
-                    "%d at a time (workers=%d): %s",
-                    self.name,
-                    stage.name,
-                    self.workers,
-                    self.workers,
-                    thread_pool_reason(),
-                )
-            if self._switch_interval is not None and not self._holds_switch_interval:
-                self._holds_switch_interval = True
-                hold_switch_interval(self._switch_interval)
-        if stage.flights is not None:
-            chain = stage.flights(chain)  # (outermost: a handler starts once it has a slot)
-        start_consumers(stage, subscription, chain, self._services)
-        self._mode.start(stage)
+        return self._subscribing.subscribe(subscription)
 
     # -- publishing (see ``_publishing.py``) -----------------------------------
 
@@ -1400,7 +701,7 @@ class Bus:
         """The envelopes published with ``delay=``/``at=`` that are not due yet, soonest
         first (over a broker: the ones this process published; the broker holds every
         process's)."""
-        return self._on_loop(self._time.listed)
+        return self._life.on_loop(self._time.listed)
 
     def schedule(
         self,
@@ -1443,7 +744,7 @@ class Bus:
         )
         validate_topic(topic)
         self._mode.check_topic(topic)
-        return self._on_loop(lambda: self._time.add(made))
+        return self._life.on_loop(lambda: self._time.add(made))
 
     def periodic(
         self,
@@ -1491,7 +792,7 @@ class Bus:
         Safe from any thread: from another thread while the bus runs, the snapshot is
         taken on the event loop (where the counters change), so its ledgers balance.
         """
-        return self._on_loop(self._statistics)
+        return self._life.on_loop(self._statistics)
 
     def cluster_statistics(self) -> ClusterStatistics:
         """Every process of the deployment, and their sums.
@@ -1504,49 +805,7 @@ class Bus:
         or over a broker without heartbeats (RabbitMQ), it is this process alone.
         Safe from any thread, as :meth:`statistics`.
         """
-        return self._on_loop(self._cluster.view)
-
-    def _on_loop(self, read: Callable[[], T]) -> T:
-        """``read()`` on the thread that runs the bus (where its state lives), from any thread.
-
-        From another thread it waits for the loop to run it; on the loop's thread, or
-        when the bus is not running, it runs here.
-        """
-        portal = self._life.portal
-        if portal is None or threading.get_ident() == self._life.loop_thread:
-            return read()
-        try:
-            return portal.call(read)
-        except (RuntimeError, concurrent.futures.CancelledError):
-            return read()  # the portal stopped meanwhile: the bus is closing, nothing moves
-
-    def _statistics(self) -> BusStatistics:
-        stages = tuple(stage.statistics() for stage in self._stages.values())
-
-        def total(field: str) -> int:
-            return sum(getattr(stage, field) for stage in stages)
-
-        return BusStatistics(
-            stages=stages,
-            published=total("published"),
-            acked=total("acked"),
-            failed=total("failed"),
-            retried=total("retried"),
-            dead_lettered=total("dead_lettered"),
-            rejected=total("rejected"),
-            dropped=total("dropped"),
-            expired=total("expired"),
-            abandoned=total("abandoned"),
-            depth=total("depth"),
-            in_flight=total("in_flight"),
-            dead_letter_queue=len(self.dead_letters),
-            free_threaded=FREE_THREADED,
-            deferred=total("deferred"),
-            scheduled=self._time.keeper.count,
-            schedules=tuple(
-                schedule.statistics() for schedule in self._time.schedules.by_name.values()
-            ),
-        )
+        return self._life.on_loop(self._cluster.view)
 
     # -- groups -----------------------------------------------------------------
 
@@ -1589,105 +848,3 @@ class Bus:
 
     def __repr__(self) -> str:
         return f"<Bus {self.name!r} {self._life.state}, {len(self._stages)} stages>"
-
-
-def _check_joins(
-    stage: Stage,
-    subscription: Subscription | None,
-    *,
-    capacity: int = 0,
-    backpressure: Backpressure = Backpressure.BLOCK,
-    admission: Admission | None = None,
-    concurrency: int | Adaptive = 1,
-    ordering: str | None = None,
-    key_failure: str = "continue",
-    max_in_flight: int | None = None,
-    partitions: int | None = None,
-) -> None:
-    """Raise :class:`ConfigurationError` unless ``subscription`` can join ``stage``.
-
-    Without a subscription (the decorator form, before its handler is given), the
-    options it will have are checked.
-    """
-    if subscription is not None:
-        capacity, backpressure = subscription.capacity, subscription.backpressure
-        admission, concurrency = subscription.admission, subscription.concurrency
-        ordering, key_failure = subscription.ordering, subscription.key_failure
-        max_in_flight, partitions = subscription.max_in_flight, subscription.partitions
-    if stage.partitions != partitions:
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has partitions={stage.partitions!r}; a subscription "
-            f"in the same group asked for partitions={partitions!r}"
-        )
-    has_limit = stage.flights.limit if stage.flights is not None else None
-    if has_limit != max_in_flight:
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has max_in_flight={has_limit!r}; a subscription "
-            f"in the same group asked for max_in_flight={max_in_flight!r}"
-        )
-    gate = stage.gate
-    has = ("key" if gate is not None else None, "stop" if gate and gate.stop else "continue")
-    if has != (ordering, key_failure):
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has ordering={has[0]!r}, key_failure={has[1]!r}; "
-            f"a subscription in the same group asked for ordering={ordering!r}, "
-            f"key_failure={key_failure!r}"
-        )
-    if (stage.capacity, stage.backpressure) != (capacity, backpressure):
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has capacity={stage.capacity}, "
-            f"backpressure={stage.backpressure.name}; a subscription in the same group "
-            f"asked for capacity={capacity}, backpressure={backpressure.name}"
-        )
-    if (stage.control.admission if stage.control else None) != admission:
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has admission="
-            f"{stage.control.admission if stage.control else None!r}; a subscription in "
-            f"the same group asked for admission={admission!r}"
-        )
-    if stage.control is None and isinstance(concurrency, Adaptive):
-        raise ConfigurationError(
-            f"stage {stage.name!r} runs a fixed concurrency; a subscription in the same "
-            "group cannot be Adaptive (give the group's first subscription Adaptive or "
-            "admission=)"
-        )
-
-
-def _never_closed(name: str, report: ShutdownReport) -> None:
-    """Log, once, that the bus stopped because its event loop ended with it running."""
-    ids = report.abandoned
-    named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
-    logger.error(
-        "bus was never closed: use `async with bus`, `lifespan(bus)` or `await bus.aclose()` "
-        "(bus %r stopped as its event loop ended; %d envelope(s) abandoned%s)",
-        name,
-        len(ids),
-        f": {named}" if ids else "",
-        extra={"asyncbus_envelope_ids": tuple(ids)},
-    )
-
-
-def _not_drained(bus: Bus, timeout: float | None) -> str:
-    """What a ``drain(timeout)`` that ran out of time was still waiting for."""
-    busy = [stage for stage in bus._stages.values() if not stage.idle]
-    waiting: list[str] = []
-    if busy:
-        queued = sum(stage.queued for stage in busy)
-        in_flight = sum(stage.in_flight for stage in busy)
-        named = ", ".join(f"{s.name} {s.queued} + {s.in_flight}" for s in busy[:5])
-        if len(busy) > 5:
-            named += f" and {len(busy) - 5} more stage(s)"
-        waiting.append(
-            f"{queued} envelope(s) queued + {in_flight} in flight or waiting for a retry ({named})"
-        )
-        if entering := sum(stage.entering for stage in busy):
-            waiting.append(f"{entering} publish(es) waiting for room")
-    if bus._publisher.threadsafe_pending:
-        waiting.append(
-            f"{bus._publisher.threadsafe_pending} thread-safe publish(es) not yet routed"
-        )
-    if bus._background:
-        waiting.append(f"{bus._background} dead-letter or announcement task(s)")
-    if not waiting:
-        waiting.append("envelopes still in the broker for this bus's stages")
-    return f"not drained within {timeout}s: still {'; '.join(waiting)}"

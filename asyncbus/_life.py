@@ -3,8 +3,13 @@ date, handed to them instead of the bus itself."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+from ._exceptions import BusClosedError, not_started
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -14,6 +19,8 @@ __all__ = ["Life", "State"]
 
 #: Where a bus is in its life.
 State = Literal["new", "starting", "running", "closing", "closed"]
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
@@ -34,3 +41,28 @@ class Life:
     def is_running(self) -> bool:
         """Whether the bus runs (started, no stop asked for)."""
         return self.state == "running"
+
+    def tasks(self) -> TaskGroup:
+        """The one task group that owns every task of the running bus.
+
+        :raises BusClosedError: when the bus is not running.
+        """
+        if self.task_group is None:
+            if self.state == "new":
+                raise not_started("start tasks")
+            raise BusClosedError("the bus is not running: use `async with bus:`")
+        return self.task_group
+
+    def on_loop(self, read: Callable[[], T]) -> T:
+        """``read()`` on the thread that runs the bus (where its state lives), from any thread.
+
+        From another thread it waits for the loop to run it; on the loop's thread, or
+        when the bus is not running, it runs here.
+        """
+        portal = self.portal
+        if portal is None or threading.get_ident() == self.loop_thread:
+            return read()
+        try:
+            return portal.call(read)
+        except (RuntimeError, concurrent.futures.CancelledError):
+            return read()  # the portal stopped meanwhile: the bus is closing, nothing moves

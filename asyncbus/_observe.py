@@ -101,4 +101,4 @@ def on_loop(bus: Bus, read: Callable[[], T]) -> T:
     A scrape made from another thread (a metrics server thread) waits for the loop to
     run it; on the loop thread, or when the bus is not running, it runs here.
     """
-    return bus._on_loop(read)
+    return bus._life.on_loop(read)

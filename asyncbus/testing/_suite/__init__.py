@@ -1,0 +1,2 @@
+"""The conformance suite's parts, one theme per module, which
+:class:`~asyncbus.testing.transport_suite.TransportSuite` puts together."""
