@@ -1,5 +1,6 @@
-"""One consumer channel of the RabbitMQ transport and the acks it owes the broker, and the
-two asyncio helpers its calls need (aiormq runs on asyncio only)."""
+"""One consumer channel of the RabbitMQ transport and the acks it owes the broker (written
+by :func:`write_acks`), and the two asyncio helpers its calls need (aiormq runs on
+asyncio only)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import anyio
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel
 
-__all__ = ["ConsumerChannel", "retrieve", "spurious_cancel"]
+__all__ = ["ConsumerChannel", "retrieve", "spurious_cancel", "write_acks"]
 
 logger = logging.getLogger("asyncbus.transport.rabbit")
 
@@ -140,3 +141,15 @@ class ConsumerChannel:
                     raise
             except Exception as error:
                 logger.debug("RabbitMQ: nack lost with its channel: %s", error)
+
+
+async def write_acks(
+    batch: dict[ConsumerChannel, list[tuple[int, str | None]]],
+) -> list[ConsumerChannel]:
+    """Write each channel's acks (the transport's ack writer hands them over, with the
+    envelope ids); return the channels that are gone (their acks lost)."""
+    lost: list[ConsumerChannel] = []
+    for consumer, acks in batch.items():
+        if not await consumer.flush([tag for tag, _id in acks]):
+            lost.append(consumer)
+    return lost

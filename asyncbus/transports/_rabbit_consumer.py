@@ -3,8 +3,9 @@
 A :class:`Subscription` owns one consumer channel at a time (a new one after a lost
 connection; ``_rabbit_channel.ConsumerChannel`` keeps the acks that channel owes the
 broker); :class:`RabbitDelivery` is what a subscription hands out. The broker calls go
-through the transport (:mod:`asyncbus.transports.rabbit`), which also runs the helpers
-that write acks behind and give back what a stuck consumer holds.
+through the transport (:mod:`asyncbus.transports.rabbit`): its connections, declarations
+and publisher; it also runs the helpers that write acks behind and give back what a
+stuck consumer holds.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ __all__ = [
     "RabbitDelivery",
     "RabbitHost",
     "RabbitLink",
+    "RabbitLinks",
+    "RabbitQueues",
+    "Republisher",
     "Subscription",
 ]
 
@@ -83,9 +87,57 @@ class RabbitLink(Protocol):
     consumer: AbstractConnection
 
 
+class RabbitLinks(Protocol):
+    """What subscriptions use of the transport's connections (``_rabbit_link.Connections``)."""
+
+    closing: bool
+    fatal: tuple[type[BaseException], ...]
+    not_found: type[BaseException]
+
+    def failed(self, what: str, error: BaseException) -> TransportError:
+        """The error to raise when ``what`` failed with ``error``."""
+        ...
+
+    async def wait(self, deadline: float | None) -> RabbitLink:
+        """The live link, waiting for a reconnection up to ``deadline``."""
+        ...
+
+
+class RabbitQueues(Protocol):
+    """What subscriptions use of the transport's declarations (``_rabbit_topology.Topology``)."""
+
+    async def declare_queue(self, link: Any, pattern: str, group: str) -> str:
+        """Declare and bind the queue of (pattern, group) on ``link`` (once per link)."""
+        ...
+
+    def forget(self, queue: str) -> None:
+        """``queue`` must be declared again before use (it was deleted)."""
+        ...
+
+
+class Republisher(Protocol):
+    """What deliveries and subscriptions use of the transport's publisher
+    (``_rabbit_publisher.Publisher``): the republishes that settle them."""
+
+    async def retry(self, delivery: RabbitDelivery, delay: float | None) -> None:
+        """Republish ``delivery`` (attempt + 1), then ack it."""
+        ...
+
+    async def bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
+        """Store ``entry``, then ack the delivery."""
+        ...
+
+    async def hand_back(
+        self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
+    ) -> list[RabbitDelivery]:
+        """Put ``deliveries`` back in ``queue`` as copies carrying their count, then ack;
+        return those that could not be copied."""
+        ...
+
+
 class RabbitHost(Protocol):
     """What subscriptions and deliveries use of their transport (:class:`~.rabbit.
-    RabbitTransport` is one): settings, the link, declaring, settling, acks."""
+    RabbitTransport` is one): settings, its connections, declarations, settling, acks."""
 
     prefix: str
     codec: Codec
@@ -94,11 +146,16 @@ class RabbitHost(Protocol):
     max_backoff: float
     max_deliveries: int
     _client_id: str
-    _closing: bool
-    _fatal: tuple[type[BaseException], ...]
-    _not_found: type[BaseException]
     _subscriptions: set[Subscription]
     _acks: AckWriter[ConsumerChannel, int]
+
+    # Read-only (properties): the transport's collaborators, of their own classes.
+    @property
+    def _links(self) -> RabbitLinks: ...
+    @property
+    def _topology(self) -> RabbitQueues: ...
+    @property
+    def _publisher(self) -> Republisher: ...
 
     def queue_name(self, pattern: str, group: str) -> str:
         """The queue of (pattern, group)."""
@@ -108,41 +165,10 @@ class RabbitHost(Protocol):
         """A shielded clean-up scope, bounded by the close deadline."""
         ...
 
-    def _failed(self, what: str, error: BaseException) -> TransportError:
-        """The error to raise when ``what`` failed with ``error``."""
-        ...
-
-    def _forget_queue(self, queue: str) -> None:
-        """``queue`` must be declared again before use (it was deleted)."""
-        ...
-
     def _ack(
         self, consumer: ConsumerChannel, tag: int, stage: str, envelope_id: str | None
     ) -> None:
         """Queue the ack of ``tag`` for the writer."""
-        ...
-
-    async def _retry(self, delivery: RabbitDelivery, delay: float | None) -> None:
-        """Republish ``delivery`` (attempt + 1), then ack it."""
-        ...
-
-    async def _bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
-        """Store ``entry``, then ack the delivery."""
-        ...
-
-    async def _wait_link(self, deadline: float | None) -> RabbitLink:
-        """The live link, waiting for a reconnection up to ``deadline``."""
-        ...
-
-    async def _hand_back(
-        self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
-    ) -> list[RabbitDelivery]:
-        """Put ``deliveries`` back in ``queue`` as copies carrying their count, then ack;
-        return those that could not be copied."""
-        ...
-
-    async def _declare_queue(self, link: Any, pattern: str, group: str) -> str:
-        """Declare and bind the queue of (pattern, group) on ``link`` (once per link)."""
         ...
 
 
@@ -210,11 +236,11 @@ class RabbitDelivery(BaseDelivery):
         :raises TransportError: when it could not be republished (it then goes back
             to the queue as it is).
         """
-        await self._subscription.transport._retry(self, delay)
+        await self._subscription.transport._publisher.retry(self, delay)
 
     async def _reject(self, entry: DeadLetter) -> None:
         """Store it as a dead letter (the body byte for byte), then ack it."""
-        await self._subscription.transport._bury(self, entry)
+        await self._subscription.transport._publisher.bury(self, entry)
 
 
 class Subscription:
@@ -307,7 +333,7 @@ class Subscription:
                 given = [self.ready.pop() for _ in range(excess)]
                 for delivery in given:
                     delivery.take_back(RELEASED)
-                kept = await transport._hand_back(consumer, self.queue, given)
+                kept = await transport._publisher.hand_back(consumer, self.queue, given)
                 # What could not be copied goes back as it is (counted).
                 await consumer.give_back([delivery._tag for delivery in kept])
         if not self.wake.is_set():
@@ -334,8 +360,8 @@ class Subscription:
                 await self._close_stale()
                 consumer = self.consumer
                 if consumer is None:
-                    link = await transport._wait_link(None)
-                    await transport._declare_queue(link, self.pattern, self.group)
+                    link = await transport._links.wait(None)
+                    await transport._topology.declare_queue(link, self.pattern, self.group)
                     channel = await link.consumer.channel(publisher_confirms=False)
                     consumer = self.consumer = ConsumerChannel(channel, self.prefetch)
                     channel.closing.add_done_callback(partial(self._channel_closed, consumer))
@@ -364,15 +390,15 @@ class Subscription:
                 problem: BaseException = TransportError("the connection closed")
             except TransportError:
                 raise
-            except transport._not_found as error:
+            except transport._links.not_found as error:
                 # The queue was deleted under us: declare it again.
-                transport._forget_queue(self.queue)
+                transport._topology.forget(self.queue)
                 problem = error
-            except transport._fatal as error:
-                raise transport._failed(f"consuming {self.queue!r}", error) from error
+            except transport._links.fatal as error:
+                raise transport._links.failed(f"consuming {self.queue!r}", error) from error
             except Exception as error:
                 problem = error
-            if transport._closing:
+            if transport._links.closing:
                 raise TransportError("RabbitTransport is closed")
             pause = backoff.next()
             logger.warning(
@@ -505,7 +531,7 @@ class Subscription:
     def _channel_closed(self, consumer: ConsumerChannel, future: asyncio.Future[Any]) -> None:
         retrieve(future)
         if consumer is self.consumer:
-            if not (self.closed or self.transport._closing):
+            if not (self.closed or self.transport._links.closing):
                 logger.warning(
                     "RabbitMQ: the channel consuming %s closed; consuming again", self.queue
                 )
@@ -518,7 +544,7 @@ class Subscription:
             logger.warning("RabbitMQ: the broker cancelled the consumer of %s", self.queue)
             self.stale = consumer.channel
             self.lose(LOST)
-            self.transport._forget_queue(self.queue)
+            self.transport._topology.forget(self.queue)
 
     def lose(self, state: str) -> None:
         """Forget the current channel and every delivery received on it."""
@@ -577,7 +603,7 @@ class Subscription:
                 late, self.late = self.late, []
                 for delivery in late:
                     delivery.take_back(RELEASED)
-                await transport._hand_back(consumer, self.queue, held + late)
+                await transport._publisher.hand_back(consumer, self.queue, held + late)
                 # Acks before the close: what was acked must not come back.
                 await transport._acks.flush([consumer])
                 await channel.close()

@@ -16,6 +16,9 @@ of its connection is bound to the dead-letter exchange (every dead letter stored
 reaches it too) and to ``{prefix}.deadletters.changes``, where what was taken out is
 announced (the keys, as JSON) or ``"stale"`` when every list should be read again.
 One queue holds both, so they come in the order the broker routed them.
+
+:class:`RabbitDeadLetters` is the store as the transport offers it: adding, listing,
+taking, clearing, restoring and watching, each announcing what it changed.
 """
 
 from __future__ import annotations
@@ -23,22 +26,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .._dead_letters import DeadLetter, DeadLetterKey
+from .._dead_letters import DeadLetter, DeadLetterKey, dead_letter_key
 from .._exceptions import DecodeError, TransportError
 from ._codec import (
     Codec,
     dead_letter_from_wire,
     dead_letter_keys_from_wire,
     dead_letter_keys_to_wire,
+    dead_letter_to_wire,
 )
 from ._kit import Backoff
 from ._rabbit_consumer import BACKOFF_MIN, RELEASE_TIMEOUT
@@ -46,8 +52,13 @@ from .base import DeadLetterChange
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
+    from pamqp.commands import Basic
 
-__all__ = ["DeadLetterNews", "DeadLetterScan", "QueueScan"]
+    from ._rabbit_link import Connections, Link
+    from ._rabbit_publisher import Publisher
+    from .base import TransportSettings
+
+__all__ = ["DeadLetterHost", "DeadLetterNews", "DeadLetterScan", "QueueScan", "RabbitDeadLetters"]
 
 T = TypeVar("T")
 
@@ -326,3 +337,114 @@ class DeadLetterNews:
         except DecodeError as error:
             logger.warning("RabbitMQ: unreadable removal of dead letters: %s", error)
             return DeadLetterChange(stale=True)
+
+
+class DeadLetterHost(Protocol):
+    """What the store uses of the transport (:class:`~.rabbit.RabbitTransport`)."""
+
+    prefix: str
+    codec: Codec
+    settings: TransportSettings
+    publish_timeout: float
+    dead_letter_exchange: str
+    dead_letter_queue: str
+    _client_id: str
+
+    def cleanup_scope(self, timeout: float = ...) -> AbstractContextManager[anyio.CancelScope]:
+        """A shielded clean-up scope, bounded by the close deadline."""
+        ...
+
+    def _properties_type(self) -> type[Basic.Properties]:
+        """AMQP's message properties (``TransportError`` when not connected)."""
+        ...
+
+
+class RabbitDeadLetters:
+    """The dead letters every process shares, read under the broker-wide lock, their
+    changes announced to every watcher."""
+
+    def __init__(self, host: DeadLetterHost, links: Connections, publisher: Publisher) -> None:
+        self._host = host
+        self._links = links
+        self._publisher = publisher
+        #: The exclusive queue that exists while one process reads or edits them.
+        self.lock_queue = f"{host.prefix}.deadletters.lock"
+        self.news = DeadLetterNews(
+            host.dead_letter_exchange, f"{host.prefix}.deadletters.changes", host.codec
+        )
+        self._lock = anyio.Lock()
+
+    async def add(self, entry: DeadLetter) -> None:
+        """Publish ``entry`` to the dead-letter queue."""
+        self._host._properties_type()
+        await self._publisher.publish_dead(
+            entry.envelope.id, dead_letter_to_wire(entry, self._host.codec)
+        )
+
+    async def listed(self) -> list[DeadLetter]:
+        """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
+        kept, _ = await self._edit(frozenset())
+        return kept
+
+    async def take(self, ids: Sequence[str]) -> list[DeadLetter]:
+        """Delete the dead letters of these envelope ids, under the lock (the claim);
+        return those this call deleted, telling every watcher."""
+        self._host._properties_type()
+        if not ids:
+            return []
+        _, taken = await self._edit(frozenset(ids))
+        if taken:
+            await self._announce(DeadLetterNews.removal(list(map(dead_letter_key, taken))))
+        return taken
+
+    async def clear(self) -> None:
+        """Delete every dead letter, under the lock (every watcher reads them again)."""
+        await self._edit(None)
+        await self._announce(STALE)
+
+    async def restore(self, entries: Sequence[DeadLetter]) -> None:
+        """Publish ``entries`` again (taken for a replay that failed); every watcher
+        reads the dead letters again."""
+        self._host._properties_type()
+        await self._publisher.publish_dead_letters(entries)
+        await self._announce(STALE)
+
+    @asynccontextmanager
+    async def watch(self) -> AsyncIterator[AsyncIterator[DeadLetterChange]]:
+        """Every dead letter added or removed from now on, by any process; the changes
+        end when the connection is lost (watch again: what was missed is unknown)."""
+        host = self._host
+        host._properties_type()
+        link = await self._links.live()
+        self.news.codec = host.codec
+        try:
+            cleanup = partial(host.cleanup_scope, RELEASE_TIMEOUT)
+            async with self.news.watch(link.consumer, cleanup) as changes:
+                yield changes
+        except (self._links.aiormq.exceptions.AMQPError, OSError) as error:
+            raise self._links.failed("watching the dead letters", error) from error
+
+    async def _announce(self, body: bytes) -> None:
+        properties = self._host._properties_type()(content_type="application/json", delivery_mode=1)
+        await self._publisher.publish_one(self.news.exchange, "", body, properties)
+
+    async def _edit(self, drop: frozenset[str] | None) -> tuple[list[DeadLetter], list[DeadLetter]]:
+        self._host._properties_type()
+        async with self._lock:
+            return await self._links.call("reading the dead letters", partial(self._scan, drop))
+
+    async def _scan(
+        self, drop: frozenset[str] | None, link: Link
+    ) -> tuple[list[DeadLetter], list[DeadLetter]]:
+        host = self._host
+        scan = DeadLetterScan(
+            link.consumer,
+            queue=host.dead_letter_queue,
+            lock=self.lock_queue,
+            codec=host.codec,
+            ttl=host.settings.dead_letter_ttl,
+            maxlen=host.settings.dead_letter_maxlen,
+            lock_timeout=host.publish_timeout,
+            consumer_tag=f"asyncbus.{host._client_id}.dead.{secrets.token_hex(4)}",
+        )
+        return await scan.run(drop)

@@ -21,6 +21,10 @@ than deletions logs the announcement as unreadable and drops it.)
 Whether a publish reached any queue at all is not this module's business: the
 broker tells (a ``mandatory`` publish that no queue takes is returned). The names
 known here only say *which* groups were reached, for the receipt.
+
+Listing (:func:`list_groups`) reads each recorded group's queue; :func:`backlog` counts
+what a group has left: its ready messages, those of the retry queues this process used,
+and the deliveries this process holds.
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-
-import anyio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._exceptions import ConfigurationError, DecodeError
 from .._groups import GroupInfo
@@ -43,12 +45,18 @@ from ._wire_fields import group_from_wire
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
+    from pamqp.commands import Queue
 
-__all__ = ["GroupRegister", "GroupsHost", "delete_group", "list_groups"]
+    from ._kit import AckWriter
+    from ._rabbit_channel import ConsumerChannel
+    from ._rabbit_consumer import Subscription
+    from ._rabbit_link import Connections, Link
 
-T = TypeVar("T")
+__all__ = ["GroupRegister", "GroupsHost", "RetryQueues", "backlog", "delete_group", "list_groups"]
 
 logger = logging.getLogger("asyncbus")
+#: The transport's own logger (what counting a backlog reports).
+_transport_logger = logging.getLogger("asyncbus.transport.rabbit")
 
 
 def _parse(body: bytes) -> tuple[str, str, bool] | None:
@@ -181,15 +189,27 @@ class GroupRegister:
         await scan.scan(sift)
 
 
+class RetryQueues(Protocol):
+    """Where the retry queues this process declared are kept (``_rabbit_topology.Topology``)."""
+
+    #: By work queue: each retry queue's name, and when it was declared.
+    retry_queues: dict[str, dict[str, float]]
+
+
 class GroupsHost(Protocol):
-    """What listing and deleting groups use of :class:`~.rabbit.RabbitTransport`."""
+    """What listing and deleting groups, and counting their backlog, use of
+    :class:`~.rabbit.RabbitTransport`."""
 
     publish_timeout: float
     _groups: GroupRegister
     _client_id: str
-    _not_found: type[BaseException]
-    #: Retry queues this process declared, by work queue.
-    _retry_queues: dict[str, dict[str, float]]
+    _links: Connections
+    _subscriptions: set[Subscription]
+    _acks: AckWriter[ConsumerChannel, int]
+
+    # Read-only (a property): the transport's declarations, of their own class.
+    @property
+    def _topology(self) -> RetryQueues: ...
 
     def queue_name(self, pattern: str, group: str) -> str:
         """The group's queue."""
@@ -199,31 +219,15 @@ class GroupsHost(Protocol):
         """AMQP's message properties (``TransportError`` when not connected)."""
         ...
 
-    async def _admin(self, link: Any, operation: Callable[[AbstractChannel], Awaitable[T]]) -> T:
-        """Run ``operation`` on the link's admin channel."""
-        ...
 
-    async def _call(
-        self, what: str, operation: Callable[[Any], Awaitable[T]], deadline: float | None = None
-    ) -> T:
-        """Run ``operation`` on the live link, retried on a lost connection."""
-        ...
-
-    async def _send(
-        self,
-        link: Any,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        properties: Any,
-        mandatory: bool = False,
-    ) -> bool:
-        """Publish one message on the link's confirmed channel."""
-        ...
-
-    async def _wait_link(self, deadline: float | None) -> Any:
-        """The live link."""
-        ...
+async def _declared(transport: GroupsHost, link: Link, queue: str) -> Queue.DeclareOk | None:
+    """The broker's answer to a passive declaration of ``queue`` (its counts); ``None``
+    when it does not exist."""
+    links = transport._links
+    try:
+        return await links.admin(link, lambda channel: channel.queue_declare(queue, passive=True))
+    except links.not_found:
+        return None
 
 
 async def list_groups(transport: GroupsHost) -> list[GroupInfo]:
@@ -232,23 +236,19 @@ async def list_groups(transport: GroupsHost) -> list[GroupInfo]:
     activity)."""
     transport._properties_type()
     register = transport._groups
-    not_found = transport._not_found
     listed = []
     for pattern, group in sorted(register.entries.values()):
         if group.startswith(INBOX_GROUP_PREFIX):
             continue
         queue = transport.queue_name(pattern, group)
 
-        async def count(link: Any, queue: str = queue) -> tuple[int, int] | None:
-            try:
-                declared = await transport._admin(
-                    link, lambda channel: channel.queue_declare(queue, passive=True)
-                )
-            except not_found:
+        async def count(link: Link, queue: str = queue) -> tuple[int, int] | None:
+            declared = await _declared(transport, link, queue)
+            if declared is None:
                 return None
             return int(declared.message_count or 0), int(declared.consumer_count or 0)
 
-        found = await transport._call(f"counting {queue!r}", count)
+        found = await transport._links.call(f"counting {queue!r}", count)
         if found is not None:
             listed.append(GroupInfo(pattern, group, found[0], found[1]))
     return listed
@@ -259,36 +259,31 @@ async def delete_group(transport: GroupsHost, pattern: str, group: str) -> bool:
     queues this process knows for it, tell every process, and drop it from the register."""
     transport._properties_type()
     register = transport._groups
+    links = transport._links
+    retry_queues = transport._topology.retry_queues
     queue = transport.queue_name(pattern, group)
     recorded = f"{pattern}@{group}" in register.entries
-    not_found = transport._not_found
 
-    async def delete(link: Any) -> bool:
-        existed = True
-        try:
-            await transport._admin(link, lambda channel: channel.queue_declare(queue, passive=True))
-        except not_found:
-            existed = False
-        names = [queue, *transport._retry_queues.get(queue, {})] if existed else []
+    async def delete(link: Link) -> bool:
+        existed = await _declared(transport, link, queue) is not None
+        names = [queue, *retry_queues.get(queue, {})] if existed else []
         for name in names:
 
             async def drop(channel: AbstractChannel, name: str = name) -> None:
                 await channel.queue_delete(name)
 
-            await transport._admin(link, drop)
+            await links.admin(link, drop)
         link.declared.discard(queue)
         link.announced.discard(queue)
         properties = transport._properties_type()(content_type="application/json", delivery_mode=2)
-        await transport._send(
-            link, register.exchange, "", register.deletion(pattern, group), properties
-        )
+        await links.send(link, register.exchange, "", register.deletion(pattern, group), properties)
         return existed
 
-    existed = await transport._call(f"deleting group {pattern}@{group}", delete)
-    transport._retry_queues.pop(queue, None)
+    existed = await links.call(f"deleting group {pattern}@{group}", delete)
+    retry_queues.pop(queue, None)
     register.remove(pattern, group)
     try:
-        link = await transport._wait_link(anyio.current_time() + transport.publish_timeout)
+        link = await links.live()
         await register.read(
             link.consumer,
             lock_timeout=transport.publish_timeout,
@@ -298,3 +293,50 @@ async def delete_group(transport: GroupsHost, pattern: str, group: str) -> bool:
     except Exception as error:  # the deletion is done; the next reader drops the entries
         logger.warning("RabbitMQ: tidying the group register failed: %s", error)
     return existed or recorded
+
+
+async def _ready_count(transport: GroupsHost, name: str) -> int | None:
+    """Ready messages in queue ``name``; ``None`` when it does not exist."""
+
+    async def count(link: Link) -> int | None:
+        declared = await _declared(transport, link, name)
+        return None if declared is None else int(declared.message_count or 0)
+
+    return await transport._links.call(f"counting {name!r}", count)
+
+
+async def backlog(transport: GroupsHost, pattern: str, group: str) -> int:
+    """Ready messages of the group (and its retries here) + what this process holds
+    (its acks written first)."""
+    transport._properties_type()
+    queue = transport.queue_name(pattern, group)
+    total = 0
+    if (count := await _ready_count(transport, queue)) is not None:
+        total += count
+    retries = transport._topology.retry_queues.get(queue, {})
+    for name in list(retries):
+        count = await _ready_count(transport, name)
+        if count is None:
+            retries.pop(name, None)  # expired
+        else:
+            total += count
+    mine = [s for s in transport._subscriptions if s.queue == queue]
+    # The queue's count leaves out what is delivered and unacked. A round trip first:
+    # what the broker sent before it has arrived (held here, or handled with its ack
+    # queued). Then the queued acks are written (after any write already going on)
+    # and a second round trip means the broker has them: a drain that returns leaves
+    # nothing handled here for the broker to deliver again. What is held, or acked
+    # and not yet written, after that is counted, and the drain looks again.
+    for subscription in mine:
+        await subscription.sync()
+    consumers = [s.consumer for s in mine if s.consumer is not None]
+    acks = transport._acks
+    if consumers:
+        try:
+            await acks.flush(consumers)
+        except Exception as error:  # kept queued: the writer tries again
+            _transport_logger.debug("RabbitMQ: writing acks for a backlog count failed: %s", error)
+        for subscription in mine:
+            await subscription.sync()
+    total += sum(1 for consumer in consumers if acks.queued(consumer))
+    return total + sum(subscription.unsettled() for subscription in mine)

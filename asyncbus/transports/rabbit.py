@@ -110,73 +110,38 @@ How it works:
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import math
 import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, ClassVar
 
 import anyio
-import anyio.lowlevel
 
 from .._checks import check_count
-from .._dead_letters import DeadLetter, dead_letter_key
+from .._dead_letters import DeadLetter
 from .._envelope import Envelope
-from .._exceptions import (
-    ConfigurationError,
-    ConnectError,
-    EncodeError,
-    TransportError,
-)
-from .._failures import describe_error
+from .._exceptions import ConfigurationError, TransportError
 from .._groups import GroupInfo
 from .._routing import validate_topic
 from . import _rabbit_groups
-from ._codec import (
-    Codec,
-    dead_letter_to_wire,
-    dump_meta,
-    encode_payload,
-    envelope_meta,
-)
-from ._kit import (
-    AckWriter,
-    Backoff,
-    TaskOwner,
-    check_url,
-    redact,
-    require_asyncio,
-    require_extra,
-    split_urls,
-)
+from ._codec import Codec
+from ._kit import AckWriter, TaskOwner, check_url, require_extra, split_urls
 from ._kit.options import (
     DEFAULT_MAX_MESSAGE_SIZE,
     checked_max_message_size,
     checked_prefetch,
     checked_seconds,
-    refuse_oversized,
 )
-from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, HEADER_DELIVERIES, checked_max_deliveries
-from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
-from ._rabbit_channel import ConsumerChannel, retrieve, spurious_cancel
-from ._rabbit_consumer import (
-    BACKOFF_MIN,
-    LOST,
-    META_HEADER,
-    PREFETCH_MAX,
-    QUEUED_HEADER,
-    RELEASE_TIMEOUT,
-    RabbitDelivery,
-    Subscription,
-)
-from ._rabbit_dead_letters import STALE, DeadLetterNews, DeadLetterScan
+from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
+from ._kit.routes import unrouted_entry
+from ._rabbit_channel import ConsumerChannel, write_acks
+from ._rabbit_consumer import LOST, META_HEADER, PREFETCH_MAX, RELEASE_TIMEOUT, Subscription
+from ._rabbit_dead_letters import RabbitDeadLetters
 from ._rabbit_groups import GroupRegister
+from ._rabbit_link import Connections, Link
 from ._rabbit_names import (
     KEY_LIMIT,
     NAME_CHARACTERS,
@@ -185,131 +150,25 @@ from ._rabbit_names import (
     delay_bucket_ms,
     escape,
 )
+from ._rabbit_publisher import Publisher
 from ._rabbit_ticks import TickLeader
+from ._rabbit_topology import Topology
 from ._registry import registered
 from .base import Capabilities, DeadLetterChange, Delivery, TopicLimits, Transport
 
 if TYPE_CHECKING:
-    from aiormq.abc import AbstractChannel, AbstractConnection
     from pamqp.commands import Basic
-    from pamqp.common import FieldTable
 
 __all__ = ["META_HEADER", "RabbitTransport", "binding_key", "delay_bucket_ms"]
-
-logger = logging.getLogger("asyncbus.transport.rabbit")
 
 #: The URL schemes aiormq takes, and what a URL looks like (for errors).
 _SCHEMES = tuple(registered("rabbit").schemes)
 _URL_FORM = "amqp://user:password@host:port/vhost (amqps:// for TLS)"
 #: The largest quorum queue group ``replicas`` may ask for.
 _MAX_REPLICAS = 99
-
-T = TypeVar("T")
-
-_EXTRA_MISSING = "RabbitTransport needs the 'rabbit' extra: pip install 'asyncbus[rabbit]'"
-#: Largest ``asyncbus-meta`` header: the whole content header must fit in one frame.
-_META_LIMIT = 64 * 1024
 #: Seconds the ack writer waits for more acks before writing (bounds their delay; a
 #: channel with half its prefetch waiting is written at once).
 _ACK_LINGER = 0.02
-#: Unused retry queues are deleted after twice their delay plus this (ms).
-_RETRY_EXPIRES_MS = 10 * 60 * 1000
-#: Entries the catalog keeps (every process records its queues once: duplicates).
-_CATALOG_MAX = 100_000
-#: Queues of a bus's reply inbox (group ``_reply.{uuid}``, one per process) expire
-#: (``x-expires``) this long after their last consumer left.
-_INBOX_EXPIRES_MS = 5 * 60 * 1000
-#: The largest x-message-ttl RabbitMQ accepts (about 49 days).
-_TTL_MAX_MS = 2**32 - 1
-#: Seconds a close whose deadline has passed still runs: enough for the client to
-#: begin it and then cut it short (a close never begun leaves its socket open).
-_CLOSE_CUT = 0.01
-
-
-def _failure(outcome: object) -> BaseException | None:
-    """What a gathered publish raised (``None``: confirmed); a publish the client
-    cancelled (its channel closed) is a lost connection, retried."""
-    if isinstance(outcome, asyncio.CancelledError):
-        return ConnectionError("the channel closed before the confirm")
-    return outcome if isinstance(outcome, BaseException) else None
-
-
-class _Verbatim:
-    """A codec that always encodes to one body: a delivery's raw body, kept as it came."""
-
-    content_type = "application/octet-stream"
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    def encode(self, value: Any) -> bytes:
-        return self.body
-
-    def decode(self, data: bytes) -> Any:
-        return data
-
-
-class _Link:
-    """One generation of connections (publishing, consuming) and the shared channels."""
-
-    def __init__(
-        self,
-        publisher: AbstractConnection,
-        consumer: AbstractConnection,
-        channel: AbstractChannel,
-        on_lost: Callable[[_Link], None],
-    ) -> None:
-        self.publisher = publisher
-        self.consumer = consumer
-        #: Publishes, with confirms (reopened when the broker closed it).
-        self.channel = channel
-        self.channel_lock = anyio.Lock()
-        #: Declarations and counts, one at a time (a failed one closes the channel).
-        self.admin: AbstractChannel | None = None
-        self.admin_lock = anyio.Lock()
-        #: Queues declared and bound on this link.
-        self.declared: set[str] = set()
-        #: Queues recorded in the catalog, and groups announced, on this link: again on
-        #: every new link, since a broker that restarted may have lost both records.
-        self.catalogued: set[str] = set()
-        self.announced: set[str] = set()
-        #: The channel consuming the news of groups (closed with the connection).
-        self.news: AbstractChannel | None = None
-        self.lost = anyio.Event()
-        self._on_lost = on_lost
-
-    def watch(self) -> None:
-        for connection in (self.publisher, self.consumer):
-            connection.closing.add_done_callback(self._closed)
-
-    def _closed(self, future: asyncio.Future[Any]) -> None:
-        retrieve(future)
-        if not self.lost.is_set():
-            self.lost.set()
-            self._on_lost(self)
-
-    async def close(self, timeout: float = RELEASE_TIMEOUT) -> None:
-        """Close both connections, together and shielded, within ``timeout`` seconds.
-
-        A broker that does not answer the close in time is not waited for: the client
-        cuts its close handshake short and closes the socket itself (which takes a
-        moment, not a round trip), so no socket outlives the call.
-        """
-        # The client's own timeout, not a cancel scope: cancelled from outside before it
-        # starts, a close would leave the connection open; timed out, it closes it.
-        timeout = max(timeout, _CLOSE_CUT)
-
-        async def close(connection: AbstractConnection) -> None:
-            try:
-                # (aiormq's Base.close takes the timeout; its abstract class omits it.)
-                await connection.close(timeout=timeout)  # type: ignore[call-arg]
-            except Exception as error:  # timed out, or closing what is already broken
-                logger.debug("RabbitMQ: closing a connection failed: %r", error)
-
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as closing:
-                for connection in (self.consumer, self.publisher):
-                    closing.start_soon(close, connection)
 
 
 class RabbitTransport(Transport):
@@ -435,20 +294,8 @@ class RabbitTransport(Transport):
         self.max_backoff = max_backoff
         self.dead_letter_exchange = f"{prefix}.deadletters"
         self.dead_letter_queue = f"{prefix}.deadletters"
-        self._lock_queue = f"{prefix}.deadletters.lock"
-        self._dead_news = DeadLetterNews(
-            self.dead_letter_exchange, f"{prefix}.deadletters.changes", self.codec
-        )
-        self._catalog = f"{prefix}.catalog"
         self._client_id = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
-        self._aiormq: Any = None
         self._properties: type[Basic.Properties] | None = None
-        self._fatal: tuple[type[BaseException], ...] = ()
-        self._not_found: type[BaseException] = LookupError
-        self._returned: type[BaseException] = LookupError
-        self._link: _Link | None = None
-        self._link_event = anyio.Event()
-        self._closing = False
         #: The background tasks: reconnecting, writing acks, the ack timeout.
         self._tasks = TaskOwner("RabbitTransport")
         self._subscriptions: set[Subscription] = set()
@@ -456,20 +303,21 @@ class RabbitTransport(Transport):
         #: broker returns those deliveries to the queue).
         self._acks = AckWriter[ConsumerChannel, int](
             "RabbitTransport",
-            self._write_acks,
+            write_acks,
             self.cleanup_scope,
             linger=_ACK_LINGER,
             timeout=RELEASE_TIMEOUT,
         )
-        #: Retry queues used by this process, by work queue, with when they were declared.
-        self._retry_queues: dict[str, dict[str, float]] = {}
-        self._dead_lock = anyio.Lock()
         #: Subscriptions declaring their queue now, and an event set when none is left.
         self._joining = 0
         self._joins_done = anyio.Event()
-        self._dead_args_warned = False
         #: Groups recorded in the broker (read at connect, then as announced).
         self._groups = GroupRegister(prefix)
+        #: The link to the broker, what is declared on it, publishing, the dead letters.
+        self._links = Connections(self)
+        self._topology = Topology(self, self._links)
+        self._publisher = Publisher(self, self._links, self._topology.retry_queue)
+        self._dead = RabbitDeadLetters(self, self._links, self._publisher)
 
     # -- names ----------------------------------------------------------------
 
@@ -479,10 +327,6 @@ class RabbitTransport(Transport):
 
     # -- life cycle -----------------------------------------------------------
 
-    async def __aenter__(self) -> RabbitTransport:
-        await self.connect()
-        return self
-
     async def connect(self) -> None:
         """Connect, declare the exchanges and the dead-letter queue, start the helpers.
 
@@ -491,368 +335,52 @@ class RabbitTransport(Transport):
         """
         if self._tasks.running:
             return
-        try:
-            import aio_pika  # noqa: F401  (the extra; its AMQP layer does the work)
-            import aiormq
-            import aiormq.exceptions as errors
-            from pamqp.commands import Basic
-        except ImportError as error:
-            raise ConnectError(_EXTRA_MISSING) from error
-        require_asyncio("RabbitTransport", "aiormq")
-        self._aiormq = aiormq
-        self._properties = Basic.Properties
-        # The client may fail a call on a closing connection with anything (a future
-        # rejected with a bare Exception): all but these (the broker refused, or an
-        # argument is wrong) is taken for a lost connection and retried until
-        # publish_timeout.
-        self._fatal = (
-            errors.ChannelAccessRefused,
-            errors.ChannelNotFoundEntity,
-            errors.ChannelLockedResource,
-            errors.ChannelPreconditionFailed,
-            errors.DeliveryError,
-            errors.AuthenticationError,
-            errors.ProbableAuthenticationError,
-            errors.IncompatibleProtocolError,
-            ValueError,
-            TypeError,
-        )
-        self._not_found = errors.ChannelNotFoundEntity
-        self._returned = errors.PublishError
-        self._closing = False
-        try:
-            link = await self._open_link()
-        except Exception as error:
-            reason = str(error) or type(error).__name__
-            raise ConnectError(
-                f"cannot connect to RabbitMQ at {redact(self.url)}: {reason}"
-            ) from error
-        self._link = link
-        self._link_event = anyio.Event()
-        self._link_event.set()
+        self._properties = self._links.load()
+        await self._links.open()
         await self._tasks.open()
         self._acks.open()
-        self._tasks.start_soon(self._supervise)
+        self._tasks.start_soon(self._links.supervise)
         self._tasks.start_soon(self._acks.run)
         self._tasks.start_soon(self._expiry_loop)
 
     async def aclose(self) -> None:
         """Write pending acks, stop the helpers and close the connections (shielded)."""
-        if not self._tasks.running and self._link is None:
+        if not self._tasks.running and self._links.link is None:
             return
-        self._closing = True
-        self._link_event.set()  # waiters wake up and see the transport closed
+        self._links.stop()  # waiters wake up and see the transport closed
         with self.cleanup_scope(RELEASE_TIMEOUT):
             await self._acks.flush()
         self._acks.close()  # what the deadline cut short is lost (and redelivered)
         for subscription in list(self._subscriptions):
             subscription.lose(LOST)
         await self._tasks.aclose()
-        link, self._link = self._link, None
-        if link is not None:
-            # By the close deadline, however silent the broker: a close it does not
-            # answer in time is cut short, and the client closes the sockets itself.
-            left = self.close_deadline - anyio.current_time()
-            await link.close(max(0.0, min(RELEASE_TIMEOUT, left)))
+        # By the close deadline, however silent the broker: a close it does not answer
+        # in time is cut short, and the client closes the sockets itself.
+        left = self.close_deadline - anyio.current_time()
+        await self._links.close(max(0.0, min(RELEASE_TIMEOUT, left)))
 
-    async def _open_link(self) -> _Link:
-        """Open a link to the first node that answers, from the one used last.
+    async def _set_up(self, link: Link) -> None:
+        """Declare the fixed names on a new link, then follow the groups declared by
+        anyone from now on, and read those declared before."""
+        await self._topology.declare_fixed(link)
+        link.news = await self._groups.listen(link.consumer)
+        await self._groups.read(
+            link.consumer,
+            lock_timeout=self.publish_timeout,
+            tag=f"asyncbus.{self._client_id}.groups.{secrets.token_hex(4)}",
+        )
 
-        :raises Exception: what the last node tried raised (each is logged).
-        """
-        start = self.servers.index(self.url)
-        order = self.servers[start:] + self.servers[:start]
-        *others, last = order
-        for index, url in enumerate(others):
-            try:
-                link = await self._open_link_to(url)
-            except Exception as error:
-                logger.warning(
-                    "RabbitMQ: %s does not answer (%s); trying %s",
-                    redact(url),
-                    describe_error(error),
-                    redact(order[index + 1]),
-                )
-                continue
-            self.url = url
-            return link
-        link = await self._open_link_to(last)
-        self.url = last
-        return link
+    def _link_lost(self, link: Link) -> None:
+        """The connections of ``link`` closed: the dead letters watched on it end."""
+        self._dead.news.lost(link.consumer)  # its watchers' queues are gone
 
-    async def _open_link_to(self, url: str) -> _Link:
-        """Open both connections and the publishing channel; declare the fixed names."""
-        aiormq = self._aiormq
-        opened: list[AbstractConnection] = []
-        try:
-            with anyio.fail_after(self.connect_timeout):
-                for role in ("publisher", "consumer"):
-                    connection = await aiormq.connect(
-                        url,
-                        client_properties={"connection_name": f"asyncbus {self.prefix} {role}"},
-                    )
-                    opened.append(connection)
-                channel = await opened[0].channel(publisher_confirms=True)
-                link = _Link(opened[0], opened[1], channel, self._link_lost)
-                await self._declare_fixed(link)
-                # Groups declared by anyone from now on, then those declared before.
-                link.news = await self._groups.listen(link.consumer)
-                await self._groups.read(
-                    link.consumer,
-                    lock_timeout=self.publish_timeout,
-                    tag=f"asyncbus.{self._client_id}.groups.{secrets.token_hex(4)}",
-                )
-        except BaseException:  # deliberate: close what was opened on any way out
-            with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
-                for connection in opened:
-                    try:
-                        await connection.close()
-                    except Exception as error:
-                        logger.debug("RabbitMQ: closing a half-open connection failed: %s", error)
-            raise
-        link.watch()
-        if link.lost.is_set():
-            await link.close()  # the other connection may still be open
-            raise TransportError("the connection closed while it was being set up")
-        return link
-
-    def _link_lost(self, link: _Link) -> None:
-        self._dead_news.lost(link.consumer)  # its watchers' queues are gone
-        if self._link is link and not self._closing:
-            self._link_event = anyio.Event()
-
-    async def _supervise(self) -> None:
-        """Reconnect with exponential, jittered backoff whenever the connections drop."""
-        while True:
-            link = self._link
-            assert link is not None
-            await link.lost.wait()
-            if self._closing:
-                return
-            logger.warning("RabbitMQ: connection to %s lost; reconnecting", redact(self.url))
-            for subscription in list(self._subscriptions):
-                if subscription.consumer is not None:
-                    subscription.lose(LOST)
-            await link.close()
-            backoff = Backoff(BACKOFF_MIN, self.max_backoff, jitter=True)
-            while True:
-                try:
-                    new = await self._open_link()
-                    break
-                except Exception as error:
-                    pause = backoff.next()
-                    logger.warning(
-                        "RabbitMQ: reconnecting to %s failed, retrying in %.2f s: %s",
-                        redact(self.url),
-                        pause,
-                        error or type(error).__name__,
-                    )
-                    await anyio.sleep(pause)
-            self._link = new
-            self._link_event.set()
-            logger.info("RabbitMQ: reconnected to %s", redact(self.url))
-
-    async def _wait_link(self, deadline: float | None) -> _Link:
-        """The live link, waiting for a reconnection up to ``deadline`` (anyio time)."""
-        while True:
-            if self._closing:
-                raise TransportError("RabbitTransport is closed")
-            link = self._link
-            if link is not None and not link.lost.is_set():
-                return link
-            if not self._tasks.running:
-                raise TransportError(
-                    "RabbitTransport is not connected: use `async with transport` first"
-                )
-            event = self._link_event
-            if deadline is None:
-                await event.wait()
-                continue
-            with anyio.move_on_after(deadline - anyio.current_time()):
-                await event.wait()
-                continue
+    def _properties_type(self) -> type[Basic.Properties]:
+        """The client's message properties class; :class:`TransportError` before connect."""
+        if self._properties is None or not self._tasks.running:
             raise TransportError(
-                f"RabbitMQ at {redact(self.url)} unreachable for {self.publish_timeout} s"
+                "RabbitTransport is not connected: use `async with transport` first"
             )
-
-    def _unconfirmed(self, target: str) -> TransportError:
-        return TransportError(
-            f"RabbitMQ at {redact(self.url)}: publishing to {target!r} not confirmed within "
-            f"publish_timeout={self.publish_timeout:g} s (it may or may not be stored)"
-        )
-
-    def _failed(self, what: str, error: BaseException) -> TransportError:
-        return TransportError(
-            f"RabbitMQ at {redact(self.url)}: {what} failed: {error or type(error).__name__}"
-        )
-
-    async def _call(
-        self,
-        what: str,
-        operation: Callable[[_Link], Awaitable[T]],
-        deadline: float | None = None,
-    ) -> T:
-        """Run ``operation`` on the live link; retry it on a lost connection or channel.
-
-        :param deadline: when to give up (anyio time); ``publish_timeout`` from now if unset.
-        :raises TransportError: on a broker refusal, or once the deadline passed.
-        """
-        if deadline is None:
-            deadline = anyio.current_time() + self.publish_timeout
-        backoff = Backoff(BACKOFF_MIN, self.max_backoff, jitter=True)
-        while True:
-            link = await self._wait_link(deadline)
-            try:
-                # Bounded: a broker that stops answering (a confirm that never comes)
-                # fails the call at the deadline instead of hanging it.
-                with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                    return await operation(link)
-            except asyncio.CancelledError:
-                if not spurious_cancel():
-                    raise
-                problem: BaseException = TransportError("the connection closed")
-            except (TransportError, ConfigurationError):
-                raise
-            except self._fatal as error:
-                raise self._failed(what, error) from error
-            except Exception as error:
-                problem = error
-            if self._closing:
-                raise TransportError("RabbitTransport is closed")
-            if anyio.current_time() >= deadline:
-                if isinstance(problem, TimeoutError):
-                    problem = TimeoutError(
-                        f"no answer within publish_timeout={self.publish_timeout:g} s"
-                    )
-                raise self._failed(what, problem) from problem
-            if not link.lost.is_set():
-                pause = backoff.next()
-                logger.warning(
-                    "RabbitMQ: %s failed, retrying in %.2f s: %s",
-                    what,
-                    pause,
-                    problem or type(problem).__name__,
-                )
-                await anyio.sleep(pause)
-
-    async def _admin(self, link: _Link, operation: Callable[[AbstractChannel], Awaitable[T]]) -> T:
-        """Run ``operation`` on the link's admin channel (opened again if closed)."""
-        async with link.admin_lock:
-            admin = link.admin
-            if admin is None or admin.is_closed:
-                admin = link.admin = await link.publisher.channel(publisher_confirms=False)
-            return await operation(admin)
-
-    # -- declarations ---------------------------------------------------------
-
-    async def _declare_fixed(self, link: _Link) -> None:
-        """The topic exchange, and the dead-letter exchange and queue."""
-        aiormq = self._aiormq
-
-        async def declare(channel: AbstractChannel) -> None:
-            await channel.exchange_declare(self.prefix, exchange_type="topic", durable=True)
-            for fanout in (self.dead_letter_exchange, self._dead_news.exchange):
-                await channel.exchange_declare(fanout, exchange_type="fanout", durable=True)
-
-        await self._admin(link, declare)
-        await self._admin(
-            link,
-            lambda channel: channel.queue_declare(
-                self._catalog, durable=True, arguments={"x-max-length": _CATALOG_MAX}
-            ),
-        )
-        arguments: FieldTable = {
-            "x-message-ttl": min(max(1, int(self.settings.dead_letter_ttl * 1000)), _TTL_MAX_MS),
-            "x-max-length": max(0, int(self.settings.dead_letter_maxlen)),
-        }
-        try:
-            await self._admin(
-                link,
-                lambda channel: channel.queue_declare(
-                    self.dead_letter_queue, durable=True, arguments=arguments
-                ),
-            )
-        except aiormq.exceptions.ChannelPreconditionFailed as error:
-            # Declared earlier with other limits: keep it (listing applies the current
-            # dead_letter_ttl and dead_letter_maxlen anyway).
-            if not self._dead_args_warned:
-                self._dead_args_warned = True
-                logger.warning(
-                    "RabbitMQ: %s exists with other limits, kept as it is: %s",
-                    self.dead_letter_queue,
-                    error,
-                )
-            await self._admin(
-                link,
-                lambda channel: channel.queue_declare(self.dead_letter_queue, passive=True),
-            )
-
-        async def bind(channel: AbstractChannel) -> None:
-            await channel.queue_bind(
-                self.dead_letter_queue, self.dead_letter_exchange, routing_key=""
-            )
-
-        await self._admin(link, bind)
-        await self._admin(link, self._groups.declare)
-
-    async def _declare_queue(self, link: _Link, pattern: str, group: str) -> str:
-        """Declare the quorum queue of a group and bind it (once per link)."""
-        queue = self.queue_name(pattern, group)
-        if queue in link.declared:
-            return queue
-        key = binding_key(pattern)
-        arguments: FieldTable = {"x-queue-type": "quorum"}
-        if group.startswith(INBOX_GROUP_PREFIX):
-            # A bus's reply inbox: its process's alone, gone once nobody consumes it.
-            arguments["x-expires"] = _INBOX_EXPIRES_MS
-        elif self.replicas is not None:
-            arguments["x-quorum-initial-group-size"] = self.replicas
-
-        async def declare(channel: AbstractChannel) -> None:
-            try:
-                await channel.queue_declare(queue, durable=True, arguments=arguments)
-            except self._aiormq.exceptions.ChannelPreconditionFailed as error:
-                # The queue exists with other arguments (another replicas=): a setting
-                # to change, not a failure to retry.
-                raise ConfigurationError(
-                    f"RabbitMQ: the queue {queue} exists with other arguments than this "
-                    f"transport's (replicas={self.replicas!r}): {error}; give the setting it "
-                    "was declared with, or delete the queue (its messages with it) first"
-                ) from error
-            await channel.queue_bind(queue, self.prefix, routing_key=key)
-
-        await self._admin(link, declare)
-        await self._catalogue(link, queue)
-        await self._announce(link, queue, pattern, group)
-        link.declared.add(queue)
-        return queue
-
-    async def _catalogue(self, link: _Link, queue: str) -> None:
-        """Record ``queue`` in the catalog (once per link) for :meth:`delete_everything`."""
-        if queue in link.catalogued:
-            return
-        properties = self._properties_type()(delivery_mode=2, message_id=queue)
-        await self._send(link, "", self._catalog, queue.encode(), properties)
-        link.catalogued.add(queue)
-
-    async def _announce(self, link: _Link, queue: str, pattern: str, group: str) -> None:
-        """Record a group in the broker (once per link) for every process's receipts.
-
-        Once per link, not once for all: a broker that restarted with its state lost
-        (then the connections drop) has lost the register too; announced again when
-        the subscription declares its queue on the new link, the group is known again
-        to every process that connects from then on (readers drop the duplicates).
-        """
-        if queue in link.announced or group.startswith(INBOX_GROUP_PREFIX):
-            return  # (a reply inbox is one process's, and short-lived)
-        self._groups.add(pattern, group)
-        properties = self._properties_type()(
-            content_type="application/json", delivery_mode=2, message_id=queue
-        )
-        await self._send(
-            link, self._groups.exchange, "", self._groups.document(pattern, group), properties
-        )
-        link.announced.add(queue)
+        return self._properties
 
     async def delete_everything(self) -> None:
         """Delete every queue and exchange this prefix has on the broker, messages included.
@@ -864,60 +392,7 @@ class RabbitTransport(Transport):
 
         :raises ConnectError: when the broker cannot be reached.
         """
-        try:
-            import aiormq
-            import aiormq.exceptions as errors
-        except ImportError as error:
-            raise ConnectError(_EXTRA_MISSING) from error
-        try:
-            connection = await aiormq.connect(self.url)
-        except Exception as error:
-            raise ConnectError(
-                f"cannot connect to RabbitMQ at {redact(self.url)}: {error}"
-            ) from error
-        try:
-            channel = await connection.channel(publisher_confirms=False)
-            names: list[str] = []
-            try:
-                await channel.queue_declare(self._catalog, passive=True)
-            except errors.ChannelNotFoundEntity:
-                channel = await connection.channel(publisher_confirms=False)
-            else:
-                while True:
-                    message = await channel.basic_get(self._catalog, no_ack=True)
-                    if not message.delivery_tag:
-                        break  # Basic.GetEmpty
-                    # Names this prefix's transports wrote; another client's junk
-                    # (not UTF-8, too long for a queue name) is skipped.
-                    name = bytes(message.body or b"").decode("utf-8", "replace")
-                    if name and len(name.encode()) <= KEY_LIMIT:
-                        names.append(name)
-            fixed = [
-                self.dead_letter_queue,
-                self._lock_queue,
-                self._catalog,
-                self._groups.queue,
-                self._groups.lock,
-            ]
-            for queue in dict.fromkeys([*names, *fixed]):
-                try:
-                    await channel.queue_delete(queue)
-                except errors.ChannelNotFoundEntity:
-                    channel = await connection.channel(publisher_confirms=False)
-            exchanges = (
-                self.prefix,
-                self.dead_letter_exchange,
-                self._dead_news.exchange,
-                self._groups.exchange,
-            )
-            for exchange in exchanges:
-                try:
-                    await channel.exchange_delete(exchange)
-                except errors.ChannelNotFoundEntity:
-                    channel = await connection.channel(publisher_confirms=False)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await connection.close()
+        await self._topology.delete_everything()
 
     def check_pattern(self, pattern: str) -> None:
         """:attr:`limits`, then what AMQP binds: no ``#`` token (its multi-word
@@ -926,261 +401,7 @@ class RabbitTransport(Transport):
         super().check_pattern(pattern)
         binding_key(pattern)
 
-    def _forget_queue(self, queue: str) -> None:
-        link = self._link
-        if link is not None:
-            link.declared.discard(queue)
-
-    async def _declare_group(self, pattern: str, group: str) -> str:
-        binding_key(pattern)  # a bad pattern is a ConfigurationError, raised here
-        return await self._call(
-            f"declaring the queue of {pattern}@{group}",
-            lambda link: self._declare_queue(link, pattern, group),
-        )
-
-    async def _retry_queue(self, link: _Link, queue: str, delay: float) -> str:
-        """The retry queue for ``delay`` of work queue ``queue``, declared if need be."""
-        ms = delay_bucket_ms(delay)
-        name = f"{queue}.retry.{ms}"
-        known = self._retry_queues.setdefault(queue, {})
-        expires = 2 * ms + _RETRY_EXPIRES_MS
-        now = time.monotonic()
-        # Declaring again resets x-expires: a queue in use never expires under a retry.
-        if name in link.declared and now - known.get(name, -math.inf) < expires / 2000:
-            return name
-
-        async def declare(channel: AbstractChannel) -> None:
-            await channel.queue_declare(
-                name,
-                durable=True,
-                arguments={
-                    "x-message-ttl": ms,
-                    "x-dead-letter-exchange": "",
-                    "x-dead-letter-routing-key": queue,
-                    "x-expires": expires,
-                },
-            )
-
-        await self._admin(link, declare)
-        await self._catalogue(link, name)
-        link.declared.add(name)
-        known[name] = now
-        return name
-
     # -- publishing -----------------------------------------------------------
-
-    def _outgoing(
-        self,
-        envelope: Envelope,
-        *,
-        attempt: int | None = None,
-        body: bytes | None = None,
-        deliveries: int | None = None,
-        queued_at: float | None = None,
-    ) -> tuple[bytes, Basic.Properties]:
-        """Body and properties of the message carrying ``envelope``; ``deliveries``:
-        the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`);
-        ``queued_at``: when its original was queued (a copy keeps it; else now)."""
-        meta = envelope_meta(envelope)
-        if attempt is not None:
-            meta["attempt"] = attempt
-        text = dump_meta(meta).decode()
-        if len(text) > _META_LIMIT // 4 and (size := len(text.encode())) > _META_LIMIT:
-            raise EncodeError(
-                f"envelope {envelope.id}: its headers and fields take {size} bytes, more "
-                f"than the {_META_LIMIT} an AMQP header frame can carry here"
-            )
-        if body is None:  # a publish (a retry re-sends a body that was accepted once)
-            body = encode_payload(self.codec, envelope.payload)
-            refuse_oversized(envelope, len(body) + len(text.encode()), self.max_message_size)
-        headers: FieldTable = {
-            META_HEADER: text,
-            QUEUED_HEADER: int((time.time() if queued_at is None else queued_at) * 1000),
-        }
-        if deliveries:
-            headers[HEADER_DELIVERIES] = deliveries
-        properties = self._properties_type()(
-            content_type=self.codec.content_type,
-            delivery_mode=2,
-            message_id=envelope.id,
-            headers=headers,
-        )
-        return body, properties
-
-    def _properties_type(self) -> type[Basic.Properties]:
-        """The client's message properties class; :class:`TransportError` before connect."""
-        if self._properties is None or not self._tasks.running:
-            raise TransportError(
-                "RabbitTransport is not connected: use `async with transport` first"
-            )
-        return self._properties
-
-    async def _send(
-        self,
-        link: _Link,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        properties: Basic.Properties,
-        mandatory: bool = False,
-    ) -> bool:
-        channel = link.channel
-        if channel.is_closed:
-            async with link.channel_lock:
-                if link.channel.is_closed:
-                    link.channel = await link.publisher.channel(publisher_confirms=True)
-            channel = link.channel
-        try:
-            await channel.basic_publish(
-                body,
-                exchange=exchange,
-                routing_key=routing_key,
-                properties=properties,
-                mandatory=mandatory,
-            )
-        except self._returned:
-            return False  # mandatory, and no queue is bound for it
-        return True
-
-    async def _publish_one(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        properties: Basic.Properties,
-        mandatory: bool = False,
-    ) -> bool:
-        """Publish one message and wait for the broker's confirm (retried on a lost link).
-
-        :param mandatory: have the broker return it when no queue takes it.
-        :returns: whether a queue took it (always, unless ``mandatory``).
-        :raises TransportError: when no confirm came within ``publish_timeout``.
-        """
-        deadline = anyio.current_time() + self.publish_timeout
-        link = self._link
-        if link is not None and not link.lost.is_set() and not link.channel.is_closed:
-            # The common case, without the retry loop's set-up; a failure goes to it.
-            try:
-                # The client's own timeout (it sets one anyway: cheaper than a cancel
-                # scope per publish). ``wait=False``: the channel's lock is not held
-                # until the frames reach the socket (the confirm implies they did), so
-                # concurrent publishes are written back to back.
-                await link.channel.basic_publish(
-                    body,
-                    exchange=exchange,
-                    routing_key=routing_key,
-                    properties=properties,
-                    mandatory=mandatory,
-                    timeout=self.publish_timeout,
-                    wait=False,  # type: ignore[call-arg]  # (aiormq's abc omits it)
-                )
-                return True
-            except self._returned:
-                return False
-            except asyncio.CancelledError:
-                if not spurious_cancel():
-                    raise
-            except TimeoutError as error:
-                raise self._unconfirmed(exchange or routing_key) from error
-            except TransportError:
-                raise
-            except self._fatal as error:
-                raise self._failed(f"publishing to {exchange or routing_key!r}", error) from error
-            except Exception as error:
-                logger.debug("RabbitMQ: publishing failed, retrying: %s", error)
-        return await self._call(
-            f"publishing to {exchange or routing_key!r}",
-            lambda link: self._send(link, exchange, routing_key, body, properties, mandatory),
-            deadline,
-        )
-
-    async def _publish_all(
-        self,
-        exchange: str,
-        routing_key: str,
-        messages: list[tuple[bytes, Basic.Properties]],
-        mandatory: bool = False,
-    ) -> list[bool]:
-        """Publish ``messages`` pipelined; whether a queue took each (see :meth:`_publish_one`).
-
-        Every message is sent, in order, before any confirm is awaited, then the confirms
-        are awaited together: one round trip for the lot, not one per message. What a
-        lost connection left unconfirmed is sent again (in order) on the next one, until
-        ``publish_timeout``; what the broker returned (``mandatory``) is not.
-
-        :raises TransportError: when a message was not confirmed within
-            ``publish_timeout`` or the broker refused one (once every publish ended).
-        """
-        if len(messages) == 1:
-            body, properties = messages[0]
-            return [await self._publish_one(exchange, routing_key, body, properties, mandatory)]
-        taken = [True] * len(messages)
-        #: Positions not confirmed yet, in order.
-        left = list(range(len(messages)))
-
-        async def send(link: _Link) -> None:
-            nonlocal left
-            outcomes = await self._send_pipelined(
-                link, exchange, routing_key, [messages[index] for index in left], mandatory
-            )
-            unconfirmed: list[int] = []
-            problem: BaseException | None = None
-            for index, outcome in zip(left, outcomes, strict=True):
-                if outcome is None:
-                    continue
-                if isinstance(outcome, self._returned):
-                    taken[index] = False  # mandatory, and no queue is bound for it
-                    continue
-                unconfirmed.append(index)
-                if problem is None or (
-                    isinstance(outcome, self._fatal) and not isinstance(problem, self._fatal)
-                ):
-                    problem = outcome
-            left = unconfirmed
-            if problem is not None:
-                # A refusal ends the publish; anything else is retried by ``_call``.
-                raise problem
-
-        await self._call(f"publishing to {exchange or routing_key!r}", send)
-        return taken
-
-    async def _send_pipelined(
-        self,
-        link: _Link,
-        exchange: str,
-        routing_key: str,
-        messages: list[tuple[bytes, Basic.Properties]],
-        mandatory: bool,
-    ) -> list[BaseException | None]:
-        """Send every message on the link's channel, then await their confirms together.
-
-        :returns: per message, ``None`` once confirmed, else what its publish raised.
-        """
-        channel = link.channel
-        if channel.is_closed:
-            async with link.channel_lock:
-                if link.channel.is_closed:
-                    link.channel = await link.publisher.channel(publisher_confirms=True)
-            channel = link.channel
-        publishes = [
-            # One task each, started in order: the channel's lock (first come, first
-            # served) writes them in that order. ``wait=False``: a publish does not hold
-            # the lock until its frames reach the socket (its confirm implies they did).
-            asyncio.ensure_future(
-                channel.basic_publish(
-                    body,
-                    exchange=exchange,
-                    routing_key=routing_key,
-                    properties=properties,
-                    mandatory=mandatory,
-                    wait=False,  # type: ignore[call-arg]  # (aiormq's abc omits it)
-                )
-            )
-            for body, properties in messages
-        ]
-        # Cancelled, the gathering cancels them all and ends once they all ended.
-        outcomes = await asyncio.gather(*publishes, return_exceptions=True)
-        return [_failure(outcome) for outcome in outcomes]
 
     async def publish(self, topic: str, envelopes: Sequence[Envelope]) -> None:
         """Publish each envelope to the topic exchange; return once the broker confirmed all.
@@ -1191,10 +412,11 @@ class RabbitTransport(Transport):
         validate_topic(topic)
         self.check_topic(topic)
         self._properties_type()
-        messages = [self._outgoing(e) for e in envelopes]
+        publisher = self._publisher
+        messages = [publisher.outgoing(e) for e in envelopes]
         await self._wait_joins()
         if messages:
-            await self._publish_all(self.prefix, topic, messages)
+            await publisher.publish_all(self.prefix, topic, messages)
 
     async def publish_routed(
         self, topic: str, envelopes: Sequence[Envelope]
@@ -1212,14 +434,17 @@ class RabbitTransport(Transport):
         validate_topic(topic)
         self.check_topic(topic)
         self._properties_type()
-        messages = [self._outgoing(e) for e in envelopes]
+        publisher = self._publisher
+        messages = [publisher.outgoing(e) for e in envelopes]
         await self._wait_joins()
         if not messages:
             return self._groups.known(topic)
-        taken = await self._publish_all(self.prefix, topic, messages, mandatory=True)
+        taken = await publisher.publish_all(self.prefix, topic, messages, mandatory=True)
         unrouted = [envelope for envelope, took in zip(envelopes, taken, strict=True) if not took]
         if unrouted:
-            await self._add_dead_letters([unrouted_entry(envelope) for envelope in unrouted])
+            await publisher.publish_dead_letters(
+                [unrouted_entry(envelope) for envelope in unrouted]
+            )
         if not any(taken):
             return ()
         return self._groups.known(topic) or None
@@ -1239,10 +464,10 @@ class RabbitTransport(Transport):
     ) -> None:
         """Publish straight to the group's queue (default exchange), and no other."""
         self._properties_type()
-        messages = [self._outgoing(e) for e in envelopes]
-        queue = await self._declare_group(pattern, group)
+        messages = [self._publisher.outgoing(e) for e in envelopes]
+        queue = await self._topology.declare_group(pattern, group)
         if messages:
-            await self._publish_all("", queue, messages)
+            await self._publisher.publish_all("", queue, messages)
 
     # -- consuming ------------------------------------------------------------
 
@@ -1265,7 +490,7 @@ class RabbitTransport(Transport):
         # its queue to be bound, rather than being dropped as unroutable.
         self._joining += 1
         try:
-            await self._declare_group(pattern, group)
+            await self._topology.declare_group(pattern, group)
         finally:
             self._joining -= 1
             if not self._joining:
@@ -1279,7 +504,7 @@ class RabbitTransport(Transport):
             with self.cleanup_scope():
                 await subscription.release()
 
-    # -- settling -------------------------------------------------------------
+    # -- acks and the ack timeout ---------------------------------------------
 
     def _ack(
         self, consumer: ConsumerChannel, tag: int, stage: str, envelope_id: str | None
@@ -1287,96 +512,9 @@ class RabbitTransport(Transport):
         """Queue the ack of ``tag`` (``envelope_id``: the bus's ack, reported if lost)."""
         self._acks.queue(consumer, stage, tag, envelope_id, consumer.ack_batch)
 
-    async def _write_acks(
-        self, batch: dict[ConsumerChannel, list[tuple[int, str | None]]]
-    ) -> list[ConsumerChannel]:
-        """Write each channel's acks; the channels that are gone (their acks lost)."""
-        lost: list[ConsumerChannel] = []
-        for consumer, acks in batch.items():
-            if not await consumer.flush([tag for tag, _id in acks]):
-                lost.append(consumer)
-        return lost
-
     def unsettled_acks(self) -> list[tuple[str, str]]:
         """(stage name, envelope id) of the bus's acks that were lost with their channel."""
         return self._acks.take_lost()
-
-    async def _retry(self, delivery: RabbitDelivery, delay: float | None) -> None:
-        """Republish ``delivery`` (attempt + 1), delayed or not, then ack it."""
-        subscription = delivery._subscription
-        queue = subscription.queue
-        try:
-            body, properties = self._outgoing(
-                delivery.envelope, attempt=delivery.envelope.attempt + 1, body=delivery._body
-            )
-            if delay is not None and delay > 0:
-
-                async def send(link: _Link) -> None:
-                    name = await self._retry_queue(link, queue, delay)
-                    await self._send(link, "", name, body, properties)
-
-                await self._call(f"delaying a retry of {queue!r}", send)
-            else:
-                await self._publish_one("", queue, body, properties)
-        except BaseException:  # deliberate: not re-sent, so the broker keeps it; re-raise
-            with self.cleanup_scope(RELEASE_TIMEOUT):
-                await delivery._consumer.give_back([delivery._tag])
-            raise
-        self._ack(delivery._consumer, delivery._tag, subscription.name, None)
-
-    async def _hand_back(
-        self, consumer: ConsumerChannel, queue: str, deliveries: list[RabbitDelivery]
-    ) -> list[RabbitDelivery]:
-        """Put each delivery back in ``queue`` as a copy carrying its deliveries so far,
-        and ack the original once the copy is confirmed (see ``Subscription.release``).
-
-        The quorum queue counts a message returned by a leaving consumer as a
-        delivery (``x-delivery-count``); a copy starts from zero and carries the count
-        of real deliveries instead, so ``max_deliveries`` counts only those.
-
-        :returns: the deliveries not copied (unreadable, or the copy was not
-            confirmed): they go back as they are (counted), when the channel closes or
-            the caller gives them back.
-        """
-        kept = [delivery for delivery in deliveries if delivery.error is not None]
-
-        async def copy(delivery: RabbitDelivery) -> None:
-            try:
-                body, properties = self._outgoing(
-                    delivery.envelope,
-                    body=delivery._body,
-                    deliveries=delivery._before,
-                    queued_at=delivery.queued_at(),
-                )
-                await self._publish_one("", queue, body, properties)
-            except Exception as error:  # deliberate: it goes back as it is instead
-                logger.warning(
-                    "RabbitMQ: handing back %s as a copy failed (it goes back counted): %s",
-                    delivery.envelope.id,
-                    error or type(error).__name__,
-                )
-                kept.append(delivery)
-                return
-            self._ack(consumer, delivery._tag, delivery._subscription.name, None)
-
-        async with anyio.create_task_group() as task_group:
-            for delivery in deliveries:
-                if delivery.error is None:
-                    task_group.start_soon(copy, delivery)
-        return kept
-
-    async def _bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
-        """Publish ``entry`` (with the delivery's raw body) to the dead letters, then ack."""
-        try:
-            document = dead_letter_to_wire(entry, _Verbatim(delivery._body))
-            await self._publish_dead(entry.envelope.id, document)
-        except BaseException:  # deliberate: not buried, so the broker keeps it; re-raise
-            with self.cleanup_scope(RELEASE_TIMEOUT):
-                await delivery._consumer.give_back([delivery._tag])
-            raise
-        self._ack(delivery._consumer, delivery._tag, delivery._subscription.name, None)
-
-    # -- the ack timeout ------------------------------------------------------
 
     async def _expiry_loop(self) -> None:
         """Give back what stuck consumers hold (see the module docstring)."""
@@ -1400,22 +538,15 @@ class RabbitTransport(Transport):
     def tick_claims(self) -> TickLeader:
         """Periodic ticks claimed by leading (:mod:`._rabbit_ticks`): one replica per
         schedule holds its lock queue and publishes its ticks."""
-        return TickLeader(self.prefix, self._live_link, self._current_link, self._keep_record)
-
-    async def _live_link(self) -> _Link:
-        return await self._wait_link(anyio.current_time() + self.publish_timeout)
-
-    def _current_link(self) -> _Link | None:
-        link = self._link
-        return link if link is not None and not link.lost.is_set() else None
+        return TickLeader(self.prefix, self._links.live, self._links.current, self._keep_record)
 
     async def _keep_record(self, queue: str, body: bytes) -> None:
         """Publish a record to its one-message queue (catalogued for delete_everything)."""
-        await self._catalogue(await self._live_link(), queue)
+        await self._topology.catalogue(await self._links.live(), queue)
         properties = self._properties_type()(content_type="application/json", delivery_mode=2)
-        await self._publish_one("", queue, body, properties)
+        await self._publisher.publish_one("", queue, body, properties)
 
-    # -- groups ---------------------------------------------------------------
+    # -- groups and backlog ---------------------------------------------------
 
     async def groups(self) -> list[GroupInfo]:
         """The groups recorded in the broker's register whose queue exists (request
@@ -1427,153 +558,40 @@ class RabbitTransport(Transport):
         drop it from the register (see :mod:`._rabbit_groups`)."""
         return await _rabbit_groups.delete_group(self, pattern, group)
 
-    # -- backlog --------------------------------------------------------------
-
-    async def _ready_count(self, name: str) -> int | None:
-        """Ready messages in queue ``name``; ``None`` when it does not exist."""
-        aiormq = self._aiormq
-
-        async def count(link: _Link) -> int | None:
-            try:
-                declared = await self._admin(
-                    link, lambda channel: channel.queue_declare(name, passive=True)
-                )
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                return None
-            return int(declared.message_count or 0)
-
-        return await self._call(f"counting {name!r}", count)
-
     async def backlog(self, pattern: str, group: str) -> int:
         """Ready messages of the group (and its retries here) + what this process holds
         (its acks written first)."""
-        self._properties_type()
-        queue = self.queue_name(pattern, group)
-        total = 0
-        if (count := await self._ready_count(queue)) is not None:
-            total += count
-        retries = self._retry_queues.get(queue, {})
-        for name in list(retries):
-            count = await self._ready_count(name)
-            if count is None:
-                retries.pop(name, None)  # expired
-            else:
-                total += count
-        mine = [s for s in self._subscriptions if s.queue == queue]
-        # The queue's count leaves out what is delivered and unacked. A round trip first:
-        # what the broker sent before it has arrived (held here, or handled with its ack
-        # queued). Then the queued acks are written (after any write already going on)
-        # and a second round trip means the broker has them: a drain that returns leaves
-        # nothing handled here for the broker to deliver again. What is held, or acked
-        # and not yet written, after that is counted, and the drain looks again.
-        for subscription in mine:
-            await subscription.sync()
-        consumers = [s.consumer for s in mine if s.consumer is not None]
-        if consumers:
-            try:
-                await self._acks.flush(consumers)
-            except Exception as error:  # kept queued: the writer tries again
-                logger.debug("RabbitMQ: writing acks for a backlog count failed: %s", error)
-            for subscription in mine:
-                await subscription.sync()
-        total += sum(1 for consumer in consumers if self._acks.queued(consumer))
-        return total + sum(subscription.unsettled() for subscription in mine)
+        return await _rabbit_groups.backlog(self, pattern, group)
 
-    # -- dead letters ---------------------------------------------------------
-
-    async def _publish_dead(self, id: str, document: bytes) -> None:
-        properties = self._properties_type()(
-            content_type="application/json", delivery_mode=2, message_id=id
-        )
-        await self._publish_one(self.dead_letter_exchange, "", document, properties)
+    # -- dead letters (see :mod:`._rabbit_dead_letters`) ----------------------
 
     async def add_dead_letter(self, entry: DeadLetter) -> None:
         """Publish ``entry`` to the dead-letter queue."""
-        self._properties_type()
-        await self._publish_dead(entry.envelope.id, dead_letter_to_wire(entry, self.codec))
-
-    async def _add_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
-        """Publish ``entries`` to the dead-letter queue, pipelined (confirms gathered)."""
-        properties = self._properties_type()
-        documents = [
-            (
-                dead_letter_to_wire(entry, self.codec),
-                properties(
-                    content_type="application/json", delivery_mode=2, message_id=entry.envelope.id
-                ),
-            )
-            for entry in entries
-        ]
-        await self._publish_all(self.dead_letter_exchange, "", documents)
+        await self._dead.add(entry)
 
     async def dead_letters(self) -> list[DeadLetter]:
         """The dead letters, oldest first, after dropping those past the TTL or maxlen."""
-        kept, _ = await self._edit_dead_letters(frozenset())
-        return kept
+        return await self._dead.listed()
 
     async def remove_dead_letters(self, ids: Sequence[str]) -> None:
         """Delete the dead letters of these envelope ids."""
-        await self.take_dead_letters(ids)
+        await self._dead.take(ids)
 
     async def take_dead_letters(self, ids: Sequence[str]) -> list[DeadLetter]:
         """Delete the dead letters of these envelope ids, under the lock (the claim);
         return those this call deleted, telling every watcher."""
-        self._properties_type()
-        if not ids:
-            return []
-        _, taken = await self._edit_dead_letters(frozenset(ids))
-        if taken:
-            await self._announce_dead(DeadLetterNews.removal(list(map(dead_letter_key, taken))))
-        return taken
+        return await self._dead.take(ids)
 
     async def clear_dead_letters(self) -> None:
         """Delete every dead letter, under the lock (every watcher reads them again)."""
-        await self._edit_dead_letters(None)
-        await self._announce_dead(STALE)
+        await self._dead.clear()
 
     async def restore_dead_letters(self, entries: Sequence[DeadLetter]) -> None:
         """Publish ``entries`` again (taken for a replay that failed); every watcher
         reads the dead letters again."""
-        self._properties_type()
-        await self._add_dead_letters(entries)
-        await self._announce_dead(STALE)
+        await self._dead.restore(entries)
 
-    @asynccontextmanager
-    async def watch_dead_letters(self) -> AsyncIterator[AsyncIterator[DeadLetterChange]]:
+    def watch_dead_letters(self) -> AbstractAsyncContextManager[AsyncIterator[DeadLetterChange]]:
         """Every dead letter added or removed from now on, by any process; the changes
         end when the connection is lost (watch again: what was missed is unknown)."""
-        self._properties_type()
-        link = await self._wait_link(anyio.current_time() + self.publish_timeout)
-        self._dead_news.codec = self.codec
-        try:
-            cleanup = partial(self.cleanup_scope, RELEASE_TIMEOUT)
-            async with self._dead_news.watch(link.consumer, cleanup) as changes:
-                yield changes
-        except (self._aiormq.exceptions.AMQPError, OSError) as error:
-            raise self._failed("watching the dead letters", error) from error
-
-    async def _announce_dead(self, body: bytes) -> None:
-        properties = self._properties_type()(content_type="application/json", delivery_mode=1)
-        await self._publish_one(self._dead_news.exchange, "", body, properties)
-
-    async def _edit_dead_letters(
-        self, drop: frozenset[str] | None
-    ) -> tuple[list[DeadLetter], list[DeadLetter]]:
-        self._properties_type()
-        async with self._dead_lock:
-            return await self._call("reading the dead letters", partial(self._scan_dead, drop))
-
-    async def _scan_dead(
-        self, drop: frozenset[str] | None, link: _Link
-    ) -> tuple[list[DeadLetter], list[DeadLetter]]:
-        scan = DeadLetterScan(
-            link.consumer,
-            queue=self.dead_letter_queue,
-            lock=self._lock_queue,
-            codec=self.codec,
-            ttl=self.settings.dead_letter_ttl,
-            maxlen=self.settings.dead_letter_maxlen,
-            lock_timeout=self.publish_timeout,
-            consumer_tag=f"asyncbus.{self._client_id}.dead.{secrets.token_hex(4)}",
-        )
-        return await scan.run(drop)
+        return self._dead.watch()

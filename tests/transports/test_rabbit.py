@@ -716,7 +716,7 @@ async def test_two_processes_split_10000_messages_without_loss_or_duplicates(
 
 
 async def _break_connections(transport: RabbitTransport, how: str) -> None:
-    link = transport._link
+    link = transport._links.link
     assert link is not None
     if how == "client":
         # The consuming connection dies under the subscriber; the transport notices
@@ -766,7 +766,7 @@ async def test_broken_connection_reconnects_and_loses_nothing_acknowledged(
             await transport.publish("flaky", [envelope])
             confirmed.append(envelope.id)
             if n == count // 3:
-                link = transport._link
+                link = transport._links.link
                 await _break_connections(transport, how)
                 # Publishing goes on while it reconnects (publishes wait for it).
                 assert link is not None
@@ -775,7 +775,7 @@ async def test_broken_connection_reconnects_and_loses_nothing_acknowledged(
         with anyio.fail_after(30):
             while not set(confirmed) <= set(received):
                 await anyio.sleep(0.05)
-        assert transport._link is not link
+        assert transport._links.link is not link
         await _eventually(lambda: _backlog_is(transport, "flaky", "g", 0), 15)
         tg.cancel_scope.cancel()
     assert set(received) == set(confirmed)

@@ -131,7 +131,7 @@ async def test_one_publish_sends_every_envelope_before_awaiting_any_confirm(
         RabbitTransport(rabbit_url, prefix=prefix, publish_timeout=10) as transport,
         transport.subscribe("gated", group="g", prefetch=50) as deliveries,
     ):
-        link = transport._link
+        link = transport._links.link
         assert link is not None
         channel = link.channel
         original = channel.basic_publish
