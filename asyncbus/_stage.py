@@ -32,7 +32,7 @@ from ._ledger import Ledger
 from ._logging import FailureLog
 from ._ordering import KeyGate
 from ._stats import LatencyHistogram, StageStatistics
-from ._subscription import Subscription
+from ._subscription import StageOptions, Subscription
 from .transports.base import Delivery
 
 __all__ = [
@@ -103,6 +103,9 @@ class Stage:
         self.capacity = capacity
         self.backpressure = backpressure
         self.subscriptions: list[Subscription] = []
+        #: What its group's subscriptions share (its first subscription's), which each
+        #: later one must ask for too; ``None`` for a stage made without one.
+        self.options: StageOptions | None = None
         self.ledger = Ledger()
         #: Envelopes admitted and not yet taken by a consumer.
         self.queued = 0

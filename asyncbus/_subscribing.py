@@ -7,8 +7,6 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ._adaptive import Adaptive
-from ._admission import Admission
 from ._batching import start_consumers
 from ._chain import adapt_handler, build_chain
 from ._exceptions import BusClosedError, ConfigurationError
@@ -19,8 +17,8 @@ from ._offload import (
     release_switch_interval,
     thread_pool_reason,
 )
-from ._stage import Backpressure, Stage
-from ._subscription import Subscription, check_options
+from ._stage import Stage
+from ._subscription import StageOptions, Subscription, check_options, stage_options
 
 if TYPE_CHECKING:
     from ._life import Life
@@ -101,15 +99,16 @@ class Subscribing:
         if joined is not None:
             _check_joins(
                 joined,
-                None,
-                capacity=options["capacity"],
-                backpressure=policy,
-                admission=options["admission"],
-                concurrency=options["concurrency"],
-                ordering=options["ordering"],
-                key_failure=options["key_failure"],
-                max_in_flight=options["max_in_flight"],
-                partitions=options["partitions"],
+                stage_options(
+                    capacity=options["capacity"],
+                    backpressure=policy,
+                    admission=options["admission"],
+                    concurrency=options["concurrency"],
+                    ordering=options["ordering"],
+                    key_failure=options["key_failure"],
+                    max_in_flight=options["max_in_flight"],
+                    partitions=options["partitions"],
+                ),
             )
 
     def subscribe(self, subscription: Subscription) -> Subscription:
@@ -139,7 +138,7 @@ class Subscribing:
         key = (subscription.topic, subscription.group)
         stage = self.stages.get(key)
         if stage is not None:
-            _check_joins(stage, subscription)
+            _check_joins(stage, subscription.stage_options)
         chain = None
         if self._life.task_group is not None:
             assert self.pool is not None
@@ -147,20 +146,22 @@ class Subscribing:
             # leaves the bus exactly as it was.
             chain = self.chain(subscription, self.pool)
         if stage is None:
+            shape = subscription.stage_options
             stage = Stage(
                 self._services,
                 subscription.topic,
                 subscription.group,
-                subscription.capacity,
-                subscription.backpressure,
-                admission=subscription.admission,
-                controlled=isinstance(subscription.concurrency, Adaptive),
-                ordered=subscription.ordering == "key",
-                stop_key_on_failure=subscription.key_failure == "stop",
+                shape.capacity,
+                shape.backpressure,
+                admission=shape.admission,
+                controlled=shape.adaptive,
+                ordered=shape.ordering == "key",
+                stop_key_on_failure=shape.key_failure == "stop",
             )
-            stage.partitions = subscription.partitions
-            if subscription.max_in_flight is not None:
-                stage.flights = FlightLimit(stage.name, subscription.max_in_flight)
+            stage.options = shape
+            stage.partitions = shape.partitions
+            if shape.max_in_flight is not None:
+                stage.flights = FlightLimit(stage.name, shape.max_in_flight)
             if self._life.task_group is not None:
                 stage.open()
             self.stages[key] = stage
@@ -247,63 +248,10 @@ class Subscribing:
         self._services.forget(stage)
 
 
-def _check_joins(
-    stage: Stage,
-    subscription: Subscription | None,
-    *,
-    capacity: int = 0,
-    backpressure: Backpressure = Backpressure.BLOCK,
-    admission: Admission | None = None,
-    concurrency: int | Adaptive = 1,
-    ordering: str | None = None,
-    key_failure: str = "continue",
-    max_in_flight: int | None = None,
-    partitions: int | None = None,
-) -> None:
-    """Raise :class:`ConfigurationError` unless ``subscription`` can join ``stage``.
-
-    Without a subscription (the decorator form, before its handler is given), the
-    options it will have are checked.
-    """
-    if subscription is not None:
-        capacity, backpressure = subscription.capacity, subscription.backpressure
-        admission, concurrency = subscription.admission, subscription.concurrency
-        ordering, key_failure = subscription.ordering, subscription.key_failure
-        max_in_flight, partitions = subscription.max_in_flight, subscription.partitions
-    if stage.partitions != partitions:
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has partitions={stage.partitions!r}; a subscription "
-            f"in the same group asked for partitions={partitions!r}"
-        )
-    has_limit = stage.flights.limit if stage.flights is not None else None
-    if has_limit != max_in_flight:
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has max_in_flight={has_limit!r}; a subscription "
-            f"in the same group asked for max_in_flight={max_in_flight!r}"
-        )
-    gate = stage.gate
-    has = ("key" if gate is not None else None, "stop" if gate and gate.stop else "continue")
-    if has != (ordering, key_failure):
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has ordering={has[0]!r}, key_failure={has[1]!r}; "
-            f"a subscription in the same group asked for ordering={ordering!r}, "
-            f"key_failure={key_failure!r}"
-        )
-    if (stage.capacity, stage.backpressure) != (capacity, backpressure):
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has capacity={stage.capacity}, "
-            f"backpressure={stage.backpressure.name}; a subscription in the same group "
-            f"asked for capacity={capacity}, backpressure={backpressure.name}"
-        )
-    if (stage.control.admission if stage.control else None) != admission:
-        raise ConfigurationError(
-            f"stage {stage.name!r} already has admission="
-            f"{stage.control.admission if stage.control else None!r}; a subscription in "
-            f"the same group asked for admission={admission!r}"
-        )
-    if stage.control is None and isinstance(concurrency, Adaptive):
-        raise ConfigurationError(
-            f"stage {stage.name!r} runs a fixed concurrency; a subscription in the same "
-            "group cannot be Adaptive (give the group's first subscription Adaptive or "
-            "admission=)"
-        )
+def _check_joins(stage: Stage, joining: StageOptions) -> None:
+    """Raise :class:`ConfigurationError` unless a subscription asking for ``joining``
+    can join ``stage`` (its group's options are those of the stage's first one)."""
+    assert stage.options is not None  # (set when the stage was made)
+    conflict = stage.options.conflict(joining, stage.name)
+    if conflict is not None:
+        raise ConfigurationError(conflict)

@@ -23,11 +23,13 @@ from .middleware.retry import Retry
 
 __all__ = [
     "Offload",
+    "StageOptions",
     "Subscription",
     "check_middleware",
     "check_options",
     "default_group",
     "make_subscription",
+    "stage_options",
     "unwrap_partial",
 ]
 
@@ -38,27 +40,23 @@ _unique = itertools.count(1)
 MAX_PARTITIONS = 4096
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Subscription:
-    """One handler registered on a topic pattern; returned by ``bus.subscribe(topic, handler)``.
+@dataclass(frozen=True, slots=True)
+class StageOptions:
+    """What every subscription of one group shares: the shape of their stage.
 
-    :ivar stage: the name of the stage it belongs to, ``"pattern@group"``.
+    The first subscription to a group makes the stage from these; each later one must
+    ask for the same (:meth:`conflict`), since one queue, one door and one ordering
+    serve them all. What one subscription's own chain uses (its handler, retry,
+    timeout, offload, middleware, batch and consumers) stays on the
+    :class:`Subscription`.
     """
 
-    topic: str
-    handler: Callable[..., Any]
-    group: str
-    concurrency: int | Adaptive
     capacity: int
     backpressure: Backpressure
-    retry: Retry | None
-    timeout: float | None
-    offload: Offload | None
-    middleware: tuple[Middleware, ...]
     #: Sojourn shedding of the stage, ``None`` for none.
     admission: Admission | None = None
-    #: Hand the handler lists of envelopes' items, ``None`` for one at a time.
-    batch: Batch | None = None
+    #: Whether its concurrency is :class:`Adaptive` (the stage is then controlled).
+    adaptive: bool = False
     #: ``"key"``: envelopes of one publish key one at a time, in order; ``None``: unordered.
     ordering: Ordering | None = None
     #: On an ordered stage, what a dead letter does to its key's waiting envelopes.
@@ -69,9 +67,118 @@ class Subscription:
     partitions: int | None = None
 
     @property
+    def controlled(self) -> bool:
+        """Whether the stage runs under a controller (adaptive concurrency or shedding)."""
+        return self.adaptive or self.admission is not None
+
+    def conflict(self, joining: StageOptions, stage: str) -> str | None:
+        """Why a subscription asking for ``joining`` cannot join ``stage``, made with
+        these options; ``None`` when it can."""
+        for names in _MUST_MATCH:
+            has = tuple(getattr(self, name) for name in names)
+            asks = tuple(getattr(joining, name) for name in names)
+            if has != asks:
+                shown = _listed(names, has)
+                wanted = _listed(names, asks)
+                return (
+                    f"stage {stage!r} already has {shown}; a subscription in the same group "
+                    f"asked for {wanted}"
+                )
+        if joining.adaptive and not self.controlled:
+            return (
+                f"stage {stage!r} runs a fixed concurrency; a subscription in the same "
+                "group cannot be Adaptive (give the group's first subscription Adaptive or "
+                "admission=)"
+            )
+        return None
+
+
+#: The options a joining subscription must share with its stage, in the order checked
+#: (the ones shown together in one message grouped).
+_MUST_MATCH = (
+    ("partitions",),
+    ("max_in_flight",),
+    ("ordering", "key_failure"),
+    ("capacity", "backpressure"),
+    ("admission",),
+)
+
+
+def _listed(names: tuple[str, ...], values: tuple[object, ...]) -> str:
+    return ", ".join(_shown(name, value) for name, value in zip(names, values, strict=True))
+
+
+def _shown(name: str, value: object) -> str:
+    if isinstance(value, Backpressure):
+        return f"{name}={value.name}"
+    if name == "capacity":
+        return f"{name}={value}"
+    return f"{name}={value!r}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Subscription:
+    """One handler registered on a topic pattern; returned by ``bus.subscribe(topic, handler)``.
+
+    What its group's stage shares is :attr:`stage_options` (also readable by name:
+    ``capacity``, ``backpressure``, ``admission``, ``ordering``, ``key_failure``,
+    ``max_in_flight``, ``partitions``); the other fields are this subscription's own.
+
+    :ivar stage: the name of the stage it belongs to, ``"pattern@group"``.
+    """
+
+    topic: str
+    handler: Callable[..., Any]
+    group: str
+    concurrency: int | Adaptive
+    retry: Retry | None
+    timeout: float | None
+    offload: Offload | None
+    middleware: tuple[Middleware, ...]
+    #: What every subscription of the group shares: the stage's shape.
+    stage_options: StageOptions
+    #: Hand the handler lists of envelopes' items, ``None`` for one at a time.
+    batch: Batch | None = None
+
+    @property
     def stage(self) -> str:
         """Name of the stage this subscription feeds: ``"pattern@group"``."""
         return f"{self.topic}@{self.group}"
+
+    @property
+    def capacity(self) -> int:
+        """The stage's bound (its group's)."""
+        return self.stage_options.capacity
+
+    @property
+    def backpressure(self) -> Backpressure:
+        """What a publish meets when the stage is full (its group's)."""
+        return self.stage_options.backpressure
+
+    @property
+    def admission(self) -> Admission | None:
+        """The stage's sojourn shedding, ``None`` for none (its group's)."""
+        return self.stage_options.admission
+
+    @property
+    def ordering(self) -> Ordering | None:
+        """``"key"`` for per-key order, ``None`` unordered (its group's)."""
+        return self.stage_options.ordering
+
+    @property
+    def key_failure(self) -> KeyFailure:
+        """On an ordered stage, what a dead letter does to its key (its group's)."""
+        return self.stage_options.key_failure
+
+    @property
+    def max_in_flight(self) -> int | None:
+        """The most handlers running at once in every replica together (its group's)."""
+        return self.stage_options.max_in_flight
+
+    @property
+    def partitions(self) -> int | None:
+        """An ordered group's partitions over a broker (its group's)."""
+        return self.stage_options.partitions
 
 
 def default_group(handler: Callable[..., Any]) -> str:
@@ -143,14 +250,41 @@ def make_subscription(
         handler=handler,
         group=group if group is not None else default_group(handler),
         concurrency=concurrency,
-        capacity=capacity,
-        backpressure=policy,
         retry=retry,
         timeout=seconds,
         offload=None if is_async else typing.cast("Offload", offload or "thread"),
         middleware=layers,
-        admission=admission,
+        stage_options=stage_options(
+            capacity=capacity,
+            backpressure=policy,
+            admission=admission,
+            concurrency=concurrency,
+            ordering=ordering,
+            key_failure=key_failure,
+            max_in_flight=max_in_flight,
+            partitions=partitions,
+        ),
         batch=batch,
+    )
+
+
+def stage_options(
+    *,
+    capacity: int,
+    backpressure: Backpressure,
+    admission: Admission | None,
+    concurrency: int | Adaptive,
+    ordering: str | None,
+    key_failure: str,
+    max_in_flight: int | None,
+    partitions: int | None,
+) -> StageOptions:
+    """The :class:`StageOptions` of a subscription given these (already checked)."""
+    return StageOptions(
+        capacity=capacity,
+        backpressure=backpressure,
+        admission=admission,
+        adaptive=isinstance(concurrency, Adaptive),
         ordering=typing.cast("Ordering | None", ordering),
         key_failure=typing.cast("KeyFailure", key_failure),
         max_in_flight=max_in_flight,
