@@ -39,7 +39,7 @@ from .._exceptions import ConfigurationError, DecodeError
 from .._groups import GroupInfo
 from .._routing import compile_pattern
 from ._kit.matches import TopicMatches
-from ._kit.routes import INBOX_GROUP_PREFIX
+from ._kit.routes import is_inbox
 from ._rabbit_dead_letters import QueueScan
 from ._wire_fields import group_from_wire
 
@@ -238,7 +238,7 @@ async def list_groups(transport: GroupsHost) -> list[GroupInfo]:
     register = transport._groups
     listed = []
     for pattern, group in sorted(register.entries.values()):
-        if group.startswith(INBOX_GROUP_PREFIX):
+        if is_inbox(group):
             continue
         queue = transport.queue_name(pattern, group)
 

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -20,6 +20,7 @@ from .._exceptions import EncodeError, TransportError
 from ._codec import Codec, dead_letter_to_wire, dump_meta, encode_payload, envelope_meta
 from ._kit.options import refuse_oversized
 from ._kit.redeliveries import HEADER_DELIVERIES
+from ._kit.verbatim import Verbatim
 from ._rabbit_channel import ConsumerChannel, spurious_cancel
 from ._rabbit_consumer import META_HEADER, QUEUED_HEADER, RELEASE_TIMEOUT, RabbitDelivery
 from ._rabbit_link import Connections, Link
@@ -42,21 +43,6 @@ def _failure(outcome: object) -> BaseException | None:
     if isinstance(outcome, asyncio.CancelledError):
         return ConnectionError("the channel closed before the confirm")
     return outcome if isinstance(outcome, BaseException) else None
-
-
-class _Verbatim:
-    """A codec that always encodes to one body: a delivery's raw body, kept as it came."""
-
-    content_type = "application/octet-stream"
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    def encode(self, value: Any) -> bytes:
-        return self.body
-
-    def decode(self, data: bytes) -> Any:
-        return data
 
 
 class PublisherHost(Protocol):
@@ -371,7 +357,7 @@ class Publisher:
     async def bury(self, delivery: RabbitDelivery, entry: DeadLetter) -> None:
         """Publish ``entry`` (with the delivery's raw body) to the dead letters, then ack."""
         try:
-            document = dead_letter_to_wire(entry, _Verbatim(delivery._body))
+            document = dead_letter_to_wire(entry, Verbatim(delivery._body))
             await self.publish_dead(entry.envelope.id, document)
         except BaseException:  # deliberate: not buried, so the broker keeps it; re-raise
             with self._host.cleanup_scope(RELEASE_TIMEOUT):

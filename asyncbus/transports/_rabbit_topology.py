@@ -13,7 +13,7 @@ import anyio
 
 from .._exceptions import ConfigurationError, ConnectError
 from ._kit import redact
-from ._kit.routes import INBOX_GROUP_PREFIX
+from ._kit.routes import INBOX_TTL, is_inbox
 from ._rabbit_link import EXTRA_MISSING, Connections, Link
 from ._rabbit_names import KEY_LIMIT, binding_key, delay_bucket_ms
 
@@ -36,7 +36,7 @@ _RETRY_EXPIRES_MS = 10 * 60 * 1000
 _CATALOG_MAX = 100_000
 #: Queues of a bus's reply inbox (group ``_reply.{uuid}``, one per process) expire
 #: (``x-expires``) this long after their last consumer left.
-_INBOX_EXPIRES_MS = 5 * 60 * 1000
+_INBOX_EXPIRES_MS = int(INBOX_TTL * 1000)
 #: The largest x-message-ttl RabbitMQ accepts (about 49 days).
 _TTL_MAX_MS = 2**32 - 1
 
@@ -134,7 +134,7 @@ class Topology:
             return queue
         key = binding_key(pattern)
         arguments: FieldTable = {"x-queue-type": "quorum"}
-        if group.startswith(INBOX_GROUP_PREFIX):
+        if is_inbox(group):
             # A bus's reply inbox: its process's alone, gone once nobody consumes it.
             arguments["x-expires"] = _INBOX_EXPIRES_MS
         elif host.replicas is not None:
@@ -189,7 +189,7 @@ class Topology:
         the subscription declares its queue on the new link, the group is known again
         to every process that connects from then on (readers drop the duplicates).
         """
-        if queue in link.announced or group.startswith(INBOX_GROUP_PREFIX):
+        if queue in link.announced or is_inbox(group):
             return  # (a reply inbox is one process's, and short-lived)
         register = self._host._groups
         register.add(pattern, group)

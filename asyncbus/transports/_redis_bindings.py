@@ -24,7 +24,7 @@ import anyio
 from .._exceptions import DecodeError
 from .._routing import compile_pattern
 from ._kit import TopicMatches
-from ._kit.routes import INBOX_GROUP_PREFIX
+from ._kit.routes import is_inbox
 from ._redis_dedup import RedisHost
 from ._wire_fields import group_from_wire
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from ._redis_groups import RedisGroups
 
-__all__ = ["BindingsHost", "RedisBindings", "Subscriber", "is_inbox", "text"]
+__all__ = ["BindingsHost", "RedisBindings", "Subscriber", "text"]
 
 logger = logging.getLogger("asyncbus.transport.redis")
 
@@ -44,11 +44,6 @@ _NAMED_SETS = 8192
 def text(value: bytes | str) -> str:
     """``value`` as a string (Redis answers bytes)."""
     return value.decode() if isinstance(value, bytes) else value
-
-
-def is_inbox(group: str) -> bool:
-    """Whether ``group`` is a request inbox (one per process, expiring)."""
-    return group.startswith(INBOX_GROUP_PREFIX)
 
 
 class Subscriber(Protocol):

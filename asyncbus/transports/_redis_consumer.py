@@ -24,7 +24,9 @@ from ._codec import Codec, RawBody, dump_meta, envelope_from_wire, envelope_meta
 from ._kit import AckWriter, Backoff
 from ._kit.options import checked_prefetch
 from ._kit.redeliveries import over_max_deliveries
-from ._redis_bindings import is_inbox, text
+from ._kit.routes import is_inbox
+from ._kit.verbatim import Verbatim
+from ._redis_bindings import text
 from ._redis_dedup import RedisHost
 from .base import BaseDelivery, Delivery
 
@@ -112,21 +114,6 @@ def _vanished(error: BaseException) -> bool:
         or "no such key" in message
         or "requires the key to exist" in message
     )
-
-
-class _Verbatim:
-    """A codec that always encodes to one body: a delivery's raw body, kept as it came."""
-
-    content_type = "application/octet-stream"
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    def encode(self, value: Any) -> bytes:
-        return self.body
-
-    def decode(self, data: bytes) -> Any:
-        return data
 
 
 class RedisDelivery(BaseDelivery):
@@ -450,7 +437,7 @@ class RedisConsumer:
             else:
                 pipe.xadd(self.stream, {"meta": meta, "body": body})
         if dead is not None:
-            transport._shared_dead.queue(pipe, dead[0], _Verbatim(dead[1]))
+            transport._shared_dead.queue(pipe, dead[0], Verbatim(dead[1]))
         pipe.xack(self.stream, self.group, entry)
         pipe.xdel(self.stream, entry)
         try:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._exceptions import DecodeError
 from .._groups import GroupInfo
-from ._kit.routes import INBOX_GROUP_PREFIX
+from ._kit.routes import is_inbox
 from ._redis_dedup import RedisHost
 from ._wire_fields import group_from_wire
 
@@ -178,7 +178,7 @@ class RedisGroups:
             except DecodeError as error:  # written by another client
                 logger.warning("Redis: skipping unreadable binding %r: %s", stream[:200], error)
                 continue
-            if not group.startswith(INBOX_GROUP_PREFIX):
+            if not is_inbox(group):
                 bindings.append((_text(stream), pattern, group))
         if not bindings:
             return []

@@ -19,7 +19,7 @@ from .._groups import GroupInfo
 from .._routing import compile_pattern, validate_topic
 from ._codec import Codec
 from ._kit import TaskOwner
-from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
+from ._kit.routes import is_inbox, unrouted_entry
 from .base import BaseDelivery, Capabilities, DeadLetterChange, Delivery, Transport
 
 __all__ = ["MemoryTransport"]
@@ -233,7 +233,7 @@ class MemoryTransport(Transport):
         return [
             GroupInfo(pattern, group, len(target.ready) + target.unsettled, target.consumers)
             for (pattern, group), target in self._groups.items()
-            if not group.startswith(INBOX_GROUP_PREFIX)
+            if not is_inbox(group)
         ]
 
     async def delete_group(self, pattern: str, group: str) -> bool:

@@ -38,7 +38,7 @@ from ._kit.options import (
     refuse_oversized,
 )
 from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
-from ._kit.routes import INBOX_GROUP_PREFIX, unrouted_entry
+from ._kit.routes import INBOX_TTL, is_inbox, unrouted_entry
 from ._pg_common import caller_connection, check_dsn, check_schema, database_errors, load_asyncpg
 from ._pg_consumer import PgSubscription
 from ._pg_dead_letters import PgDeadLetters
@@ -54,7 +54,6 @@ __all__ = ["PostgresInbox", "PostgresOutbox", "PostgresTransport", "current_conn
 logger = logging.getLogger("asyncbus.postgres")
 
 #: Seconds a request inbox of a process that died stays in the database.
-_INBOX_TTL = 300.0
 #: Seconds between two prunings of dead letters and expired claims.
 _PRUNE_EVERY = 60.0
 
@@ -348,7 +347,7 @@ class PostgresTransport(Transport):
     async def _group_id(self, pattern: str, group: str) -> int:
         """The id of (``pattern``, ``group``), registered when it is new (not cached: a
         group deleted by any process is registered again by the next who needs it)."""
-        alive = time.time() + _INBOX_TTL if group.startswith(INBOX_GROUP_PREFIX) else None
+        alive = time.time() + INBOX_TTL if is_inbox(group) else None
         found = await self.run(
             f"registering group {group!r}",
             "fetchval",
@@ -393,7 +392,7 @@ class PostgresTransport(Transport):
         """Forget a subscription's consumer row (and a request inbox with its rows)."""
         if self._pool is None:
             return
-        inbox = subscription.group.startswith(INBOX_GROUP_PREFIX)
+        inbox = is_inbox(subscription.group)
         with self.cleanup_scope(self.close_timeout):
             try:
                 await self.run("leaving a group", "execute", self.sql.leave, subscription.consumer)
@@ -478,9 +477,9 @@ class PostgresTransport(Transport):
             now,
             self._alive_until(),
         )
-        inboxes = [s.group_id for s in live if s.group.startswith(INBOX_GROUP_PREFIX)]
+        inboxes = [s.group_id for s in live if is_inbox(s.group)]
         await self.run(
-            "keeping inboxes", "execute", self.sql.keep_inboxes, inboxes, now, now + _INBOX_TTL
+            "keeping inboxes", "execute", self.sql.keep_inboxes, inboxes, now, now + INBOX_TTL
         )
         if anyio.current_time() >= self._next_prune:
             self._next_prune = anyio.current_time() + _PRUNE_EVERY

@@ -105,7 +105,8 @@ from ._kit.options import (
     checked_seconds,
 )
 from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
-from ._redis_bindings import RedisBindings, is_inbox
+from ._kit.routes import INBOX_TTL, is_inbox
+from ._redis_bindings import RedisBindings
 from ._redis_connection import CLOSE_TIMEOUT, SCHEMES, URL_FORM, check_nodes, open_client
 from ._redis_consumer import RELEASE_TIMEOUT, RedisConsumer
 from ._redis_dead_letters import RedisDeadLetters
@@ -189,7 +190,7 @@ class RedisTransport(Transport):
     """
 
     #: Seconds the inbox of a process that died stays in Redis (see the module docstring).
-    inbox_ttl: float = 300.0
+    inbox_ttl: float = INBOX_TTL
 
     capabilities: ClassVar[Capabilities] = Capabilities(
         delayed_nack=True,

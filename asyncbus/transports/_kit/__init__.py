@@ -14,7 +14,9 @@
   size limit) and envelopes over that limit refused;
 * :mod:`.redeliveries`: ``max_deliveries``, counted the same way by every broker
   (hand-backs carry the count in ``asyncbus-deliveries``);
-* :mod:`.routes`: the bus's request-inbox groups and the ``no_subscribers`` dead letter.
+* :mod:`.routes`: the bus's request-inbox groups (which groups are inboxes, how long a
+  dead process's inbox stays) and the ``no_subscribers`` dead letter;
+* :class:`~.verbatim.Verbatim`: the codec that keeps an undecodable body as it came.
 """
 
 from __future__ import annotations
