@@ -11,6 +11,7 @@ poll, whichever comes first; a delayed nack of its own wakes it when due.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections import deque
@@ -138,14 +139,16 @@ class PgSubscription:
         self.wake = anyio.Event()
         #: Whether the transport renews its claims while they are held.
         self.keep_alive = transport.keep_alive
-        self._next_due = math.inf
+        #: When rows this one delayed come due (anyio clock), soonest first: each is
+        #: looked for at its own time, not only the soonest one.
+        self._due: list[float] = []
 
     def __aiter__(self) -> PgSubscription:
         return self
 
     def due_soon(self, when: float) -> None:
         """Look for work again at ``when`` (anyio clock): a row this one delayed."""
-        self._next_due = min(self._next_due, when)
+        heapq.heappush(self._due, when)
 
     async def __anext__(self) -> PgDelivery:
         while not self.ready:
@@ -154,10 +157,15 @@ class PgSubscription:
             if room > 0 and await self._claim(room):
                 break
             now = anyio.current_time()
-            if self._next_due <= now:
-                self._next_due = math.inf
+            due = self._due
+            if due and due[0] <= now:
+                while due and due[0] <= now:
+                    heapq.heappop(due)
                 continue
-            with anyio.move_on_after(min(self.transport.poll_interval, self._next_due - now)):
+            wait = self.transport.poll_interval
+            if due:
+                wait = min(wait, due[0] - now)
+            with anyio.move_on_after(wait):
                 await self.wake.wait()
         return self.ready.popleft()
 

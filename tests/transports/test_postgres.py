@@ -357,3 +357,54 @@ async def test_a_claim_from_a_server_gone_silent_is_a_transport_error(
                 await anext(deliveries)
             assert anyio.current_time() - started < 1.0 + 0.2 + 1.5
             proxy.forward()
+
+
+async def test_rows_nacked_with_delays_each_come_back_at_their_own_time(
+    postgres_dsn: str, schema: str
+) -> None:
+    """A subscription looks for each delayed row when it is due, not only for the
+    soonest one (the later ones waited for the next poll: here 30 s away)."""
+    delays = [0.3, 0.9, 1.5]
+    with anyio.fail_after(20):
+        async with (
+            _transport(postgres_dsn, schema, ack_timeout=20.0, poll_interval=30.0) as transport,
+            transport.subscribe("t", group="g", prefetch=10) as deliveries,
+        ):
+            sent = [Envelope(topic="t", payload=n) for n in range(len(delays))]
+            await transport.publish("t", sent)
+            firsts = [await anext(deliveries) for _ in sent]
+            nacked_at = anyio.current_time()
+            for delivery, delay in zip(
+                sorted(firsts, key=lambda d: d.envelope.payload), delays, strict=True
+            ):
+                await delivery.nack(delay=delay)
+            came: list[tuple[int, float]] = []
+            for _ in sent:
+                again = await anext(deliveries)
+                came.append((again.envelope.payload, anyio.current_time() - nacked_at))
+                await again.ack()
+    assert [payload for payload, _ in came] == [0, 1, 2]
+    for (_, after), delay in zip(came, delays, strict=True):
+        assert delay - 0.05 <= after <= delay + 1.0, came
+
+
+async def test_a_nan_nack_delay_is_none_and_an_infinite_one_is_capped(
+    postgres_dsn: str, schema: str
+) -> None:
+    with anyio.fail_after(20):
+        async with (
+            _transport(postgres_dsn, schema, poll_interval=30.0) as transport,
+            transport.subscribe("t", group="g", prefetch=10) as deliveries,
+        ):
+            now, later = Envelope(topic="t", payload="nan"), Envelope(topic="t", payload="inf")
+            await transport.publish("t", [now, later])
+            first = {d.envelope.payload: d for d in [await anext(deliveries) for _ in "ab"]}
+            await first["inf"].nack(delay=float("inf"))
+            await first["nan"].nack(delay=float("nan"))
+            again = await anext(deliveries)  # at once: NaN is no delay
+            assert again.envelope.id == now.id
+            await again.ack()
+            with anyio.move_on_after(1.0) as waited:
+                await anext(deliveries)
+            assert waited.cancelled_caught  # the infinite one stays away
+            assert await transport.backlog("t", "g") == 1
