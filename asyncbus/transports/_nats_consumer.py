@@ -1,11 +1,12 @@
-"""The consuming side of the NATS JetStream transport: pull requests and deliveries.
+"""The consuming side of the NATS JetStream transport: pull requests and what they bring.
 
-A :class:`PullConsumer` is one ``subscribe()`` of a group's durable consumer: it keeps
-one pull request open for as much as it has room for, files what arrives on its
-private inbox, turns messages into :class:`NatsDelivery` objects and gives back what
-it held when the subscription ends. The broker calls that outlive it (making a
-vanished consumer again, writing acks behind, recording hand-backs) go through its
-transport (:mod:`asyncbus.transports.nats`), described by :class:`PullHost`.
+A :class:`PullConsumer` is one ``subscribe()`` of a group's durable consumer (made and
+ended by :mod:`._nats_subscriptions`): it keeps one pull request open for as much as it
+has room for, files what arrives on its private inbox, turns messages into deliveries
+(:mod:`._nats_delivery`) and gives back what it held when the subscription ends. The
+broker calls that outlive it (making a vanished consumer again, writing acks behind,
+recording hand-backs) go through its transport (:mod:`asyncbus.transports.nats`),
+described by :class:`PullHost`.
 
 The bus steers it (``SubscriptionControl``): ``set_prefetch`` brings its room down or
 up (what was received beyond goes back, recorded as hand-backs, and waits
@@ -22,20 +23,19 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
-from .._dead_letters import DeadLetter
-from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
-from .._exceptions import ConfigurationError, DecodeError, TransportError
-from ._codec import Codec, RawBody, envelope_from_wire
-from ._kit import AckWriter, Backoff
+from .._exceptions import ConfigurationError, TransportError
+from ._kit import Backoff
 from ._kit.options import checked_prefetch
 from ._kit.redeliveries import over_max_deliveries as exceeded
-from .base import BaseDelivery, Delivery
+from ._nats_client import broker_call
+from ._nats_delivery import MessageKey, NatsDelivery, SettleHost, make_delivery, message_key
+from ._nats_messages import HEADER_REPLAY_GROUP
+from .base import Delivery
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -44,22 +44,9 @@ if TYPE_CHECKING:
 
     from ._nats_handbacks import HandBacks
 
-__all__ = [
-    "HEADER_META",
-    "HEADER_REPLAY_GROUP",
-    "NatsDelivery",
-    "PullConsumer",
-    "PullHost",
-    "broker_call",
-    "delivery_count",
-]
+__all__ = ["PullConsumer", "PullHost"]
 
 logger = logging.getLogger("asyncbus.transport.nats")
-
-#: Header holding the envelope's fields (everything but the payload) as JSON.
-HEADER_META = "asyncbus-meta"
-#: Header naming the one consumer a replayed envelope is for; other groups skip it.
-HEADER_REPLAY_GROUP = "asyncbus-replay-group"
 
 #: Why a delivery its subscription gave back cannot be settled.
 RELEASED = "was released when its subscription ended"
@@ -72,24 +59,15 @@ _RESTORE_BACKOFF_MAX = 2.0
 #: Messages a subscription remembers having settled, to know a copy sent again.
 _SETTLED_KEPT = 1024
 
-#: One stream message across its deliveries: its stream sequence and ``Nats-Msg-Id``
-#: (a stream made again numbers from 1 again; the id tells its messages apart).
-MessageKey = tuple[int, "str | None"]
 
-
-class PullHost(Protocol):
+class PullHost(SettleHost, Protocol):
     """What pull consumers use of their transport (:class:`~.nats.NatsTransport` is one):
     settings, acks written behind, hand-backs, and making a vanished consumer again."""
 
-    prefix: str
     stream: str
-    codec: Codec
     ack_timeout: float
-    request_timeout: float
     max_deliveries: int
-    _acks: AckWriter[str, str]
     _handbacks: HandBacks
-    _consumers: set[PullConsumer]
 
     @property
     def pull_expires(self) -> float:
@@ -98,10 +76,6 @@ class PullHost(Protocol):
 
     def cleanup_scope(self, timeout: float = ...) -> AbstractContextManager[anyio.CancelScope]:
         """A shielded clean-up scope, bounded by the close deadline."""
-        ...
-
-    async def add_dead_letter(self, entry: DeadLetter) -> None:
-        """Store ``entry`` in the dead-letter stream."""
         ...
 
     async def _consumer_exists(self, name: str) -> bool:
@@ -116,119 +90,6 @@ class PullHost(Protocol):
     async def _restore(self, consumer: PullConsumer | None = None) -> None:
         """Make the streams and this transport's consumers again (``consumer`` first)."""
         ...
-
-    async def _confirm(self, nc: Client, reconnects: int, doing: str) -> None:
-        """Wait until the server has what was written on ``nc`` (a round trip).
-
-        :raises TransportError: when it did not answer, or the connection was lost
-            since nats-py counted ``reconnects``.
-        """
-        ...
-
-
-@contextmanager
-def broker_call(what: str) -> Iterator[None]:
-    """Turn nats-py's errors (and timeouts, socket errors) into :class:`TransportError`."""
-    from nats.errors import Error as NatsError
-
-    try:
-        yield
-    except (NatsError, TimeoutError, OSError) as error:
-        raise TransportError(f"{what}: {type(error).__name__}: {error}") from error
-
-
-def message_key(msg: Msg) -> MessageKey:
-    """Which stream message ``msg`` delivers (see :data:`MessageKey`), from its reply
-    subject (``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...``)."""
-    tokens = msg.reply.split(".")
-    if len(tokens) == 9 and tokens[5].isdigit():
-        sequence = int(tokens[5])
-    else:
-        sequence = msg.metadata.sequence.stream
-    return sequence, (msg.headers or {}).get("Nats-Msg-Id")
-
-
-def delivery_count(msg: Msg) -> int:
-    """How many times JetStream delivered ``msg`` (``num_delivered``), from its reply
-    subject, without building nats-py's metadata objects.
-
-    ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``
-    (other forms, with a domain and an account hash, are left to nats-py).
-    """
-    tokens = msg.reply.split(".")
-    if len(tokens) == 9 and tokens[4].isdigit():
-        return int(tokens[4]) or 1
-    return msg.metadata.num_delivered or 1
-
-
-class NatsDelivery(BaseDelivery):
-    """A delivery from :class:`~.nats.NatsTransport`; its acks are written behind.
-
-    Acks are written together by the transport's writer (within a moment, before
-    the subscription or the transport closes): a process that dies first gets the
-    message redelivered after ``ack_timeout``, as at-least-once delivery allows.
-    """
-
-    __slots__ = ("_consumer", "_key", "_msg")
-
-    acks_behind = True
-
-    def __init__(
-        self, consumer: PullConsumer, msg: Msg, envelope: Envelope, error: str | None
-    ) -> None:
-        super().__init__(envelope, error)
-        self._consumer = consumer
-        self._msg = msg
-        #: Which stream message it is (read once: settling names it twice).
-        self._key = message_key(msg)
-
-    def queued_at(self) -> float | None:
-        """When the stream stored the message (the server's clock), from its reply
-        subject (``...<time in ns>.<pending>``)."""
-        tokens = self._msg.reply.split(".")
-        if len(tokens) == 9 and tokens[7].isdigit():
-            return int(tokens[7]) / 1e9
-        try:
-            return self._msg.metadata.timestamp.timestamp()
-        except Exception:  # not JetStream's form: cannot tell
-            return None
-
-    def _settled(self) -> None:
-        self._consumer.forget(self)
-
-    def _queue_ack(self) -> None:
-        """Done: ``+ACK`` it, written with the other acks queued meanwhile."""
-        consumer = self._consumer
-        consumer.settled_for_good(self._key)
-        consumer.transport._acks.queue(
-            consumer.name, consumer.stage, self._msg.reply, self.envelope.id
-        )
-
-    async def _nack(self, delay: float | None) -> None:
-        """Deliver it again (attempt + 1) to the group, natively after ``delay`` seconds.
-
-        Returns once the server has the ``-NAK`` (see :meth:`_confirm`).
-        """
-        consumer = self._consumer
-        reconnects = consumer.nc.stats["reconnects"]
-        with broker_call(f"cannot nack {self.envelope.id}"):
-            await self._msg.nak(delay=delay if delay is not None and delay > 0 else None)
-        await consumer.transport._confirm(consumer.nc, reconnects, f"nacking {self.envelope.id}")
-
-    async def _reject(self, entry: DeadLetter) -> None:
-        """Store a dead letter in the dead-letter stream, then terminate the message.
-
-        When storing fails the message is left unsettled: the broker delivers it
-        again after ``ack_timeout`` rather than lose it. Returns once the server has
-        the ``+TERM``.
-        """
-        consumer = self._consumer
-        await consumer.transport.add_dead_letter(entry)
-        reconnects = consumer.nc.stats["reconnects"]
-        with broker_call(f"cannot settle {self.envelope.id}"):
-            await self._msg.term()
-        consumer.settled_for_good(self._key)
-        await consumer.transport._confirm(consumer.nc, reconnects, f"settling {self.envelope.id}")
 
 
 class PullConsumer:
@@ -475,7 +336,7 @@ class PullConsumer:
                     await wakeup.wait()
                 continue
             msg = self.ready.popleft()
-            delivery = self.delivery(msg)
+            delivery = make_delivery(self, msg)
             if delivery is None:
                 # A replay meant for another group: not ours to handle.
                 self.held.discard(message_key(msg))
@@ -489,42 +350,6 @@ class PullConsumer:
                     delivery.error = exceeded(delivered, self.max_deliveries)
             self.unsettled[id(delivery)] = delivery
             return delivery
-
-    def delivery(self, msg: Msg) -> NatsDelivery | None:
-        """``msg`` as a delivery (``None``: a replay meant for another group); a message
-        that is not an asyncbus one is handed over with ``error`` set, to be rejected."""
-        headers = msg.headers or {}
-        target = headers.get(HEADER_REPLAY_GROUP)
-        if target is not None and target != self.name:
-            return None
-        attempt = delivery_count(msg)
-        error: str | None
-        try:
-            meta = headers.get(HEADER_META)
-            if not isinstance(meta, str):
-                raise DecodeError(f"the message has no {HEADER_META} header")
-            envelope, error = envelope_from_wire(
-                meta.encode(), msg.data, self.transport.codec, attempt=attempt
-            )
-        except (DecodeError, UnicodeEncodeError) as failure:
-            # Not an asyncbus message (or a mangled one): hand it over to be rejected.
-            msg_id = headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"
-            envelope = make_envelope(
-                msg_id,
-                msg.subject[len(self.transport.prefix) + 1 :] or msg.subject,
-                RawBody(msg.data),
-                EMPTY_HEADERS,
-                time.time(),
-                None,
-                attempt,
-                (),
-                msg_id,
-                None,
-                None,
-                None,
-            )
-            error = str(failure)
-        return NatsDelivery(self, msg, envelope, error)
 
     async def counted_deliveries(self, msg: Msg) -> int:
         """How many times JetStream delivered ``msg``, this time included, not counting
@@ -609,7 +434,6 @@ class PullConsumer:
         finally:
             with self.transport.cleanup_scope():
                 await self._unsubscribe(subscription)
-            self.transport._consumers.discard(self)
 
     async def _unsubscribe(self, subscription: Subscription) -> None:
         """Unsubscribe; messages the server sent before it saw that are given back too."""

@@ -1,6 +1,10 @@
-"""The NATS transport's dead letters as one list for every process: claims and watching.
+"""The NATS transport's dead letters as one list for every process: stored, claimed, watched.
 
 Dead letters are messages of the stream ``{STREAM}_DLQ``, one subject per envelope id.
+An entry's fields travel in a header, its payload as the body (encoded by the codec,
+or the bytes as they were), so a dead letter is no bigger than the message it came
+from; one over the server's ``max_payload`` is kept without its payload. Listing them
+reads the stream with a short-lived consumer and drops what is past the TTL.
 Taking one out (a replay, a purge) finds each message of the id's subject
 (``STREAM.MSG.GET`` with ``next_by_subj``) and deletes it by its sequence: the server
 deletes a sequence once, so of processes taking it at once exactly one gets it. What
@@ -15,6 +19,7 @@ over after the removal (the two subscriptions are two queues) does not bring it 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,9 +32,18 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from .._dead_letters import DeadLetter, DeadLetterKey, dead_letter_key
-from .._exceptions import DecodeError, TransportError
-from ._codec import dead_letter_keys_from_wire, dead_letter_keys_to_wire
-from ._nats_consumer import broker_call
+from .._exceptions import DecodeError, EncodeError, TransportError
+from ._codec import (
+    Codec,
+    RawBody,
+    dead_letter_from_wire,
+    dead_letter_keys_from_wire,
+    dead_letter_keys_to_wire,
+    dead_letter_to_wire,
+)
+from ._nats_client import broker_call
+from ._nats_messages import header_size
+from ._nats_subjects import id_token
 from .base import DeadLetterChange
 
 if TYPE_CHECKING:
@@ -37,10 +51,15 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.js import JetStreamContext
 
+    from .base import TransportSettings
+
 __all__ = ["DeadLetterHost", "NatsDeadLetters"]
 
 logger = logging.getLogger("asyncbus.transports.nats")
 
+#: Header of a dead-letter message telling how its body holds the payload.
+_HEADER_BODY = "asyncbus-body"
+_HEADER_DEAD_LETTER = "asyncbus-dead-letter"
 #: JetStream's error codes for a message that is not there (any more): "no message
 #: found" (a get, or a delete racing another) and "sequence not found".
 _GONE = frozenset({10037, 10043, 10057})
@@ -58,8 +77,10 @@ _UNSUBSCRIBE_TIMEOUT = 1.0
 class DeadLetterHost(Protocol):
     """What the dead letters use of their transport (:class:`~.nats.NatsTransport`)."""
 
-    prefix: str
     dead_letter_stream: str
+    codec: Codec
+    request_timeout: float
+    settings: TransportSettings
 
     def cleanup_scope(self, timeout: float = math.inf) -> AbstractContextManager[anyio.CancelScope]:
         """A shielded scope, bounded by ``timeout`` and the close deadline."""
@@ -69,20 +90,8 @@ class DeadLetterHost(Protocol):
         """The connection and its JetStream context (:class:`TransportError` when closed)."""
         ...
 
-    def dead_letter_subject(self, envelope_id: str) -> str:
-        """The subject of the dead letters of ``envelope_id``."""
-        ...
-
-    def dead_letter_from(self, headers: Mapping[str, str] | None, data: bytes) -> DeadLetter | None:
-        """The dead letter a message of the stream holds (``None``: unreadable)."""
-        ...
-
-    def dead_letter_horizon(self) -> float:
-        """Epoch seconds before which a dead letter has expired."""
-        ...
-
-    async def add_dead_letter(self, entry: DeadLetter) -> None:
-        """Store ``entry`` in the stream."""
+    async def _restore(self) -> None:
+        """Make the streams (and the transport's consumers) again."""
         ...
 
 
@@ -91,16 +100,167 @@ class NatsDeadLetters:
 
     def __init__(self, transport: DeadLetterHost, dead_prefix: str) -> None:
         self.transport = transport
+        self.dead_prefix = dead_prefix
         self.dead_subjects = f"{dead_prefix}.>"
         self.changes_subject = f"{dead_prefix}_changes"
         self._watchers: set[MemoryObjectSendStream[DeadLetterChange]] = set()
+
+    def subject(self, envelope_id: str) -> str:
+        """The subject of the dead letters of ``envelope_id``."""
+        return f"{self.dead_prefix}.{id_token(envelope_id)}"
+
+    def horizon(self) -> float:
+        """Epoch seconds before which a dead letter has expired."""
+        return time.time() - self.transport.settings.dead_letter_ttl
+
+    async def add(self, entry: DeadLetter) -> None:
+        """Publish ``entry`` to the dead-letter stream and wait for the ack.
+
+        The entry's fields go in a header (:func:`dead_letter_to_wire` without the
+        payload), the payload is the body as the codec encodes it, or raw when it is
+        bytes, so a dead letter is no bigger than the message it came from (a
+        :class:`RawBody`, a body that did not decode, is marked ``verbatim``: a replay
+        sends it as it came).
+        """
+        transport = self.transport
+        codec = transport.codec
+        nc, js = transport._client()
+        payload = entry.envelope.payload
+        if isinstance(payload, bytes | bytearray):
+            body, kind = bytes(payload), "verbatim" if type(payload) is RawBody else "raw"
+        else:
+            try:
+                body, kind = codec.encode(payload), "codec"
+            except EncodeError:
+                body, kind = repr(payload).encode(), "raw"
+        bare = dataclasses.replace(entry, envelope=entry.envelope.evolve(payload=None))
+        headers = {
+            _HEADER_DEAD_LETTER: dead_letter_to_wire(bare, codec).decode(),
+            _HEADER_BODY: kind,
+        }
+        if len(body) + header_size(headers) > nc.max_payload:
+            # Kept without its payload rather than lost (or redelivered forever).
+            note = f"payload of {len(body)} bytes not kept: over the server's max_payload"
+            bare = dataclasses.replace(
+                bare, error=f"{entry.error}; {note}" if entry.error else note
+            )
+            headers = {
+                _HEADER_DEAD_LETTER: dead_letter_to_wire(bare, codec).decode(),
+                _HEADER_BODY: "dropped",
+            }
+            body = b""
+        from nats.js.errors import NoStreamResponseError
+
+        subject = self.subject(entry.envelope.id)
+        with broker_call(f"cannot store the dead letter of {entry.envelope.id}"):
+            try:
+                await js.publish(subject, body, headers=headers)
+            except NoStreamResponseError:
+                logger.warning("NATS: no stream captures %s; making it again", subject)
+                await transport._restore()
+                await js.publish(subject, body, headers=headers)
+
+    def entry_from(self, headers: Mapping[str, str] | None, data: bytes) -> DeadLetter | None:
+        """The dead letter a message of the dead-letter stream holds (``None``: unreadable)."""
+        codec = self.transport.codec
+        headers = headers or {}
+        try:
+            entry = dead_letter_from_wire(headers[_HEADER_DEAD_LETTER].encode(), codec)
+        except (KeyError, DecodeError):
+            logger.warning(
+                "skipping an unreadable dead letter in %s", self.transport.dead_letter_stream
+            )
+            return None
+        kind = headers.get(_HEADER_BODY)
+        payload: Any = None
+        if kind == "verbatim":
+            payload = RawBody(data)
+        elif kind == "raw":
+            payload = data
+        elif kind == "codec":
+            try:
+                payload = codec.decode(data)
+            except DecodeError:
+                payload = data
+        return dataclasses.replace(entry, envelope=entry.envelope.evolve(payload=payload))
+
+    async def read(self) -> list[DeadLetter]:
+        """Every dead letter in the stream, oldest first, without expired ones."""
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        transport = self.transport
+        stream = transport.dead_letter_stream
+        nc, js = transport._client()
+        with broker_call(f"cannot read the dead-letter stream {stream}"):
+            info = await js.stream_info(stream)
+        if not info.state.messages:
+            return []
+        last = info.state.last_seq
+        reader = f"reader-{nc.new_inbox().rpartition('.')[2]}"
+        config = ConsumerConfig(
+            name=reader,
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=60.0,
+            mem_storage=True,
+        )
+        entries: list[DeadLetter] = []
+        with broker_call(f"cannot read the dead-letter stream {stream}"):
+            await js.add_consumer(stream, config)
+            try:
+                pull = await js.pull_subscribe_bind(durable=reader, stream=stream)
+                try:
+                    remaining = info.state.messages
+                    while remaining > 0:
+                        try:
+                            msgs = await pull.fetch(
+                                min(remaining, 256), timeout=transport.request_timeout
+                            )
+                        except NatsTimeout:
+                            break
+                        for msg in msgs:
+                            entry = self.entry_from(msg.headers, msg.data)
+                            if entry is not None:
+                                entries.append(entry)
+                        metadata = msgs[-1].metadata
+                        if metadata.sequence.stream >= last or not metadata.num_pending:
+                            break
+                        remaining = metadata.num_pending
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await pull.unsubscribe()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await js.delete_consumer(stream, reader)
+        settings = transport.settings
+        horizon = time.time() - settings.dead_letter_ttl
+        entries = [entry for entry in entries if entry.dead_at > horizon]
+        if settings.dead_letter_maxlen > 0:
+            del entries[: max(0, len(entries) - settings.dead_letter_maxlen)]
+        return entries
+
+    async def clear(self) -> None:
+        """Purge the dead-letter stream (every watcher reads it again)."""
+        stream = self.transport.dead_letter_stream
+        _, js = self.transport._client()
+        with broker_call(f"cannot purge the dead-letter stream {stream}"):
+            await js.purge_stream(stream)
+        await self.stale()
+
+    async def put_back(self, entries: Sequence[DeadLetter]) -> None:
+        """Store ``entries`` again (taken for a replay that failed); every watcher reads
+        the dead letters again."""
+        for entry in entries:
+            await self.add(entry)
+        await self.stale()
 
     async def take(self, ids: Sequence[str]) -> list[DeadLetter]:
         """Delete the messages of ``ids``; the entries this call deleted, oldest first."""
         transport = self.transport
         nc, js = transport._client()
         stream = transport.dead_letter_stream
-        horizon = transport.dead_letter_horizon()
+        horizon = self.horizon()
         taken: list[tuple[int, DeadLetter]] = []
         removed: list[DeadLetterKey] = []
         try:
@@ -128,9 +288,8 @@ class NatsDeadLetters:
     ) -> None:
         from nats.js.errors import APIError, NotFoundError
 
-        transport = self.transport
         for envelope_id in dict.fromkeys(ids):
-            subject = transport.dead_letter_subject(envelope_id)
+            subject = self.subject(envelope_id)
             sequence = 1
             while True:
                 try:
@@ -144,7 +303,7 @@ class NatsDeadLetters:
                     if error.err_code in _GONE:
                         continue  # deleted meanwhile: another process took it
                     raise
-                entry = transport.dead_letter_from(message.headers, message.data or b"")
+                entry = self.entry_from(message.headers, message.data or b"")
                 if entry is None or entry.dead_at <= horizon:
                     continue  # unreadable or expired: removed, never replayed
                 taken.append((message.seq or 0, entry))
@@ -176,7 +335,7 @@ class NatsDeadLetters:
                 removed.popitem(last=False)
 
         async def added(msg: Msg) -> None:
-            entry = self.transport.dead_letter_from(msg.headers, msg.data)
+            entry = self.entry_from(msg.headers, msg.data)
             if entry is not None and dead_letter_key(entry) not in removed:
                 send.send_nowait(DeadLetterChange(added=(entry,)))
 

@@ -5,6 +5,8 @@ its pattern as filter subject and ``asyncbus group ["pattern", "group"]`` as its
 description. :class:`GroupDirectory` lists them (``CONSUMER.LIST``), keeps them, and
 forgets them when the server announces a consumer created or deleted (JetStream
 advisories) or the connection came back, so the next look reads them again.
+:func:`list_groups`, :func:`group_backlog` and :func:`remove_group` are the groups as
+things to see and remove.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .._groups import GroupInfo
 from .._routing import compile_pattern
 from ._kit.matches import TopicMatches
 from ._kit.routes import INBOX_GROUP_PREFIX
+from ._nats_client import broker_call
 from ._wire_fields import group_from_wire
 
 if TYPE_CHECKING:
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
     from nats.js import JetStreamContext
 
-__all__ = ["GroupDirectory", "group_description", "list_groups"]
+__all__ = ["GroupDirectory", "group_backlog", "group_description", "list_groups", "remove_group"]
 
 logger = logging.getLogger("asyncbus.transports.nats")
 
@@ -134,7 +137,17 @@ class GroupDirectory:
 async def list_groups(js: JetStreamContext, stream: str, prefix: str) -> list[GroupInfo]:
     """The groups among ``stream``'s consumers (request inboxes aside): backlog is what
     each has not delivered plus what it delivered and not settled, consumers the pull
-    requests waiting on it, last activity its last delivery."""
+    requests waiting on it, last activity its last delivery. No stream: no group."""
+    from nats.js.errors import NotFoundError
+
+    with broker_call(f"cannot list the consumers of stream {stream}"):
+        try:
+            return await _listed(js, stream, prefix)
+        except NotFoundError:
+            return []
+
+
+async def _listed(js: JetStreamContext, stream: str, prefix: str) -> list[GroupInfo]:
     listed: list[GroupInfo] = []
     offset = 0
     while True:
@@ -161,3 +174,32 @@ async def list_groups(js: JetStreamContext, stream: str, prefix: str) -> list[Gr
         if len(page) < _PAGE:
             return listed
         offset += len(page)
+
+
+async def group_backlog(js: JetStreamContext, stream: str, name: str) -> int:
+    """Messages of consumer ``name`` not yet delivered plus delivered, unsettled (0: no
+    such consumer)."""
+    from nats.js.errors import NotFoundError
+
+    with broker_call(f"cannot read consumer {name}"):
+        try:
+            info = await js.consumer_info(stream, name)
+        except NotFoundError:
+            return 0
+    return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+
+async def remove_group(js: JetStreamContext, directory: GroupDirectory, name: str) -> bool:
+    """Delete consumer ``name`` of the directory's stream (``False``: there was none);
+    the directory reads the groups again at its next look."""
+    from nats.js.errors import NotFoundError
+
+    stream = directory.stream
+    with broker_call(f"cannot delete consumer {name} of stream {stream}"):
+        try:
+            await js.delete_consumer(stream, name)
+        except NotFoundError:
+            return False
+        finally:
+            directory.forget()
+    return True

@@ -11,7 +11,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from .._cluster import FORGET_AFTER
-from ._nats_consumer import broker_call
+from ._nats_client import broker_call
 from ._nats_kv import KvBucket, NatsHost
 
 if TYPE_CHECKING:

@@ -260,14 +260,14 @@ async def test_nats_consumes_again_at_once_after_a_cut_connection(tmp_path: Path
         ):
             await bus.publish("work", 0)
             await bus.drain()  # a new pull request is open from here on
-            assert transport._nc is not None
-            reconnects = transport._nc.stats["reconnects"]
+            assert transport._connection.nc is not None
+            reconnects = transport._connection.nc.stats["reconnects"]
             await cutter.cut(down=1.0)
             # While it is away, the server finds no interest for the open pull request
             # when this arrives: it drops the request and keeps the message.
             await publisher.publish("work", [Envelope(topic="work", payload=1)])
             with anyio.fail_after(10):
-                while transport._nc.stats["reconnects"] == reconnects:
+                while transport._connection.nc.stats["reconnects"] == reconnects:
                     await anyio.sleep(0.01)
             back = time.monotonic()
             with anyio.fail_after(15):

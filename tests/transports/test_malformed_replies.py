@@ -171,7 +171,7 @@ async def test_nats_an_answer_that_is_no_ack_fails_the_publish_waiting_for_it(
         b"\xff\xfe",
     ]
     async with NatsTransport(nats_url, prefix=nats_prefix) as transport:
-        publisher = transport._publisher()
+        publisher = transport._connection.publishing()
         nc = await nats.connect(nats_url, allow_reconnect=False)
         try:
             for n, answer in enumerate(answers):

@@ -273,7 +273,7 @@ async def test_a_command_the_server_refuses_costs_a_reconnect_not_the_connection
         with anyio.fail_after(30):
             await bus.publish("work", 0)
             await bus.drain()
-            nc = transport._nc
+            nc = transport._connection.nc
             assert nc is not None
             # Past the door (which refuses such a topic): a raw command of the client.
             await nc.publish("x" * 5000, b"")
@@ -893,7 +893,7 @@ async def test_many_envelopes_are_one_write_and_all_stored_when_publish_returns(
     """200 envelopes of one publish() leave in one socket write (one round trip), and
     the call returns once the stream stored every one; each is delivered once, in order."""
     sent = [Envelope(topic="bulk", payload=n) for n in range(200)]
-    connection: Any = transport._nc._transport  # type: ignore[union-attr]  # nats-py's socket
+    connection: Any = transport._connection.nc._transport  # type: ignore[union-attr]  # nats-py's socket
     command = f"HPUB {transport.prefix}.bulk ".encode()
     writes: list[int] = []
     write_lines = connection.writelines
@@ -999,8 +999,8 @@ async def test_acks_queued_when_the_connection_is_gone_are_reported_lost(
     async with transport, transport.subscribe("lost", group="g", prefetch=1) as deliveries:
         await transport.publish("lost", [sent])
         delivery = await _next(deliveries)
-        assert transport._nc is not None
-        await transport._nc.close()  # the connection goes before the writer writes
+        assert transport._connection.nc is not None
+        await transport._connection.nc.close()  # the connection goes before the writer writes
         delivery.ack_nowait()
     assert transport.unsettled_acks() == [("lost@g", sent.id)]
     assert transport.unsettled_acks() == []  # reported once
@@ -1065,7 +1065,7 @@ async def test_a_publish_while_a_restore_hangs_raises_transport_error_at_publish
     )
     restoring = anyio.Event()
     answer = anyio.Event()
-    ensure_streams = transport._ensure_streams
+    ensure_streams = transport._setup.ensure_streams
 
     async def hanging_ensure_streams(js: Any) -> None:
         restoring.set()
@@ -1080,7 +1080,7 @@ async def test_a_publish_while_a_restore_hangs_raises_transport_error_at_publish
 
     with anyio.fail_after(30):
         async with transport, transport.subscribe("held", group="g", prefetch=4) as deliveries:
-            monkeypatch.setattr(transport, "_ensure_streams", hanging_ensure_streams)
+            monkeypatch.setattr(transport._setup, "ensure_streams", hanging_ensure_streams)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(transport._restore)
                 await restoring.wait()
@@ -1134,7 +1134,7 @@ async def test_a_pull_answered_no_responders_while_the_consumer_exists_is_asked_
             got = await _next(deliveries)
             assert got.envelope.id == sent.id
             await got.ack()
-            assert (answers, transport._restores, deliveries.failure) == ([True], 0, None)
+            assert (answers, transport._restorer.restores, deliveries.failure) == ([True], 0, None)
 
 
 @pytest.mark.anyio
@@ -1173,4 +1173,4 @@ async def test_a_pull_answered_no_responders_once_the_consumer_is_gone_makes_it_
                 await transport.publish("lost", [sent])
             assert [delivery.envelope.id for delivery in got] == [sent.id]
             await got[0].ack()
-            assert (answers, transport._restores, deliveries.failure) == ([False], 1, None)
+            assert (answers, transport._restorer.restores, deliveries.failure) == ([False], 1, None)

@@ -443,7 +443,7 @@ async def test_nats_a_plain_message_on_a_pull_inbox_is_ignored(
         NatsTransport(nats_url, prefix=nats_prefix) as transport,
         transport.subscribe("plain", group="g", prefetch=1) as deliveries,
     ):
-        [consumer] = transport._consumers
+        [consumer] = transport._subscriptions.consumers
         nc = await nats.connect(nats_url, allow_reconnect=False)
         try:
             await nc.publish(f"{consumer.inbox}.1", b"junk")
