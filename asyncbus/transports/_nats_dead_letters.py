@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DeadLetterHost", "NatsDeadLetters"]
 
-logger = logging.getLogger("asyncbus.transports.nats")
+logger = logging.getLogger("asyncbus.transport.nats")
 
 #: Header of a dead-letter message telling how its body holds the payload.
 _HEADER_BODY = "asyncbus-body"

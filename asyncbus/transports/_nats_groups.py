@@ -20,7 +20,7 @@ from .._exceptions import ConfigurationError, DecodeError
 from .._groups import GroupInfo
 from .._routing import compile_pattern
 from ._kit.matches import TopicMatches
-from ._kit.routes import INBOX_GROUP_PREFIX
+from ._kit.routes import is_inbox
 from ._nats_client import broker_call
 from ._wire_fields import group_from_wire
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupDirectory", "group_backlog", "group_description", "list_groups", "remove_group"]
 
-logger = logging.getLogger("asyncbus.transports.nats")
+logger = logging.getLogger("asyncbus.transport.nats")
 
 _DESCRIPTION = "asyncbus group "
 #: How descriptions were written before they held JSON (``'group' on 'pattern'``).
@@ -159,7 +159,7 @@ async def _listed(js: JetStreamContext, stream: str, prefix: str) -> list[GroupI
             pattern = subject[len(prefix) + 1 :]
             parsed = _parse(info.config.description)
             group = parsed[1] if parsed is not None and parsed[0] == pattern else info.name
-            if group.startswith(INBOX_GROUP_PREFIX):
+            if is_inbox(group):
                 continue
             delivered = info.delivered.last_active if info.delivered is not None else None
             listed.append(

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._exceptions import ConfigurationError, TransportError
 from .._routing import compile_pattern
 from ._kit.options import MAX_SECONDS
+from ._kit.routes import is_inbox
 from ._nats_client import broker_call
 from ._nats_groups import GroupDirectory, group_description
-from ._nats_subjects import consumer_name, is_inbox
+from ._nats_subjects import consumer_name
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

@@ -12,14 +12,12 @@ import hashlib
 import re
 
 from .._exceptions import ConfigurationError
-from ._kit.routes import INBOX_GROUP_PREFIX
 from .base import TopicLimits
 
 __all__ = [
     "check_subject_text",
     "consumer_name",
     "id_token",
-    "is_inbox",
     "stream_name",
     "subject_limits",
 ]
@@ -48,11 +46,6 @@ def consumer_name(pattern: str, group: str) -> str:
     """The durable consumer of (pattern, group): readable, deterministic and unique."""
     digest = hashlib.sha256(f"{pattern}\x00{group}".encode()).hexdigest()[:12]
     return f"{_UNSAFE.sub('_', group)[:48]}-{_UNSAFE.sub('_', pattern)[:32]}-{digest}"
-
-
-def is_inbox(group: str) -> bool:
-    """Whether ``group`` is a request inbox (its process's alone)."""
-    return group.startswith(INBOX_GROUP_PREFIX)
 
 
 def id_token(envelope_id: str) -> str:

@@ -22,9 +22,9 @@ import anyio
 from .._routing import compile_pattern
 from ._kit import TaskOwner
 from ._kit.options import checked_prefetch
+from ._kit.routes import is_inbox
 from ._nats_client import broker_call
 from ._nats_consumer import PullConsumer, PullHost
-from ._nats_subjects import is_inbox
 
 if TYPE_CHECKING:
     from nats.aio.client import Client

@@ -50,9 +50,7 @@ class DeadLetterHost(RedisHost, Protocol):
     _scripts: dict[str, AsyncScript]
 
 
-logger = logging.getLogger("asyncbus.transports.redis")
-#: The transport's own logger, where listing the dead letters reports what it skips.
-_listing_logger = logging.getLogger("asyncbus.transport.redis")
+logger = logging.getLogger("asyncbus.transport.redis")
 
 #: Removals kept for watchers that fall behind (more missed makes them read everything).
 _REMOVALS_KEPT = 10_000
@@ -127,9 +125,7 @@ class RedisDeadLetters:
                 try:
                     dead = dead_letter_from_wire(fields.get(b"entry", b""), transport.codec)
                 except DecodeError as error:
-                    _listing_logger.warning(
-                        "Redis: skipping unreadable dead letter %r: %s", entry, error
-                    )
+                    logger.warning("Redis: skipping unreadable dead letter %r: %s", entry, error)
                     continue
                 if dead.dead_at <= horizon:
                     expired.append(entry)

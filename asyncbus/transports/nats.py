@@ -114,7 +114,7 @@ from ._codec import Codec
 from ._kit import AckWriter, TaskOwner, check_url, redact, require_extra, split_urls
 from ._kit.options import checked_seconds
 from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
-from ._kit.routes import unrouted_entry
+from ._kit.routes import INBOX_TTL, unrouted_entry
 from ._nats_connection import NatsConnection
 from ._nats_consumer import PullConsumer
 from ._nats_dead_letters import NatsDeadLetters
@@ -202,7 +202,7 @@ class NatsTransport(Transport):
 
     #: Seconds without a pull after which the server deletes a request inbox's
     #: consumer (its process died; one that leaves deletes it at once).
-    inbox_ttl: float = 300.0
+    inbox_ttl: float = INBOX_TTL
 
     capabilities: ClassVar[Capabilities] = Capabilities(
         delayed_nack=True,
