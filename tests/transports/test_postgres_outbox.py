@@ -11,12 +11,13 @@ dropped afterwards.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 import asyncpg
 import pytest
+from _in_transaction import WAIT, Seen, until
 
 from asyncbus import (
     Bus,
@@ -32,9 +33,6 @@ from asyncbus.transports.postgres import PostgresOutbox
 from asyncbus.transports.redis import RedisTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
-
-#: A deadline for every wait of these tests (a regression fails, never hangs).
-WAIT = 20.0
 
 
 @pytest.fixture
@@ -78,32 +76,6 @@ def memory_bus(postgres_dsn: str, schema: str) -> tuple[Bus, PostgresOutbox]:
     """An in-memory bus with an outbox in the test's schema."""
     outbox = PostgresOutbox(postgres_dsn, schema=schema)
     return Bus(outbox=outbox), outbox
-
-
-class Seen:
-    """What a handler got, and a wait for a count of it."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self._changed = anyio.Event()
-
-    def add(self, item: Any) -> None:
-        self.items.append(item)
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def reach(self, count: int) -> None:
-        with anyio.fail_after(WAIT):
-            while len(self.items) < count:
-                await self._changed.wait()
-
-
-async def until(condition: Callable[[], Awaitable[bool]]) -> None:
-    """Wait, within the deadline, until ``condition()`` holds (the relay deletes what
-    it sent just after the send, in its own transaction)."""
-    with anyio.fail_after(WAIT):
-        while not await condition():
-            await anyio.sleep(0.02)
 
 
 async def forwarded(outbox: PostgresOutbox) -> None:
