@@ -199,7 +199,11 @@ class Bus:
         self.dead_letters = self._dead_lettering.queue
         #: The statistics now (see ``_snapshots.py``), read on the bus's thread.
         self._statistics = functools.partial(
-            bus_statistics, self._stages, self.dead_letters, self._time
+            bus_statistics,
+            self._stages,
+            self.dead_letters,
+            self._time,
+            self._transactional.pending,
         )
         #: This process's heartbeat and the view of the deployment's (``cluster_statistics``).
         self._cluster = ClusterWatch(

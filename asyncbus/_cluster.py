@@ -57,7 +57,7 @@ _STAGE_FIELDS = {field.name for field in dataclasses.fields(StageStatistics)}
 _TOTAL_FIELDS = [
     field.name
     for field in dataclasses.fields(BusStatistics)
-    if field.name not in ("stages", "free_threaded", "schedules")
+    if field.name not in ("stages", "free_threaded", "schedules", "outbox_pending")
 ]
 #: Stage figures that are not summed across processes: the names, and what does not add
 #: up (the highest of the processes' is kept).
@@ -122,7 +122,8 @@ class ClusterStatistics:
     :ivar processes: one per process heard from, this one first, then by host and pid.
     :ivar totals: the processes' statistics summed, stale ones included (what they did
         happened): each ledger column, and per stage name its columns (latencies and
-        other figures that do not add up are the highest of the processes').
+        other figures that do not add up are the highest of the processes'; so is
+        ``outbox_pending``, since replicas sharing an outbox count the same rows).
     """
 
     processes: tuple[ProcessStatistics, ...]
@@ -164,8 +165,12 @@ def _decode(raw: bytes, now: float, mine: str) -> ProcessStatistics | None:
         data = record["statistics"]
         stages = tuple(_stage_from(stage) for stage in data.get("stages", ()))
         totals = {key: data[key] for key in _TOTAL_FIELDS if key in data}
+        pending = data.get("outbox_pending")
         statistics = BusStatistics(
-            stages=stages, free_threaded=bool(data.get("free_threaded")), **totals
+            stages=stages,
+            free_threaded=bool(data.get("free_threaded")),
+            outbox_pending=None if pending is None else int(pending),
+            **totals,
         )
         seen, interval = float(record["seen"]), float(record["interval"])
         instance = str(record["instance"])
@@ -191,9 +196,14 @@ def sum_statistics(processes: Iterable[ProcessStatistics]) -> BusStatistics:
     totals: dict[str, Any] = dict.fromkeys(_TOTAL_FIELDS, 0)
     stages: dict[str, dict[str, Any]] = {}
     free_threaded = False
+    # The outbox's table is shared by the replicas on its schema, each counting the same
+    # rows: the highest reading, not the sum.
+    pending: list[int] = []
     for process in processes:
         statistics = process.statistics
         free_threaded = free_threaded or statistics.free_threaded
+        if statistics.outbox_pending is not None:
+            pending.append(statistics.outbox_pending)
         for key in _TOTAL_FIELDS:
             totals[key] += getattr(statistics, key)
         for stage in statistics.stages:
@@ -212,6 +222,7 @@ def sum_statistics(processes: Iterable[ProcessStatistics]) -> BusStatistics:
     return BusStatistics(
         stages=tuple(_stage_from(stages[name]) for name in sorted(stages)),
         free_threaded=free_threaded,
+        outbox_pending=max(pending, default=None),
         **totals,
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ._runtime import FREE_THREADED
@@ -17,9 +17,13 @@ __all__ = ["bus_statistics", "shutdown_report"]
 
 
 def bus_statistics(
-    stages: Mapping[tuple[str, str], Stage], dead_letters: DeadLetterQueue, time: Timekeeping
+    stages: Mapping[tuple[str, str], Stage],
+    dead_letters: DeadLetterQueue,
+    time: Timekeeping,
+    outbox_pending: Callable[[], int | None],
 ) -> BusStatistics:
-    """Every stage's ledger and the bus-wide totals, now (on the bus's thread)."""
+    """Every stage's ledger and the bus-wide totals, now (on the bus's thread);
+    ``outbox_pending`` reads what the outbox's relay last counted (no query)."""
     snapshots = tuple(stage.statistics() for stage in stages.values())
 
     def total(field: str) -> int:
@@ -43,6 +47,7 @@ def bus_statistics(
         deferred=total("deferred"),
         scheduled=time.keeper.count,
         schedules=tuple(schedule.statistics() for schedule in time.schedules.by_name.values()),
+        outbox_pending=outbox_pending(),
     )
 
 

@@ -173,6 +173,11 @@ class BusStatistics:
     scheduled: int = 0
     #: Every periodic schedule of the bus (``bus.schedule``, ``@bus.periodic``).
     schedules: tuple[ScheduleStatistics, ...] = ()
+    #: Envelopes published with ``connection=`` whose transaction committed and that wait
+    #: in the outbox for its relay (``Bus(outbox=...)``), as the relay last counted them:
+    #: when the bus started, then every ``poll_interval``, less what it forwarded since.
+    #: The table is shared by every bus on the outbox's schema. ``None`` without an outbox.
+    outbox_pending: int | None = None
 
     def stage(self, name: str) -> StageStatistics:
         """Return the statistics of the stage called ``name`` (``"pattern@group"``).

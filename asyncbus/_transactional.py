@@ -8,8 +8,8 @@ the bus (``Bus(outbox=PostgresOutbox(dsn))``), which writes a row that its relay
 forwards to whatever transport the bus uses once the transaction has committed.
 
 :class:`Transactional` is the bus's side: which writer a ``publish(connection=)`` goes
-through (chosen once, when the bus is made), and the outbox's relay run while the bus
-runs.
+through (chosen once, when the bus is made), the outbox's relay run while the bus
+runs, and the count of what waits in the outbox, for the bus's statistics.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ class Outbox(TransactionalPublisher, Protocol):
     it writes in the caller's transaction, its relay forwards through the bus once
     committed. The bus attaches it once, opens it when it starts, runs :meth:`relay`
     in its task group and closes it when it stops."""
+
+    @property
+    def known_pending(self) -> int | None:
+        """Committed envelopes waiting for a relay, as the relay last knew it, read
+        without asking the database (``None`` before the bus first started)."""
 
     def attach(self, codec: Codec) -> None:
         """Become the outbox of one bus, whose payloads ``codec`` encodes.
@@ -108,6 +113,11 @@ class Transactional:
             tasks.start_soon(
                 guarded, self.outbox.relay, self._forward, running, name="asyncbus outbox"
             )
+
+    def pending(self) -> int | None:
+        """``statistics().outbox_pending``: what the outbox's relay last knew waits in it;
+        ``None`` without an outbox."""
+        return None if self.outbox is None else self.outbox.known_pending
 
     def _forward(self, envelope: Envelope) -> Awaitable[Receipt]:
         """Send an envelope the outbox kept as the publish it was (same id)."""

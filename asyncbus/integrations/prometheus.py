@@ -48,7 +48,11 @@ Every metric is labelled ``bus`` (the bus's name), and the per-stage ones ``stag
   ``topic``), ``asyncbus_schedule_next_fire_timestamp_seconds``,
   ``_last_fire_timestamp_seconds``, ``_fired_total`` (ticks this process published) and
   ``_last_outcome`` (1, labelled ``outcome``: ``published``, ``published elsewhere``,
-  ``skipped`` or ``failed``).
+  ``skipped`` or ``failed``);
+* with ``Bus(outbox=...)``: ``asyncbus_outbox_pending`` (envelopes published with
+  ``connection=`` whose transaction committed, waiting in the outbox for its relay, as the
+  relay last counted them: ``statistics().outbox_pending``). Replicas sharing the outbox's
+  schema count the same rows: aggregate with ``max``.
 
 The two histograms come from the bus's own fixed logarithmic buckets, exposed at
 every octave from 1 µs (1, 2, 4 µs … about 71 minutes), over the envelopes the bus
@@ -381,6 +385,18 @@ def _families(readings: list[_Reading]) -> Iterator[Metric]:
     yield evicted
     yield running
     yield from _time_families(readings)
+
+    outbox = GaugeMetricFamily(
+        "asyncbus_outbox_pending",
+        "Envelopes committed with publish(connection=) waiting in the outbox for its relay, "
+        "as the relay last counted them.",
+        labels=("bus",),
+    )
+    for reading in readings:
+        if reading.statistics.outbox_pending is not None:
+            outbox.add_metric((reading.bus,), reading.statistics.outbox_pending)
+    if not readings or any(reading.statistics.outbox_pending is not None for reading in readings):
+        yield outbox
 
 
 def _time_families(readings: list[_Reading]) -> Iterator[Metric]:

@@ -95,7 +95,8 @@ def caller_connection(owner: str, connection: Any) -> Any:
 
     Takes an ``asyncpg.Connection`` or a pool's connection (what ``pool.acquire()``
     gives); SQLAlchemy users pass the asyncpg connection under theirs (``(await
-    conn.get_raw_connection()).driver_connection``).
+    conn.get_raw_connection()).driver_connection``), once a statement has begun the
+    transaction (SQLAlchemy begins the database's at its first statement).
 
     :raises ConfigurationError: for anything else, or a connection not inside a
         transaction (the publish would commit on its own: not what was asked).
@@ -111,7 +112,9 @@ def caller_connection(owner: str, connection: Any) -> Any:
     if not connection.is_in_transaction():
         raise ConfigurationError(
             f"{owner}: connection= must be inside a transaction (async with "
-            "connection.transaction(): ...), so the publish commits with it"
+            "connection.transaction(): ...), so the publish commits with it; SQLAlchemy "
+            "begins the database's transaction at its first statement: publish after "
+            "one (after session.flush())"
         )
     return connection
 

@@ -10,6 +10,9 @@ holds an advisory lock: one relay at a time across every process sharing the sch
 so rows go out in order. A relay stopped between the send and the delete sends the
 rows again on its next run (at least once; ``deduplicate()`` makes that harmless). A
 row that does not decode is logged and kept aside (``dead`` says why), never retried.
+The relay also keeps the count of rows waiting (:attr:`PostgresOutbox.known_pending`,
+``statistics().outbox_pending``): counted when the bus starts and every
+``poll_interval`` after, lowered by what it forwards in between.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class PostgresOutbox:
     were written (one relay at a time among the buses sharing the schema). The relay
     forwards while its bus runs: what is left when the bus stops waits in the table for
     its next start, or for another bus sharing the schema (``drain()`` does not wait for
-    it; :meth:`pending` counts it). Runs on asyncio only (asyncpg is asyncio-only).
+    it; :meth:`pending` counts it, and :attr:`known_pending` is the relay's latest count).
+    Runs on asyncio only (asyncpg is asyncio-only).
 
     :param dsn: the PostgreSQL server and database, ``postgresql://user@host/db``.
     :param schema: the schema of the outbox's tables (made when the bus starts).
@@ -89,9 +93,23 @@ class PostgresOutbox:
         self._connection: Any = None
         #: Set by a notification (a commit of rows) while the relay runs.
         self._wake: anyio.Event | None = None
+        #: The rows waiting as last counted, less what was forwarded since (None: never
+        #: counted); and the loop clock's time of the next count.
+        self._pending: int | None = None
+        self._next_count = -float("inf")
 
     def __repr__(self) -> str:
         return f"PostgresOutbox({redact(self.dsn)!r}, schema={self.schema!r})"
+
+    @property
+    def known_pending(self) -> int | None:
+        """How many committed rows wait for a relay, as this bus's relay last knew it
+        (``None`` before its bus first started): counted when the bus starts and every
+        ``poll_interval`` seconds while it runs (also while another relay holds the
+        schema's lock, or the transport refuses what it forwards), and lowered by each
+        row it forwards or sets aside in between. Read without asking the database
+        (``statistics().outbox_pending``); :meth:`pending` asks it now."""
+        return self._pending
 
     # -- the bus's side (``asyncbus._transactional.Outbox``) ---------------------
 
@@ -124,6 +142,7 @@ class PostgresOutbox:
             ) from error
         try:
             await self._make_tables(connection)
+            await self._count(connection)
             await self._listen(connection)
         except BaseException:
             await _close(connection)
@@ -142,6 +161,8 @@ class PostgresOutbox:
             try:
                 if running():
                     connection = self._connection or await self._reconnect()
+                    if anyio.current_time() >= self._next_count:
+                        await self._count(connection)
                     more = await self._forward_batch(connection, forward, running)
                     backoff.reset()
             except _SendFailed as failed:
@@ -223,6 +244,12 @@ class PostgresOutbox:
             ) from error
 
     # -- inside ---------------------------------------------------------------------
+
+    async def _count(self, connection: Any) -> None:
+        """Count the rows waiting now (:attr:`known_pending`); the next count is due
+        ``poll_interval`` seconds later."""
+        self._pending = int(await connection.fetchval(self._sql.pending))
+        self._next_count = anyio.current_time() + self.poll_interval
 
     async def _connect(self) -> Any:
         asyncpg = load_asyncpg()
@@ -342,6 +369,8 @@ class PostgresOutbox:
         finally:
             if not committed:
                 await _roll_back(transaction)
+        if self._pending is not None:  # (rows committed since the last count wait for the next)
+            self._pending = max(0, self._pending - len(sent) - len(dead))
         if failure is not None:
             raise failure from failure.error
         return len(rows) == self.batch_size and len(sent) + len(dead) == len(rows)

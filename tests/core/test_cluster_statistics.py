@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 import anyio
 import pytest
 
-from asyncbus import Bus, ClusterStatistics, ConfigurationError
+from asyncbus import Bus, BusStatistics, ClusterStatistics, ConfigurationError, ProcessStatistics
+from asyncbus._cluster import _decode, _encode, sum_statistics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -49,3 +51,46 @@ async def test_in_memory_the_deployment_is_this_process() -> None:
 def test_a_heartbeat_that_is_not_seconds_up_to_a_minute_is_refused(heartbeat: object) -> None:
     with pytest.raises(ConfigurationError, match="heartbeat"):
         Bus(heartbeat=heartbeat)  # type: ignore[arg-type]
+
+
+def _process(pid: int, outbox_pending: int | None) -> ProcessStatistics:
+    """A process of a deployment, its ``published`` its pid."""
+    statistics = BusStatistics(
+        stages=(),
+        published=pid,
+        acked=0,
+        failed=0,
+        retried=0,
+        dead_lettered=0,
+        rejected=0,
+        dropped=0,
+        expired=0,
+        outbox_pending=outbox_pending,
+    )
+    return ProcessStatistics(
+        instance=f"instance-{pid}",
+        host="host",
+        pid=pid,
+        bus="shop",
+        started=0.0,
+        seen=time.time(),
+        interval=5.0,
+        stale=False,
+        this_process=pid == 1,
+        statistics=statistics,
+    )
+
+
+def test_the_outbox_count_of_replicas_is_their_highest_not_their_sum() -> None:
+    # Replicas sharing an outbox's schema count the same rows; a bus without one says None.
+    totals = sum_statistics([_process(1, 3), _process(2, None), _process(3, 5)])
+    assert (totals.published, totals.outbox_pending) == (6, 5)
+    assert sum_statistics([_process(1, None), _process(2, None)]).outbox_pending is None
+
+
+@pytest.mark.parametrize("outbox_pending", [None, 0, 4])
+def test_a_heartbeat_record_carries_the_outbox_count(outbox_pending: int | None) -> None:
+    record = _encode(_process(2, outbox_pending))
+    read = _decode(record, time.time(), "instance-1")
+    assert read is not None
+    assert (read.statistics.published, read.statistics.outbox_pending) == (2, outbox_pending)

@@ -283,7 +283,10 @@ def test_the_readme_broker_block_runs_on_each_broker(
 @pytest.mark.parametrize("section", [heading for heading, _ in python_blocks(GUIDE)])
 def test_a_guide_block_runs_as_written(section: str, tmp_path: Path) -> None:
     [code] = [code for heading, code in python_blocks(GUIDE) if heading == section]
-    skip_without_clients(re.findall(r"^import (asyncpg)$", code, flags=re.MULTILINE))
+    clients = re.findall(r"^(?:import|from) (asyncpg|sqlalchemy)\b", code, flags=re.MULTILINE)
+    if "sqlalchemy" in clients:
+        clients.append("greenlet")  # (its asyncio engine's)
+    skip_without_clients(clients)
     check_script(code, tmp_path)
 
 

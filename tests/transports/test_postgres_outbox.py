@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import asyncpg
 import pytest
+from _in_transaction import WAIT, Seen, until
 
 from asyncbus import (
     Bus,
@@ -32,9 +33,6 @@ from asyncbus.transports.postgres import PostgresOutbox
 from asyncbus.transports.redis import RedisTransport
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
-
-#: A deadline for every wait of these tests (a regression fails, never hangs).
-WAIT = 20.0
 
 
 @pytest.fixture
@@ -78,32 +76,6 @@ def memory_bus(postgres_dsn: str, schema: str) -> tuple[Bus, PostgresOutbox]:
     """An in-memory bus with an outbox in the test's schema."""
     outbox = PostgresOutbox(postgres_dsn, schema=schema)
     return Bus(outbox=outbox), outbox
-
-
-class Seen:
-    """What a handler got, and a wait for a count of it."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self._changed = anyio.Event()
-
-    def add(self, item: Any) -> None:
-        self.items.append(item)
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def reach(self, count: int) -> None:
-        with anyio.fail_after(WAIT):
-            while len(self.items) < count:
-                await self._changed.wait()
-
-
-async def until(condition: Callable[[], Awaitable[bool]]) -> None:
-    """Wait, within the deadline, until ``condition()`` holds (the relay deletes what
-    it sent just after the send, in its own transaction)."""
-    with anyio.fail_after(WAIT):
-        while not await condition():
-            await anyio.sleep(0.02)
 
 
 async def forwarded(outbox: PostgresOutbox) -> None:
@@ -385,6 +357,66 @@ async def test_the_relay_reconnects_and_a_lost_notification_is_made_up_by_the_po
         assert outbox._connection.get_server_pid() != relay_pid
     logged = [r.getMessage() for r in caplog.records if r.name == "asyncbus.outbox"]
     assert len(logged) == 1 and "the database failed" in logged[0], logged
+
+
+def counted(bus: Bus, count: int) -> Callable[[], Awaitable[bool]]:
+    """Whether the bus's statistics count ``count`` envelopes waiting in its outbox."""
+
+    async def check() -> bool:
+        return bus.statistics().outbox_pending == count
+
+    return check
+
+
+async def test_statistics_count_what_waits_in_the_outbox_while_another_relay_holds_it(
+    make_bus: Callable[..., tuple[Bus, PostgresOutbox]],
+    database: asyncpg.Connection,
+    postgres_dsn: str,
+    schema: str,
+) -> None:
+    """The schema's relay lock is held by someone else (another replica's relay, busy):
+    the bus's relay forwards nothing but counts what waits, at its start and every
+    poll_interval; once the lock is free it forwards, taking what it sent off the count
+    at once (the second bus's next count is half a minute away)."""
+    first, first_outbox = make_bus(poll_interval=0.1)
+    second, second_outbox = make_bus(poll_interval=30.0)
+    seen = Seen()
+
+    @second.subscribe("orders.created", group="audit")
+    async def audit(n: int) -> None:
+        seen.add(n)
+
+    assert Bus().statistics().outbox_pending is None  # (no outbox)
+    assert first.statistics().outbox_pending is None  # (not counted before its start)
+    holder = await asyncpg.connect(postgres_dsn)
+    held = holder.transaction()
+    try:
+        await held.start()
+        assert await holder.fetchval(first_outbox._sql.relay_lock, schema) is True
+        async with first:
+            assert first.statistics().outbox_pending == 0
+            async with database.transaction():
+                await first.publish_many("orders.created", [1, 2], connection=database)
+            async with database.transaction():
+                await first.publish("orders.created", 3, connection=database)
+            await until(counted(first, 3))
+            await anyio.sleep(0.3)  # (three counts later, nothing forwarded)
+            assert first.statistics().outbox_pending == 3
+            assert await first_outbox.pending() == 3
+        assert first.statistics().outbox_pending == 3  # (what it last knew)
+        async with second:
+            assert second.statistics().outbox_pending == 3  # (counted at the start)
+            await held.rollback()
+            await database.execute("SELECT pg_notify($1, '')", second_outbox._channel)  # (a wake)
+            await seen.reach(3)
+            await until(counted(second, 0))
+            await forwarded(second_outbox)
+            await second.drain()
+            assert second.statistics().outbox_pending == 0
+    finally:
+        with anyio.CancelScope(shield=True):
+            await holder.close()
+    assert seen.items == [1, 2, 3]
 
 
 async def test_a_payload_the_codec_refuses_is_an_encode_error_and_nothing_is_written(
