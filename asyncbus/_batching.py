@@ -11,8 +11,8 @@ Two ways to run a batch (``_chain.BatchPlan``):
   decodes, calls the handler once, then forwards results along slips and turns each
   failure into its verdict (the retry policy's, else a dead letter) for the whole list,
   with no task or coroutine per envelope. It asks the layers it stands in for: which
-  envelopes expire (``expire.may_expire``, ``expire.expired``), which results are
-  forwarded (``routing_slip.forwards``) and what a failure becomes
+  envelopes expire (``expire.may_expire_any``, ``may_expire``, ``expired``), which results are
+  forwarded (``routing_slip.forwards_any``, ``forwards``) and what a failure becomes
   (the ``Retry`` layer's own decision); no rule of theirs is restated here;
 * **per envelope** otherwise (user middleware, ``deduplicate``, an instrumentation):
   a task per envelope runs the chain, whose innermost layer joins the batch
@@ -51,9 +51,9 @@ from ._stage import Stage
 from ._subscription import Subscription
 from ._types import Handler
 from ._verdicts import DeadLetterNow, Verdict
-from .middleware.expire import EXPIRED, expired, may_expire
+from .middleware.expire import EXPIRED, expired, may_expire, may_expire_any
 from .middleware.retry import Retry
-from .middleware.routing_slip import forwards
+from .middleware.routing_slip import forwards, forwards_any
 from .transports.base import BaseDelivery
 
 __all__ = ["consume_batch", "start_consumers"]
@@ -185,7 +185,7 @@ async def _run_fast(
     """Expire, decode, call once, forward and settle, for the whole list at once."""
     extract = plan.extract
     count = len(envelopes)
-    if extract is None and not any(map(may_expire, envelopes)):
+    if extract is None and not may_expire_any(envelopes):
         # The common case: nothing to expire or decode.
         items = list(map(_payload, envelopes))
         members: Sequence[int] = range(count)
@@ -201,7 +201,7 @@ async def _run_fast(
         raise
     deliveries = stage.deliveries
     ledger = stage.ledger
-    if isinstance(each, AllAcked) and not any(map(forwards, envelopes)):
+    if isinstance(each, AllAcked) and not forwards_any(envelopes):
         # Every one acked, nothing to forward: counted at once; over a broker whose
         # acks are written behind, each delivery's ack queued here, without an await.
         if len(members) == len(held):  # all of them (their positions are distinct)
