@@ -51,10 +51,21 @@ def test_redact_hides_credentials_and_keeps_the_rest(url: str, shown: str) -> No
 
 
 def test_every_broker_transport_redacts_with_the_kit() -> None:
-    from asyncbus.transports import nats, rabbit, redis
+    import importlib
+    import pkgutil
 
-    for module in (redis, nats, rabbit):
-        assert module.redact is redact  # one implementation for the three
+    import asyncbus.transports as package
+
+    using: set[str] = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        broker = info.name.lstrip("_").split("_")[0]
+        if broker not in ("redis", "nats", "rabbit", "pg", "postgres"):
+            continue
+        module = importlib.import_module(f"asyncbus.transports.{info.name}")
+        if hasattr(module, "redact"):
+            assert module.redact is redact, info.name  # one implementation for all
+            using.add("pg" if broker == "postgres" else broker)
+    assert using == {"redis", "nats", "rabbit", "pg"}  # each family redacts with it
     assert "s3cret" not in repr(NatsTransport("nats://s3cret@[::1]:4222"))
 
 
