@@ -75,10 +75,10 @@ class Bus:
         a publish reaches a group of other processes that has had no consumer for that
         many seconds: a group left behind by a renamed or retired handler. ``None``
         turns the watch off.
-    :param heartbeat: over a broker that keeps heartbeats (Redis, NATS), seconds
-        between two heartbeats of this process (its identity and statistics, written
-        through the broker) that make :meth:`cluster_statistics` the whole deployment's
-        view; at most 60. ``None`` turns them off.
+    :param heartbeat: over a broker that keeps heartbeats (Redis, NATS, PostgreSQL),
+        seconds between two heartbeats of this process (its identity and statistics,
+        written through the broker) that make :meth:`cluster_statistics` the whole
+        deployment's view; at most 60. ``None`` turns them off.
     :param outbox: where ``publish(..., connection=)`` writes, inside the caller's
         database transaction, whatever the transport (``PostgresOutbox(dsn)``): the bus
         opens it when it starts and runs its relay, which forwards each committed
@@ -399,8 +399,8 @@ class Bus:
             replayed in order once the cause is fixed).
         :param max_in_flight: the most handlers of this stage running at once in all
             the processes of its group together (``concurrency`` bounds one process):
-            over Redis and NATS each is a lease in the broker, renewed while it runs and
-            running out when its process dies; in memory, and over RabbitMQ, this
+            over Redis, NATS and PostgreSQL each is a lease in the broker, renewed while
+            it runs and running out when its process dies; in memory, and over RabbitMQ, this
             process's. ``None`` (the default): no bound but ``concurrency``.
         :param partitions: with ``ordering="key"``, the number of partitions the group's
             keys are split into (1 to 4096). In memory one process serves them all, so
@@ -801,8 +801,8 @@ class Bus:
     def cluster_statistics(self) -> ClusterStatistics:
         """Every process of the deployment, and their sums.
 
-        Over a broker that keeps heartbeats (Redis, NATS), every process whose bus
-        shares this transport's prefix writes its statistics through the broker every
+        Over a broker that keeps heartbeats (Redis, NATS, PostgreSQL), every process whose
+        bus shares this transport's prefix (schema) writes its statistics through the broker every
         ``heartbeat`` seconds: the view holds this process now and the others as the
         latest heartbeats said, each named by host and pid, those not heard from for
         three of their intervals marked ``stale``; ``totals`` sums them all. In memory,

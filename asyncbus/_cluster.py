@@ -69,7 +69,7 @@ _SUMMED = _STAGE_FIELDS - _NOT_SUMMED
 @runtime_checkable
 class Heartbeats(Protocol):
     """A transport that keeps each process's heartbeat record in its broker, under its
-    prefix (Redis, NATS), for :meth:`Bus.cluster_statistics`."""
+    prefix (Redis, NATS; PostgreSQL: in its schema), for :meth:`Bus.cluster_statistics`."""
 
     async def beat(self, instance: str, record: bytes) -> None:
         """Write ``record`` as process ``instance``'s latest heartbeat."""

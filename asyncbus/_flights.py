@@ -8,11 +8,12 @@ dead letter: a retry waiting for its timer holds no slot).
 
 In one process the slots are this process's (an envelope waits in its consumer until
 one is free, first come first served). Over a broker that keeps leases (a
-:class:`~asyncbus._leases.LeaseStore`: Redis, NATS), each slot is also a lease in the broker, taken
-before the handler starts, renewed while it runs and given back after; a process that
-dies holding one loses it when the lease runs out (:data:`LEASE` seconds), so its
-slots come back to the group. A broker that does not answer leaves each process its
-own ``N`` meanwhile (logged); a broker without leases (RabbitMQ) limits per process.
+:class:`~asyncbus._leases.LeaseStore`: Redis, NATS, PostgreSQL), each slot is also a
+lease in the broker, taken before the handler starts, renewed while it runs and given
+back after; a process that dies holding one loses it when the lease runs out
+(:data:`LEASE` seconds), so its slots come back to the group. A broker that does not
+answer leaves each process its own ``N`` meanwhile (logged); a broker without leases
+(RabbitMQ) limits per process.
 """
 
 from __future__ import annotations

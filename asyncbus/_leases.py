@@ -2,8 +2,8 @@
 
 A slot is a lease: taken for some seconds, renewed while its handler runs, given back
 after, and free again once it runs out (its process died). Over a broker that offers
-a :class:`LeaseStore` (``transport.lease_store()``: Redis, NATS) the leases are kept
-there; see :mod:`asyncbus._flights` for how a stage uses them.
+a :class:`LeaseStore` (``transport.lease_store()``: Redis, NATS, PostgreSQL) the leases
+are kept there; see :mod:`asyncbus._flights` for how a stage uses them.
 """
 
 from __future__ import annotations

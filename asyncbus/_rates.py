@@ -7,9 +7,9 @@ TAT one ``interval`` past it, so ``burst`` turns may be due at once after a quie
 spell and turns are handed out in the order they are asked for.
 
 In one process the middleware keeps TATs itself (on the loop's clock). Over a broker
-that offers a :class:`RateStore` (``transport.rate_store()``: Redis, NATS), the TATs
-are kept there and each turn is taken in one atomic step, so every replica draws from
-the same bucket.
+that offers a :class:`RateStore` (``transport.rate_store()``: Redis, NATS, PostgreSQL),
+the TATs are kept there and each turn is taken in one atomic step, so every replica
+draws from the same bucket.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A rate limit shared by several processes over a broker: how close the group keeps it.
 
-``python benchmarks/rate_limit.py [--transport redis] [--rate 500] [--processes 3]
-[--seconds 30] [--json PATH] [--check]``
+``python benchmarks/rate_limit.py [--transport redis|nats|postgres] [--rate 500]
+[--processes 3] [--seconds 30] [--json PATH] [--check]``
 
 A backlog far larger than the limit allows is published first; then ``processes``
 worker processes (spawned, each its own bus and connection) consume one group, each
@@ -29,9 +29,18 @@ import anyio
 from asyncbus import Bus, Envelope, RateLimit
 
 TOLERANCE = 0.05
-URLS = {"redis": "redis://127.0.0.1:6379/0", "nats": "nats://127.0.0.1:4222"}
+URLS = {
+    "redis": "redis://127.0.0.1:6379/0",
+    "nats": "nats://127.0.0.1:4222",
+    "postgres": "postgresql://postgres@127.0.0.1:5432/test",
+}
 #: Seconds after the first handling that the measured window begins.
 WARM_UP = 2.0
+
+
+def _schema(prefix: str) -> str:
+    """``prefix`` as a PostgreSQL schema name."""
+    return prefix.replace("-", "_")
 
 
 def _transport(kind: str, prefix: str) -> Any:
@@ -39,6 +48,10 @@ def _transport(kind: str, prefix: str) -> Any:
         from asyncbus.transports.redis import RedisTransport
 
         return RedisTransport(URLS[kind], prefix=prefix)
+    if kind == "postgres":
+        from asyncbus.transports.postgres import PostgresTransport
+
+        return PostgresTransport(URLS[kind], schema=_schema(prefix))
     from asyncbus.transports.nats import NatsTransport
 
     return NatsTransport(URLS[kind], prefix=prefix)
@@ -86,6 +99,12 @@ async def _forget(kind: str, prefix: str) -> None:
         if keys:
             await client.delete(*keys)
         await client.aclose()
+    elif kind == "postgres":
+        import asyncpg
+
+        connection = await asyncpg.connect(URLS["postgres"])
+        await connection.execute(f"DROP SCHEMA IF EXISTS {_schema(prefix)} CASCADE")
+        await connection.close()
     else:
         import nats
 

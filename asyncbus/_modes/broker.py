@@ -484,7 +484,7 @@ class BrokerMode:
         return transport
 
     def heartbeats(self) -> Heartbeats | None:
-        """The transport, if it keeps heartbeats (Redis, NATS)."""
+        """The transport, if it keeps heartbeats (Redis, NATS, PostgreSQL)."""
         transport = self.transport
         return transport if isinstance(transport, Heartbeats) else None
 

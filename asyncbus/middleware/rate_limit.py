@@ -38,7 +38,7 @@ class RateLimit:
     ``max_deliveries`` are untouched, and the stage's ``deferred`` counts it.
 
     Each subscription has its own buckets. Over a broker that keeps rate limits (Redis,
-    NATS: ``transport.rate_store()``) the turns are taken there, so every replica of the
+    NATS, PostgreSQL: ``transport.rate_store()``) the turns are taken there, so every replica of the
     group draws from the same buckets (the key's ``str()`` names a bucket) and the limit
     holds for the group as a whole; if the broker cannot be asked, this process limits
     on its own meanwhile (a warning says so). Elsewhere (in memory, RabbitMQ) the limit

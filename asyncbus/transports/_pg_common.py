@@ -1,12 +1,13 @@
 """What every PostgreSQL piece of asyncbus shares (the transport, the outbox, the inbox).
 
 The DSN and schema checks made when one is created, asyncpg imported when it connects,
-the errors of a database that went away or refused, and the caller's connection checked
-before anything is written through it.
+the errors of a database that went away or refused, the caller's connection checked
+before anything is written through it, and the key of a shared store's row.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ __all__ = [
     "check_schema",
     "database_errors",
     "load_asyncpg",
+    "row_key",
 ]
 
 #: The URL schemes of a PostgreSQL DSN.
@@ -69,6 +71,12 @@ def check_schema(owner: str, schema: object) -> str:
             f"not starting with a digit), got {schema!r}"
         )
     return schema
+
+
+def row_key(name: str) -> str:
+    """The key of ``name``'s row in a shared store (a rate bucket, a stage's slots): a
+    hash, as a name (a stage and a user's key) may be of any length."""
+    return hashlib.sha256(name.encode()).hexdigest()[:40]
 
 
 def load_asyncpg() -> Any:

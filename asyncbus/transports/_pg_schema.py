@@ -11,8 +11,15 @@ once, as on the other brokers: ``deduplicate()`` drops the copy). A claim is
 delays a nacked row; ``attempt`` and ``deliveries`` count attempts (``attempt`` the
 envelope's at the last nack, ``deliveries`` the claims since). ``consumers`` holds the
 live subscriptions (renewed while they live, for the groups listing); ``dead_letters``
-and ``claims`` (``deduplicate()``'s store) complete it. ``version`` says which of these
-layouts the schema holds.
+and ``claims`` (``deduplicate()``'s store) complete it.
+
+Version 2 adds what the processes of a deployment share besides envelopes: ``rates``
+(``RateLimit``'s buckets, see :mod:`._pg_rates`), ``slots`` (``max_in_flight``'s leases,
+:mod:`._pg_leases`) and ``heartbeats`` (:mod:`._pg_heartbeats`). They are ``UNLOGGED``:
+written without the write-ahead log, so a turn or a lease commits without waiting for a
+disk flush; a crash of the server empties them (buckets start full, leases are free,
+heartbeats are written again within an interval) and replicas do not have them.
+``version`` says which of these layouts the schema holds.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from .._exceptions import ConfigurationError
 __all__ = ["SCHEMA_VERSION", "migrate", "pattern_regex"]
 
 #: The layout this code writes and reads.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Statements that bring a schema from the version before to each version.
 _STEPS: dict[int, tuple[str, ...]] = {
@@ -70,6 +77,23 @@ _STEPS: dict[int, tuple[str, ...]] = {
             key text PRIMARY KEY,
             owner text NOT NULL,
             until timestamptz NOT NULL
+        )""",
+    ),
+    2: (
+        """CREATE UNLOGGED TABLE {s}.rates (
+            bucket text PRIMARY KEY,
+            tat double precision NOT NULL,
+            asked_at double precision NOT NULL,
+            full_at double precision NOT NULL
+        )""",
+        """CREATE UNLOGGED TABLE {s}.slots (
+            name text PRIMARY KEY,
+            leases jsonb NOT NULL
+        )""",
+        """CREATE UNLOGGED TABLE {s}.heartbeats (
+            instance text PRIMARY KEY,
+            record bytea NOT NULL,
+            seen timestamptz NOT NULL
         )""",
     ),
 }

@@ -6,9 +6,16 @@ schema's channel with the group's id, and one that stores a dead letter the sche
 ``_dead`` channel with its row, in the same statement: the notification goes out
 when the statement's transaction commits (the caller's, for a publish given
 ``connection=``), never before the rows can be seen.
+
+The statements of the shared stores (rate buckets, slots, heartbeats) read the
+database's clock (``clock_timestamp()``, as epoch seconds), once the row they change is
+locked, so every process agrees on time and a turn waited for in line is timed when
+taken.
 """
 
 from __future__ import annotations
+
+from .._cluster import FORGET_AFTER
 
 __all__ = ["Statements"]
 
@@ -17,6 +24,13 @@ _ROWS = (
     "unnest($2::text[], $3::bytea[], $4::bytea[], $5::int[]) "
     "WITH ORDINALITY AS e(id, meta, body, attempt, n)"
 )
+
+#: The database's clock, read when evaluated, as epoch seconds (``c.now``).
+_CLOCK = "(SELECT extract(epoch FROM clock_timestamp())::float8 AS now) c"
+#: The leases of slots row ``l`` that have not run out at ``c.now`` (``e.key``, ``e.value``;
+#: a value that is not a number, written by another client, counts as run out).
+_LIVE = """jsonb_each(l.leases) e
+    WHERE CASE WHEN jsonb_typeof(e.value) = 'number' THEN e.value::float8 END > c.now"""
 
 
 class Statements:
@@ -205,5 +219,67 @@ class Statements:
             ON CONFLICT (key) DO UPDATE SET owner = '', until = EXCLUDED.until"""
         #: (key, owner).
         self.release_key = f"DELETE FROM {s}.claims WHERE key = $1 AND owner = $2"
-        #: ().
-        self.prune_claims = f"DELETE FROM {s}.claims WHERE until < now()"
+        #: () drops expired claims, full rate buckets, slots without a live lease and the
+        #: heartbeats of processes long gone.
+        self.prune = f"""
+            WITH claims AS (DELETE FROM {s}.claims WHERE until < now()),
+            rates AS (
+                DELETE FROM {s}.rates WHERE full_at < extract(epoch FROM clock_timestamp())
+            ),
+            slots AS (
+                DELETE FROM {s}.slots l WHERE NOT EXISTS (SELECT 1 FROM {_CLOCK}, {_LIVE})
+            )
+            DELETE FROM {s}.heartbeats
+            WHERE seen < clock_timestamp() - make_interval(secs => {FORGET_AFTER})"""
+        #: (bucket, interval, burst) -> seconds until the turn it takes is due. A TAT that
+        #: is not finite (another client's) counts as a new bucket.
+        self.take_turn = f"""
+            INSERT INTO {s}.rates AS r (bucket, tat, asked_at, full_at)
+            SELECT $1::text, c.now - ($3::int - 1) * $2::float8 + $2, c.now, c.now + $2
+            FROM {_CLOCK}
+            ON CONFLICT (bucket) DO UPDATE SET (tat, asked_at, full_at) = (
+                SELECT t.turn + $2, c.now, t.turn + $3 * $2
+                FROM {_CLOCK}, LATERAL (SELECT CASE WHEN r.tat < 'Infinity'
+                    THEN greatest(r.tat, c.now - ($3 - 1) * $2)
+                    ELSE c.now - ($3 - 1) * $2 END AS turn) t
+            )
+            RETURNING greatest(0, r.tat - $2 - r.asked_at)"""
+        #: (name, limit, holder, lease) -> whether the holder has a slot now.
+        self.acquire_slot = f"""
+            INSERT INTO {s}.slots AS l (name, leases)
+            SELECT $1::text, jsonb_build_object($3::text, c.now + $4::float8)
+            FROM {_CLOCK} WHERE $2::int >= 1
+            ON CONFLICT (name) DO UPDATE SET leases = (
+                SELECT CASE WHEN h.leases ? $3 OR h.count < $2
+                    THEN h.leases || jsonb_build_object($3, c.now + $4) ELSE h.leases END
+                FROM {_CLOCK}, LATERAL (
+                    SELECT coalesce(jsonb_object_agg(e.key, e.value), '{{}}') AS leases,
+                        count(*) AS count
+                    FROM {_LIVE}
+                ) h
+            )
+            RETURNING l.leases ? $3"""
+        #: (name, holders, lease) -> how many of the holders still had a slot (renewed).
+        self.renew_slots = f"""
+            UPDATE {s}.slots l SET leases = (
+                SELECT coalesce(jsonb_object_agg(e.key, CASE WHEN e.key = ANY($2::text[])
+                    THEN to_jsonb(c.now + $3::float8) ELSE e.value END), '{{}}')
+                FROM {_CLOCK}, {_LIVE}
+            )
+            WHERE name = $1::text
+            RETURNING (SELECT count(*) FROM jsonb_object_keys(l.leases) k WHERE k = ANY($2))"""
+        #: (name, holder).
+        self.release_slot = f"""
+            UPDATE {s}.slots SET leases = leases - $2::text WHERE name = $1 AND leases ? $2"""
+        #: (instance, record): its heartbeat, written now.
+        self.beat = f"""
+            INSERT INTO {s}.heartbeats (instance, record, seen)
+            VALUES ($1, $2, clock_timestamp())
+            ON CONFLICT (instance) DO UPDATE SET record = EXCLUDED.record, seen = EXCLUDED.seen"""
+        #: () -> record of every process heard from within FORGET_AFTER.
+        self.beats = f"""
+            SELECT record FROM {s}.heartbeats
+            WHERE seen >= clock_timestamp() - make_interval(secs => {FORGET_AFTER})
+            ORDER BY instance"""
+        #: (instance).
+        self.forget_beat = f"DELETE FROM {s}.heartbeats WHERE instance = $1"

@@ -43,8 +43,11 @@ from ._pg_common import caller_connection, check_dsn, check_schema, database_err
 from ._pg_consumer import PgSubscription
 from ._pg_dead_letters import PgDeadLetters
 from ._pg_dedup import PgDedupStore
+from ._pg_heartbeats import PgHeartbeats
 from ._pg_inbox import PostgresInbox, current_connection
+from ._pg_leases import PgLeaseStore
 from ._pg_outbox import PostgresOutbox
+from ._pg_rates import PgRateStore
 from ._pg_schema import migrate, pattern_regex
 from ._pg_statements import Statements
 from .base import Capabilities, DeadLetterChange, Transport
@@ -53,7 +56,6 @@ __all__ = ["PostgresInbox", "PostgresOutbox", "PostgresTransport", "current_conn
 
 logger = logging.getLogger("asyncbus.postgres")
 
-#: Seconds a request inbox of a process that died stays in the database.
 #: Seconds between two prunings of dead letters and expired claims.
 _PRUNE_EVERY = 60.0
 
@@ -135,6 +137,7 @@ class PostgresTransport(Transport):
         #: The SQL of every statement, for this schema.
         self.sql = Statements(self.schema)
         self._dead = PgDeadLetters(self, f"{self.schema}_dead")
+        self._heartbeats = PgHeartbeats(self)
         self._pool: Any = None
         self._listener: Any = None
         self._tasks = TaskOwner("PostgresTransport")
@@ -484,7 +487,7 @@ class PostgresTransport(Transport):
         if anyio.current_time() >= self._next_prune:
             self._next_prune = anyio.current_time() + _PRUNE_EVERY
             await self._dead.prune()
-            await self.run("pruning claims", "execute", self.sql.prune_claims)
+            await self.run("pruning expired rows", "execute", self.sql.prune)
 
     async def _bind_again(self) -> None:
         """Register again the groups this process reads that were deleted (by any
@@ -519,7 +522,7 @@ class PostgresTransport(Transport):
                 )
                 subscription.wake.set()
 
-    # -- groups ---------------------------------------------------------------------------
+    # -- groups and heartbeats ------------------------------------------------------------
 
     async def groups(self) -> list[GroupInfo]:
         """Every group of the schema (request inboxes left out), with its backlog, its
@@ -536,6 +539,18 @@ class PostgresTransport(Transport):
             f"deleting group {group!r}", "fetchval", self.sql.delete_group, pattern, group
         )
         return found is not None
+
+    async def beat(self, instance: str, record: bytes) -> None:
+        """Write process ``instance``'s heartbeat record (``Bus.cluster_statistics``)."""
+        await self._heartbeats.beat(instance, record)
+
+    async def beats(self) -> list[bytes]:
+        """Every process's latest heartbeat record."""
+        return await self._heartbeats.beats()
+
+    async def forget(self, instance: str) -> None:
+        """Delete process ``instance``'s heartbeat record."""
+        await self._heartbeats.forget(instance)
 
     # -- dead letters ---------------------------------------------------------------------
 
@@ -573,3 +588,11 @@ class PostgresTransport(Transport):
         """``deduplicate()``'s store in the database: one row per key, claimed with a
         lease and kept ``window`` seconds once done."""
         return PgDedupStore(self)
+
+    def rate_store(self) -> PgRateStore:
+        """``RateLimit``'s shared turns in the database: a row per bucket, one statement a turn."""
+        return PgRateStore(self)
+
+    def lease_store(self) -> PgLeaseStore:
+        """``max_in_flight``'s slots in the database: a row of leases per stage."""
+        return PgLeaseStore(self)

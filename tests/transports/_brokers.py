@@ -55,9 +55,9 @@ class Broker:
     #: OpenTelemetry's ``messaging.system`` for it.
     messaging_system: str
     #: What only some brokers offer: ``dedup_store`` (deduplicate()'s claims kept in
-    #: the broker), ``rate_store`` (RateLimit's turns kept there), ``heartbeats`` (the
-    #: deployment view), ``quick_restart`` (a private server of it restarts within a
-    #: second or two).
+    #: the broker), ``rate_store`` (RateLimit's turns kept there), ``lease_store``
+    #: (max_in_flight's slots kept there), ``heartbeats`` (the deployment view),
+    #: ``quick_restart`` (a private server of it restarts within a second or two).
     features: frozenset[str]
     #: Removes what a test made under a prefix: ``await forget(url, prefix)``.
     forget: Callable[[str, str], Awaitable[None]]
@@ -216,7 +216,9 @@ BROKERS: dict[str, Broker] = {
             client_modules=("asyncpg",),
             client="asyncpg",
             messaging_system="postgresql",
-            features=frozenset({"dedup_store", "quick_restart"}),
+            features=frozenset(
+                {"dedup_store", "rate_store", "lease_store", "heartbeats", "quick_restart"}
+            ),
             forget=_forget_postgres,
             private="private_postgres",
             namespace="schema",

@@ -1,4 +1,5 @@
-"""One view of the deployment over Redis and NATS: three worker processes and a console.
+"""One view of the deployment over Redis, NATS and PostgreSQL: three worker processes and
+a console.
 
 Each process writes heartbeats through the broker; the console's
 ``bus.cluster_statistics()`` lists every process by host and pid with its own figures,

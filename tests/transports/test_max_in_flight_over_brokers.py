@@ -1,6 +1,6 @@
-"""``max_in_flight`` over a broker that keeps leases (Redis, NATS): the replicas of a
-group share its slots, counted exactly; a slot whose holder died comes back once its
-lease runs out; a broker that does not answer leaves each process its own bound."""
+"""``max_in_flight`` over a broker that keeps leases (Redis, NATS, PostgreSQL): the
+replicas of a group share its slots, counted exactly; a slot whose holder died comes back
+once its lease runs out; a broker that does not answer leaves each process its own bound."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""RateLimit over a broker that keeps its turns (Redis, NATS): every replica of a group
-draws from the same buckets, so the limit holds for the group, counted exactly; over a
-broker that does not answer, each process limits on its own meanwhile."""
+"""RateLimit over a broker that keeps its turns (Redis, NATS, PostgreSQL): every replica
+of a group draws from the same buckets, so the limit holds for the group, counted
+exactly; over a broker that does not answer, each process limits on its own meanwhile."""
 
 from __future__ import annotations
 
@@ -115,6 +115,10 @@ async def test_a_bucket_holding_what_the_store_did_not_write_counts_as_new(
         garbage = b"\xff not a number"
         if kind == "redis":
             await transport._redis().set(f"{unique_prefix}:rate:{name}", garbage)  # type: ignore[attr-defined]
+        elif kind == "postgres":
+            # (its column takes numbers only: what is no TAT there is a NaN or an infinity)
+            rates = f"{transport.schema}.rates"  # type: ignore[attr-defined]
+            await transport.run("garbling", "execute", f"UPDATE {rates} SET tat = 'NaN'")  # type: ignore[attr-defined]
         else:
             await store._kv.call(lambda kv: kv.put(name, garbage))  # type: ignore[attr-defined]
         # read as a new bucket: its burst of one is due now, the next a turn later
