@@ -186,7 +186,7 @@ def _decode(raw: bytes, now: float, mine: str) -> ProcessStatistics | None:
             this_process=instance == mine,
             statistics=statistics,
         )
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as error:
         logger.debug("skipped a heartbeat record that cannot be read: %s", error)
         return None
 
@@ -197,13 +197,17 @@ def sum_statistics(processes: Iterable[ProcessStatistics]) -> BusStatistics:
     stages: dict[str, dict[str, Any]] = {}
     free_threaded = False
     # The outbox's table is shared by the replicas on its schema, each counting the same
-    # rows: the highest reading, not the sum.
+    # rows: the highest reading, not the sum; of the live processes when any reads it
+    # (a stale one's last count may be minutes old).
     pending: list[int] = []
+    live_pending: list[int] = []
     for process in processes:
         statistics = process.statistics
         free_threaded = free_threaded or statistics.free_threaded
         if statistics.outbox_pending is not None:
             pending.append(statistics.outbox_pending)
+            if not process.stale:
+                live_pending.append(statistics.outbox_pending)
         for key in _TOTAL_FIELDS:
             totals[key] += getattr(statistics, key)
         for stage in statistics.stages:
@@ -222,7 +226,7 @@ def sum_statistics(processes: Iterable[ProcessStatistics]) -> BusStatistics:
     return BusStatistics(
         stages=tuple(_stage_from(stages[name]) for name in sorted(stages)),
         free_threaded=free_threaded,
-        outbox_pending=max(pending, default=None),
+        outbox_pending=max(live_pending or pending, default=None),
         **totals,
     )
 

@@ -247,9 +247,19 @@ class PostgresOutbox:
 
     async def _count(self, connection: Any) -> None:
         """Count the rows waiting now (:attr:`known_pending`); the next count is due
-        ``poll_interval`` seconds later."""
-        self._pending = int(await connection.fetchval(self._sql.pending))
+        ``poll_interval`` seconds later. A count that fails (a huge backlog past the
+        statement timeout, say) is logged and leaves the last one: it never keeps the
+        relay from forwarding, which is what shrinks the backlog."""
         self._next_count = anyio.current_time() + self.poll_interval
+        try:
+            self._pending = int(await connection.fetchval(self._sql.pending))
+        except database_errors() as error:
+            logger.warning(
+                "outbox %s: counting the waiting rows failed (%s); the relay forwards "
+                "all the same",
+                self.schema,
+                _described(error),
+            )
 
     async def _connect(self) -> Any:
         asyncpg = load_asyncpg()

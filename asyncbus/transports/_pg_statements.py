@@ -235,7 +235,7 @@ class Statements:
         #: is not finite (another client's) counts as a new bucket.
         self.take_turn = f"""
             INSERT INTO {s}.rates AS r (bucket, tat, asked_at, full_at)
-            SELECT $1::text, c.now - ($3::int - 1) * $2::float8 + $2, c.now, c.now + $2
+            SELECT $1::text, c.now - ($3::bigint - 1) * $2::float8 + $2, c.now, c.now + $2
             FROM {_CLOCK}
             ON CONFLICT (bucket) DO UPDATE SET (tat, asked_at, full_at) = (
                 SELECT t.turn + $2, c.now, t.turn + $3 * $2
@@ -248,7 +248,7 @@ class Statements:
         self.acquire_slot = f"""
             INSERT INTO {s}.slots AS l (name, leases)
             SELECT $1::text, jsonb_build_object($3::text, c.now + $4::float8)
-            FROM {_CLOCK} WHERE $2::int >= 1
+            FROM {_CLOCK} WHERE $2::bigint >= 1
             ON CONFLICT (name) DO UPDATE SET leases = (
                 SELECT CASE WHEN h.leases ? $3 OR h.count < $2
                     THEN h.leases || jsonb_build_object($3, c.now + $4) ELSE h.leases END

@@ -53,7 +53,7 @@ def test_a_heartbeat_that_is_not_seconds_up_to_a_minute_is_refused(heartbeat: ob
         Bus(heartbeat=heartbeat)  # type: ignore[arg-type]
 
 
-def _process(pid: int, outbox_pending: int | None) -> ProcessStatistics:
+def _process(pid: int, outbox_pending: int | None, *, stale: bool = False) -> ProcessStatistics:
     """A process of a deployment, its ``published`` its pid."""
     statistics = BusStatistics(
         stages=(),
@@ -75,7 +75,7 @@ def _process(pid: int, outbox_pending: int | None) -> ProcessStatistics:
         started=0.0,
         seen=time.time(),
         interval=5.0,
-        stale=False,
+        stale=stale,
         this_process=pid == 1,
         statistics=statistics,
     )
@@ -86,6 +86,20 @@ def test_the_outbox_count_of_replicas_is_their_highest_not_their_sum() -> None:
     totals = sum_statistics([_process(1, 3), _process(2, None), _process(3, 5)])
     assert (totals.published, totals.outbox_pending) == (6, 5)
     assert sum_statistics([_process(1, None), _process(2, None)]).outbox_pending is None
+
+
+def test_the_outbox_count_of_a_stale_replica_gives_way_to_a_live_ones() -> None:
+    # A replica gone silent last counted 40 rows that a live relay has forwarded since.
+    live = [_process(1, 0), _process(2, 40, stale=True)]
+    assert sum_statistics(live).outbox_pending == 0
+    assert sum_statistics([_process(2, 40, stale=True)]).outbox_pending == 40  # (all it knows)
+
+
+def test_a_heartbeat_record_with_an_infinite_outbox_count_is_skipped() -> None:
+    record = _encode(_process(2, 1))
+    record = record.replace(b'"outbox_pending":1', b'"outbox_pending":Infinity')
+    assert b'"outbox_pending":Infinity' in record
+    assert _decode(record, time.time(), "instance-1") is None
 
 
 @pytest.mark.parametrize("outbox_pending", [None, 0, 4])

@@ -555,3 +555,37 @@ def test_an_outbox_belongs_to_one_bus_and_an_outbox_must_be_one() -> None:
         Bus(outbox=outbox)
     with pytest.raises(ConfigurationError, match="outbox must be"):
         Bus(outbox=object())
+
+
+async def test_a_count_that_fails_never_keeps_the_relay_from_forwarding(
+    make_bus: Callable[..., tuple[Bus, PostgresOutbox]],
+    database: asyncpg.Connection,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Counting the waiting rows fails every time (as a count of a huge backlog past the
+    statement timeout would): the bus starts, the relay forwards every row, and the
+    count stays unknown, each failure logged."""
+    bus, outbox = make_bus(poll_interval=0.05)
+    outbox._sql.pending = "SELECT 1 / 0"  # (every count fails in the database)
+    seen = Seen()
+
+    @bus.subscribe("orders.created", group="audit")
+    async def audit(n: int) -> None:
+        seen.add(n)
+
+    async with bus:
+        for n in range(3):
+            async with database.transaction():
+                await bus.publish("orders.created", n, connection=database)
+        await seen.reach(3)
+
+        async def emptied() -> bool:
+            return await rows(database, schema) == []
+
+        await until(emptied)  # (every row forwarded and deleted)
+        await bus.drain()
+        assert bus.statistics().outbox_pending is None  # (never counted)
+    assert sorted(seen.items) == [0, 1, 2]
+    logged = [r.getMessage() for r in caplog.records if r.name == "asyncbus.outbox"]
+    assert logged and all("counting the waiting rows failed" in m for m in logged), logged

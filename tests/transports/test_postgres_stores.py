@@ -298,3 +298,16 @@ async def test_stores_of_a_transport_not_connected_raise_transport_error(
         await transport.lease_store().acquire("s@g", 1, "h", 15.0)
     with pytest.raises(TransportError, match="not connected"):
         await transport.beats()
+
+
+async def test_limits_past_a_32_bit_integer_are_kept_in_the_database(
+    postgres_dsn: str, schema: str
+) -> None:
+    """A burst or a slot limit over 2**31 - 1 is a bigint to the database, as Redis takes
+    it (an int4 parameter refused it, and every call fell back to per-process limits)."""
+    huge = 3_000_000_000
+    async with _transport(postgres_dsn, schema) as transport:
+        rates, slots = transport.rate_store(), transport.lease_store()
+        assert [await rates.take("b", 1e-9, huge) for _ in range(3)] == [0.0, 0.0, 0.0]
+        assert await slots.acquire("s@g", huge, "one", 30.0)
+        assert await slots.acquire("s@g", huge, "two", 30.0)
