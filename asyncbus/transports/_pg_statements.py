@@ -244,7 +244,8 @@ class Statements:
                     ELSE c.now - ($3 - 1) * $2 END AS turn) t
             )
             RETURNING greatest(0, r.tat - $2 - r.asked_at)"""
-        #: (name, limit, holder, lease) -> whether the holder has a slot now.
+        #: (name, limit, holder, lease) -> whether the holder has a slot now (no row: every
+        #: slot is held by others, and the row is left as it is, not written again).
         self.acquire_slot = f"""
             INSERT INTO {s}.slots AS l (name, leases)
             SELECT $1::text, jsonb_build_object($3::text, c.now + $4::float8)
@@ -258,6 +259,8 @@ class Statements:
                     FROM {_LIVE}
                 ) h
             )
+            WHERE EXISTS (SELECT 1 FROM {_CLOCK}, {_LIVE} AND e.key = $3)
+                OR (SELECT count(*) FROM {_CLOCK}, {_LIVE}) < $2
             RETURNING l.leases ? $3"""
         #: (name, holders, lease) -> how many of the holders still had a slot (renewed).
         self.renew_slots = f"""

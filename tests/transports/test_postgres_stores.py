@@ -311,3 +311,26 @@ async def test_limits_past_a_32_bit_integer_are_kept_in_the_database(
         assert [await rates.take("b", 1e-9, huge) for _ in range(3)] == [0.0, 0.0, 0.0]
         assert await slots.acquire("s@g", huge, "one", 30.0)
         assert await slots.acquire("s@g", huge, "two", 30.0)
+
+
+async def test_a_refused_slot_request_leaves_the_row_unwritten(
+    postgres_dsn: str, schema: str
+) -> None:
+    """Every slot held by others: asking again (each waiting envelope polls) writes no new
+    row version; the holder renewing, or a free slot, still does."""
+    async with _transport(postgres_dsn, schema) as transport:
+        slots = transport.lease_store()
+        assert await slots.acquire("s@g", 1, "one", 30.0)
+
+        async def version() -> int:
+            found = await transport.run(
+                "reading", "fetchval", f"SELECT xmin::text::bigint FROM {transport.schema}.slots"
+            )
+            return int(found)
+
+        before = await version()
+        assert [await slots.acquire("s@g", 1, "two", 30.0) for _ in range(3)] == [False] * 3
+        assert await version() == before
+        assert await slots.acquire("s@g", 1, "one", 30.0)  # (its own: kept, renewed)
+        assert await version() != before
+        assert await slots.acquire("s@g", 2, "two", 30.0)  # (a second slot)
