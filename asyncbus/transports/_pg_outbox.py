@@ -254,6 +254,8 @@ class PostgresOutbox:
         try:
             self._pending = int(await connection.fetchval(self._sql.pending))
         except database_errors() as error:
+            if connection.is_closed():
+                raise  # the connection is gone: the relay connects again (and says so once)
             logger.warning(
                 "outbox %s: counting the waiting rows failed (%s); the relay forwards "
                 "all the same",
