@@ -63,6 +63,8 @@ _TOTAL_FIELDS = [
 #: up (the highest of the processes' is kept).
 _NOT_SUMMED = {"name", "topic", "group", "latency_p50", "latency_p99", "wait_p99"}
 _NOT_SUMMED |= {"saturation", "shedding", "limit", "capacity"}
+#: Settings of the group, the same in every process (the first non-None reading is kept).
+_NOT_SUMMED |= {"ordering", "max_in_flight", "partitions"}
 _SUMMED = _STAGE_FIELDS - _NOT_SUMMED
 
 
@@ -219,6 +221,10 @@ def sum_statistics(processes: Iterable[ProcessStatistics]) -> BusStatistics:
             for key, value in figures.items():
                 if key in _SUMMED:
                     summed[key] += value
+                elif value is None or summed[key] is None:
+                    summed[key] = value if summed[key] is None else summed[key]
+                elif isinstance(value, str):
+                    continue
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     summed[key] = max(summed[key], value)
                 elif isinstance(value, bool):

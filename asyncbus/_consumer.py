@@ -32,7 +32,7 @@ from ._instrument import Instrumentation, Result
 from ._stage import Stage, tries_before
 from ._subscription import Subscription
 from ._types import Handler
-from ._verdicts import DeadLetterNow, Defer, RetryAfter, Skip, Verdict, escaped_verdict
+from ._verdicts import DeadLetterNow, Defer, GiveBack, RetryAfter, Skip, Verdict, escaped_verdict
 from .transports.base import Delivery
 
 __all__ = [
@@ -337,6 +337,14 @@ def conclude(
                 stage.release(envelope)
         host.settled(stage)
         return False, dead
+    if isinstance(verdict, GiveBack):
+        ledger.abandoned += 1
+        stage.in_flight -= 1
+        stage.take_delivery(envelope)  # never settled here: the broker has it back
+        if stage.gate is not None:
+            stage.release(envelope)
+        host.settled(stage)
+        return False, None
     # An ack: a result, or Skip.
     ledger.acked += 1
     stage.in_flight -= 1
@@ -452,8 +460,11 @@ def _result(verdict: Any) -> Result:
         return Result("deferred", delay=verdict.delay)
     if isinstance(verdict, Skip):
         return _SKIPPED
+    if isinstance(verdict, GiveBack):
+        return _ABANDONED
     return _ACKED
 
 
 _ACKED = Result("acked")
 _SKIPPED = Result("skipped")
+_ABANDONED = Result("abandoned")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -96,7 +97,26 @@ PUMP_BACKOFF_MIN = 0.05
 PUMP_BACKOFF_MAX = 2.0
 
 
-async def pump(stage: Stage, transport: Any, host: DeliveryHost) -> None:
+class Tap(Protocol):
+    """A pump of one partition of a stage (see :mod:`asyncbus._partitions`)."""
+
+    #: The partition is being handed over: take nothing more in.
+    leaving: bool
+    #: The pump's reading now (cancelled to stop taking envelopes in).
+    reading: anyio.CancelScope | None
+    #: Set once the partition's subscription exists (its group receives publishes).
+    subscribed: anyio.Event
+
+
+async def pump(
+    stage: Stage,
+    transport: Any,
+    host: DeliveryHost,
+    *,
+    group: str | None = None,
+    accept: Callable[[Any], bool] | None = None,
+    tap: Tap | None = None,
+) -> None:
     """Feed ``stage`` from the broker: at most ``capacity`` deliveries held here.
 
     No delivery ends the pump: one that cannot be taken in (undecodable, delivered
@@ -110,12 +130,17 @@ async def pump(stage: Stage, transport: Any, host: DeliveryHost) -> None:
     that doubles up to :data:`PUMP_BACKOFF_MAX` seconds, until the bus stops. Only a
     :class:`ConfigurationError` (a pattern or setting the broker can never take)
     ends it, handed to the host (``refused``): the other stages go on.
+
+    A partition of the stage (``tap``) reads its own ``group``; a delivery ``accept``
+    says is another partition's is acked at once, uncounted. When the partition is
+    handed over (``tap.reading`` cancelled) the pump reads no more but keeps its
+    subscription, for what it took in to be settled, until it is cancelled.
     """
     backoff = PUMP_BACKOFF_MIN
     while True:
         began = anyio.current_time()
         try:
-            await _pump_once(stage, transport, host)
+            await _pump_once(stage, transport, host, group, accept, tap)
             return  # the subscription ended: the transport is closing
         except ConfigurationError as error:
             host.refused(stage, error)  # never again: the stage is withdrawn, or the start fails
@@ -134,7 +159,14 @@ async def pump(stage: Stage, transport: Any, host: DeliveryHost) -> None:
         backoff = min(backoff * 2, PUMP_BACKOFF_MAX)
 
 
-async def _pump_once(stage: Stage, transport: Any, host: DeliveryHost) -> None:
+async def _pump_once(
+    stage: Stage,
+    transport: Any,
+    host: DeliveryHost,
+    group: str | None = None,
+    accept: Callable[[Any], bool] | None = None,
+    tap: Tap | None = None,
+) -> None:
     """One subscription of ``stage``, until it ends.
 
     Its prefetch is what the stage should hold: ``capacity`` for a static stage, the
@@ -146,57 +178,104 @@ async def _pump_once(stage: Stage, transport: Any, host: DeliveryHost) -> None:
     waits until the stage holds no other delivery and the broker has their settles,
     and the prefetch comes back with the next delivery that is not one. (Only with a
     subscription the bus can steer, :class:`~asyncbus.transports.SubscriptionControl`;
-    otherwise it keeps the prefetch it subscribed with.)
+    otherwise it keeps the prefetch it subscribed with. Not on an ordered stage: what
+    came with a suspect, put back, would come after later envelopes of its keys.)
 
     A controlled stage counts a delivery's wait from when the broker queued it
     (``queued_at``): over a broker the queue that stands is the broker's, so that is
     the wait admission control sheds by.
     """
     control = stage.control
-    bound = control.local_bound if control is not None else None
     window = control.window if control is not None else None
     prefetch = window() if window is not None else stage.capacity
-    subscription = transport.subscribe(stage.pattern, group=stage.group, prefetch=prefetch)
+    subscription = transport.subscribe(
+        stage.pattern, group=stage.group if group is None else group, prefetch=prefetch
+    )
     async with subscription as deliveries:
-        if stage.subscribed is not None:
-            stage.subscribed.set()  # the group exists in the broker from here on
-        steered = deliveries if isinstance(deliveries, SubscriptionControl) else None
-        async for delivery in deliveries:
-            try:
-                envelope = delivery.envelope
-                # (A delivery written to the Delivery protocol alone is taken as decoded.)
-                refused = delivery.error if isinstance(delivery, BaseDelivery) else None
-                if refused is None:
-                    if steered is not None:
-                        suspect = isinstance(delivery, BaseDelivery) and delivery.redeliveries > 0
-                        if suspect:
-                            wanted = 1
-                        else:
-                            wanted = window() if window is not None else stage.capacity
-                        if wanted != prefetch:
-                            prefetch = wanted
-                            await steered.set_prefetch(wanted)
-                        if suspect:  # it runs with nothing held beside it
-                            await stage.wait_unheld()
-                            await _flush(stage, steered)
-                    await stage.wait_for_room(bound)
-                    stage.deliveries[id(envelope)] = delivery
-                    since = (
-                        delivery.queued_at()
-                        if control is not None and isinstance(delivery, BaseDelivery)
-                        else None
-                    )
-                    if since is None:
-                        stage.admit(envelope)
-                    else:  # its wait began in the broker (the wall clock: the broker's)
-                        stage.admit_waited(envelope, max(0.0, time.time() - since))
-                    continue
-            except BusClosedError:
-                return  # the stage stopped: the subscription gives back what it holds
-            except Exception as error:  # a broken delivery must not end the pump
-                logger.exception("stage %s could not take in a delivery", stage.name)
-                refused = f"the delivery could not be taken in: {describe_error(error)}"
-            await _refuse(stage, delivery, str(refused), host)
+        if tap is None:
+            if stage.subscribed is not None:
+                stage.subscribed.set()  # the group exists in the broker from here on
+            await _take_in(stage, deliveries, host, accept, prefetch)
+            return
+        tap.subscribed.set()
+        tap.reading = reading = anyio.CancelScope()
+        if tap.leaving:
+            reading.cancel()
+        with reading:
+            await _take_in(stage, deliveries, host, accept, prefetch)
+        if reading.cancelled_caught or tap.leaving:
+            await anyio.sleep_forever()  # handed over: hold what was taken in until told
+
+
+async def _take_in(
+    stage: Stage,
+    deliveries: Any,
+    host: DeliveryHost,
+    accept: Callable[[Any], bool] | None,
+    prefetch: int,
+) -> None:
+    """Admit ``deliveries`` (subscribed with ``prefetch``) into ``stage`` until the
+    subscription ends (see :func:`_pump_once`)."""
+    control = stage.control
+    bound = control.local_bound if control is not None else None
+    window = control.window if control is not None else None
+    steered = deliveries if isinstance(deliveries, SubscriptionControl) else None
+    if stage.gate is not None:
+        # An ordered stage takes a suspect in line: putting back what came with it would
+        # send those behind later envelopes of their keys.
+        steered = None
+    async for delivery in deliveries:
+        if accept is not None and not accept(delivery):
+            await _pass_over(stage, delivery)
+            continue
+        try:
+            envelope = delivery.envelope
+            # (A delivery written to the Delivery protocol alone is taken as decoded.)
+            refused = delivery.error if isinstance(delivery, BaseDelivery) else None
+            if refused is None:
+                if steered is not None:
+                    suspect = isinstance(delivery, BaseDelivery) and delivery.redeliveries > 0
+                    full = window() if window is not None else stage.capacity
+                    wanted = 1 if suspect else full
+                    if wanted != prefetch:
+                        prefetch = wanted
+                        await steered.set_prefetch(wanted)
+                    if suspect:  # it runs with nothing held beside it
+                        await stage.wait_unheld()
+                        await _flush(stage, steered)
+                await stage.wait_for_room(bound)
+                stage.deliveries[id(envelope)] = delivery
+                since = (
+                    delivery.queued_at()
+                    if control is not None and isinstance(delivery, BaseDelivery)
+                    else None
+                )
+                if since is None:
+                    stage.admit(envelope)
+                else:  # its wait began in the broker (the wall clock: the broker's)
+                    stage.admit_waited(envelope, max(0.0, time.time() - since))
+                continue
+        except BusClosedError:
+            return  # the stage stopped: the subscription gives back what it holds
+        except Exception as error:  # a broken delivery must not end the pump
+            logger.exception("stage %s could not take in a delivery", stage.name)
+            refused = f"the delivery could not be taken in: {describe_error(error)}"
+        await _refuse(stage, delivery, str(refused), host)
+
+
+async def _pass_over(stage: Stage, delivery: Delivery) -> None:
+    """Ack a delivery of another partition of ``stage``, unhandled and uncounted."""
+    try:
+        if isinstance(delivery, BaseDelivery) and delivery.acks_behind:
+            delivery.ack_nowait()
+        else:
+            await delivery.ack()
+    except Exception as error:  # it comes back, and is passed over again
+        logger.warning(
+            "stage %s: another partition's delivery was not acked: %s",
+            stage.name,
+            describe_error(error),
+        )
 
 
 async def _flush(stage: Stage, subscription: SubscriptionControl) -> None:

@@ -31,6 +31,7 @@ from ._handling import Handling
 from ._ledger import Ledger
 from ._logging import FailureLog
 from ._ordering import KeyGate
+from ._partitions import Partitions
 from ._stats import LatencyHistogram, StageStatistics
 from ._subscription import StageOptions, Subscription
 from .transports.base import Delivery
@@ -158,6 +159,8 @@ class Stage:
             self.enqueue = self.push
         #: ``subscribe(partitions=...)`` of an ordered stage, ``None`` when not given.
         self.partitions: int | None = None
+        #: Over a broker, the partitions this replica serves (``None``: not split).
+        self.partitioned: Partitions | None = None
         #: The group's slots (``max_in_flight``); ``None`` for none.
         self.flights: FlightLimit | None = None
         #: Per-key order (``ordering="key"``); ``None`` for an unordered stage.
@@ -613,6 +616,8 @@ class Stage:
             max_in_flight=None if flights is None else flights.limit,
             slots_held=0 if flights is None else flights.running,
             slots_waiting=0 if flights is None else flights.waiting,
+            partitions=self.partitions,
+            partitions_owned=0 if self.partitioned is None else len(self.partitioned.served),
         )
 
     def busy_consumers(self) -> int:

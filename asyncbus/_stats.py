@@ -143,6 +143,12 @@ class StageStatistics:
     slots_held: int = 0
     #: Handlers of this process waiting for a slot (all taken, here or elsewhere).
     slots_waiting: int = 0
+    #: ``subscribe(partitions=...)``: the partitions of an ordered group; ``None`` when
+    #: not given.
+    partitions: int | None = None
+    #: Over a broker, the partitions this process serves now (summed over a deployment:
+    #: ``partitions`` once every one is served).
+    partitions_owned: int = 0
 
 
 @dataclass(frozen=True, slots=True)

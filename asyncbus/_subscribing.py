@@ -160,6 +160,7 @@ class Subscribing:
             )
             stage.options = shape
             stage.partitions = shape.partitions
+            stage.partitioned = self._mode.partitions(stage, shape.partitions)
             if shape.max_in_flight is not None:
                 stage.flights = FlightLimit(stage.name, shape.max_in_flight)
             if self._life.task_group is not None:
@@ -220,7 +221,9 @@ class Subscribing:
                 self._holds_switch_interval = True
                 hold_switch_interval(self._switch_interval)
         if stage.flights is not None:
-            chain = stage.flights(chain)  # (outermost: a handler starts once it has a slot)
+            chain = stage.flights(chain)  # (a handler starts once it has a slot)
+        if stage.partitioned is not None:
+            chain = stage.partitioned.guard(chain)  # (outermost: no slot for one given back)
         start_consumers(stage, subscription, chain, self._services)
         self._mode.start(stage)
 

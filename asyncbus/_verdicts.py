@@ -32,7 +32,15 @@ from ._dead_letters import DeadLetterReason
 from ._exceptions import ConfigurationError, DecodeError, HandlerTimeout, Reject
 from ._failures import describe_error, handler_failure
 
-__all__ = ["DeadLetterNow", "Defer", "RetryAfter", "Skip", "Verdict", "escaped_verdict"]
+__all__ = [
+    "DeadLetterNow",
+    "Defer",
+    "GiveBack",
+    "RetryAfter",
+    "Skip",
+    "Verdict",
+    "escaped_verdict",
+]
 
 
 class Verdict:
@@ -86,6 +94,15 @@ class Defer(Verdict):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "delay", check_seconds(self.delay, "Defer", zero=True))
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBack(Verdict):
+    """Leave the envelope unhandled and unsettled, for the broker to deliver again
+    (the bus's own: the partition it came from is no longer this process's).
+
+    It ends here as ``abandoned``; its subscription, ended already, released it.
+    """
 
 
 @dataclass(frozen=True, slots=True)

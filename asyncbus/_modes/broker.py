@@ -16,7 +16,7 @@ import anyio.lowlevel
 from .._cluster import Heartbeats
 from .._dead_letters import DEADLETTER_TOPIC, DeadLetter, DeadLetterQueue, DeadLetterReason
 from .._dedup import DedupStore, MemoryDedupStore
-from .._delivering import pump
+from .._delivering import Tap, pump
 from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, ConfigurationError, EncodeError
 from .._groups import (
@@ -27,7 +27,14 @@ from .._groups import (
     local_groups,
     no_admin,
 )
-from .._leases import LeaseStore
+from .._leases import LeaseCounter, LeaseStore, PartitionLeases
+from .._partitions import (
+    LeasedPartitions,
+    Partitions,
+    fold_partitions,
+    partition_group,
+    partition_of,
+)
 from .._rates import RateStore
 from .._routing import compile_pattern
 from .._stage import Stage
@@ -40,6 +47,7 @@ from ..transports.base import (
     DedupStoreProvider,
     GroupAdmin,
     LeaseStoreProvider,
+    PartitionLeasesProvider,
     RateStoreProvider,
     TickClaimsProvider,
     Transport,
@@ -215,33 +223,51 @@ class BrokerMode:
         """What the broker still holds for the stages it feeds."""
         total = 0
         for stage in list(stages):
-            if over_broker(stage):
-                total += await self.port.backlog(stage.pattern, stage.group)
+            if not over_broker(stage):
+                continue
+            partitions = stage.partitioned
+            groups = [stage.group] if partitions is None else partitions.groups()
+            for group in groups:
+                total += await self.port.backlog(stage.pattern, group)
         return total
 
     def start(self, stage: Stage) -> None:
-        """Start the stage's pump (once), unless it is a ``$deadletter`` stage."""
+        """Start the stage's pump (once), unless it is a ``$deadletter`` stage; an
+        ordered stage split into partitions, the keeper of its partitions."""
         if over_broker(stage) and not stage.pumping:
             stage.pumping = True
             stage.subscribed = anyio.Event()
             self.pumps_starting += 1
-            self.host.start_soon(self._pump, stage, name=f"asyncbus pump {stage.name}")
+            if stage.partitioned is not None:
+                name = f"asyncbus partitions {stage.name}"
+                self.host.start_soon(self._serve_partitions, stage, name=name)
+            else:
+                self.host.start_soon(self._pump, stage, name=f"asyncbus pump {stage.name}")
 
     def check_pattern(self, pattern: str) -> None:
         """The transport's limits (``$deadletter`` stays in this process)."""
         if pattern != DEADLETTER_TOPIC:
             self.transport.check_pattern(pattern)
 
+    def partitions(self, stage: Stage, count: int | None) -> Partitions | None:
+        """An ordered stage's ``count`` partitions, each served by one replica (see
+        :mod:`asyncbus._partitions`); ``None`` when not split."""
+        return None if count is None else Partitions(stage, count)
+
     def check_partitions(self, pattern: str, partitions: int | None) -> None:
-        """Partitions owned by one replica each are not built over a broker yet."""
-        if partitions is not None:
-            raise ConfigurationError(
-                f"subscribe({pattern!r}): partitions={partitions} over "
-                f"{type(self.transport).__name__}: a group split into partitions owned by one "
-                "replica each is not available over a broker yet; without partitions, "
-                "ordering='key' keeps each key's order among what one process receives (run "
-                "one consumer process for the group to keep it for the whole group)"
-            )
+        """Partitions are leases in the broker: refused over one that keeps none."""
+        if partitions is None:
+            return
+        if self._partition_leases() is not None:
+            return
+        transport = self.transport
+        raise ConfigurationError(
+            f"subscribe({pattern!r}): partitions={partitions} over "
+            f"{type(transport).__name__}: each partition is served by the replica holding its "
+            "lease, and this transport keeps no leases (Redis, NATS, PostgreSQL and RabbitMQ "
+            "do); without partitions, ordering='key' keeps each key's order among what one "
+            "process receives (run one consumer process for the group to keep it for the group)"
+        )
 
     def check_topic(self, topic: str) -> None:
         """The transport's limits (``$deadletter`` stays in this process)."""
@@ -251,6 +277,49 @@ class BrokerMode:
     async def _pump(self, stage: Stage) -> None:
         self.pumps_starting -= 1  # runs on: its subscription begins before its first await
         await pump(stage, self.transport, self.host)
+
+    def _partition_leases(self) -> PartitionLeases | None:
+        """Where the transport keeps partitions' leases (``None``: nowhere)."""
+        transport = self.transport
+        if isinstance(transport, PartitionLeasesProvider):
+            return transport.partition_leases()
+        if isinstance(transport, LeaseStoreProvider):
+            store = transport.lease_store()
+            if isinstance(store, LeaseCounter):
+                return LeasedPartitions(store)
+        return None
+
+    async def _serve_partitions(self, stage: Stage) -> None:
+        """Keep ``stage``'s share of its partitions, each fed by a pump of its own."""
+        self.pumps_starting -= 1
+        partitions = stage.partitioned
+        assert partitions is not None
+        transport = self.transport
+        store = self._partition_leases()
+        assert store is not None  # (checked at subscribe)
+
+        async def serve(index: int, group: str, tap: Tap) -> None:
+            accept = partitions.accepts(index)
+            await pump(stage, transport, self.host, group=group, accept=accept, tap=tap)
+
+        recorded = [(info.pattern, info.group) for info in self.group_reading]
+        ack_timeout = getattr(transport, "ack_timeout", 0.0)
+        settle_wait = float(ack_timeout) if isinstance(ack_timeout, int | float) else 0.0
+        # (NATS: a subscription's open pull request outlives it for as long.)
+        linger = getattr(transport, "pull_expires", 0.0)
+        linger = float(linger) if isinstance(linger, int | float) else 0.0
+        try:
+            await partitions.run(
+                store,
+                serve,
+                settle_wait,
+                recorded,
+                stage.subscribed,
+                linger,
+                transport.cleanup_scope,
+            )
+        except ConfigurationError as error:
+            self.host.refused(stage, error)
 
     def check_nowait(self) -> None:
         """A broker's confirmation is always waited for."""
@@ -295,7 +364,7 @@ class BrokerMode:
             )
         elif (stale := self.stale_groups) is not None and stale.stale:
             stale.reached(envelope.topic, reached)
-        return make_receipt(envelope.id, reached)
+        return make_receipt(envelope.id, fold_partitions(reached))
 
     async def send_many(
         self, envelopes: Sequence[Envelope], timeout: float | None
@@ -338,7 +407,7 @@ class BrokerMode:
                 )
         elif (stale := self.stale_groups) is not None and stale.stale:
             stale.reached(topic, reached)
-        return make_receipts(listed, reached)
+        return make_receipts(listed, fold_partitions(reached))
 
     async def send_none(self) -> list[Receipt]:
         """A ``publish_many`` of nothing: no broker round trip to be its one yield."""
@@ -398,6 +467,9 @@ class BrokerMode:
             if stage is not None and over_broker(stage)
             else split_stage_name(entry.stage, envelope.topic)
         )
+        if stage is not None and target is not None and stage.partitioned is not None:
+            count = stage.partitioned.count  # to the group of the envelope's partition
+            target = (target[0], partition_group(target[1], partition_of(envelope, count), count))
         claimed = broker.shared is not None  # the queue took it out of the store
         with anyio.CancelScope(shield=True):
             if not claimed:

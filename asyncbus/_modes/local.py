@@ -18,6 +18,7 @@ from .._envelope import Envelope, Receipt, make_receipt, make_receipts
 from .._exceptions import BusClosedError, PublishTimeout
 from .._groups import GroupInfo, local_groups, subscribed_here
 from .._leases import LeaseStore
+from .._partitions import Partitions
 from .._rates import RateStore
 from .._routing import Router
 from .._stage import Backpressure, Stage
@@ -65,6 +66,10 @@ class LocalMode:
     def check_partitions(self, pattern: str, partitions: int | None) -> None:
         """One process serves every partition: the order per key holds whatever their
         number."""
+
+    def partitions(self, stage: Stage, count: int | None) -> Partitions | None:
+        """One process: an ordered group is never split."""
+        return None
 
     def check_topic(self, topic: str) -> None:
         """Any topic the bus's syntax allows works in memory."""

@@ -21,6 +21,7 @@ from .._dedup import DedupStore
 from .._envelope import Envelope, Receipt
 from .._groups import GroupInfo
 from .._leases import LeaseStore
+from .._partitions import Partitions
 from .._rates import RateStore
 from .._stage import Stage
 from .._time.due import BusTime
@@ -88,6 +89,10 @@ class Mode(Protocol):
     def check_pattern(self, pattern: str) -> None:
         """Raise :class:`ConfigurationError` for a pattern the broker cannot carry (at
         ``subscribe``, before anything changes)."""
+
+    def partitions(self, stage: Stage, count: int | None) -> Partitions | None:
+        """What serves an ordered stage's ``count`` partitions here (``None``: the stage
+        is not split, as in memory)."""
 
     def check_partitions(self, pattern: str, partitions: int | None) -> None:
         """Raise :class:`ConfigurationError` when an ordered group cannot be split into

@@ -128,6 +128,7 @@ _GAUGES = {
     "waiting_for_key": "Envelopes waiting for their key's turn (part of depth).",
     "slots_held": "Handlers of this process holding a max_in_flight slot of the group.",
     "slots_waiting": "Handlers of this process waiting for a max_in_flight slot.",
+    "partitions_owned": "Partitions of an ordered group this process serves (over a broker).",
 }
 
 

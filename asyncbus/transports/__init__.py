@@ -34,6 +34,7 @@ from .base import GroupInfo as GroupInfo
 from .base import GroupPublisher as GroupPublisher
 from .base import KeepAlive as KeepAlive
 from .base import LeaseStoreProvider as LeaseStoreProvider
+from .base import PartitionLeasesProvider as PartitionLeasesProvider
 from .base import RateStoreProvider as RateStoreProvider
 from .base import RoutedPublisher as RoutedPublisher
 from .base import SharedDeadLetters as SharedDeadLetters
@@ -69,6 +70,7 @@ __all__ = [
     "MemoryTransport",
     "MsgspecCodec",
     "NatsTransport",
+    "PartitionLeasesProvider",
     "RabbitTransport",
     "RateStoreProvider",
     "RedisTransport",

@@ -145,6 +145,8 @@ class PullConsumer:
         self.restore_backoff = Backoff(_PULL_PAUSE, _RESTORE_BACKOFF_MAX)
         self.closed = False
         self.wakeup = anyio.Event()
+        #: Messages of a left subscription, given back together once its request ended.
+        self.lingering: list[Msg] = []
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -218,7 +220,11 @@ class PullConsumer:
                 self.request = None
         key = message_key(msg)
         if self.closed:
-            await self._give_back([msg])  # our request outlived the subscription
+            # Our request outlived the subscription: kept, and given back with the rest
+            # once the request ended (given back now, the server would send it straight
+            # back into the same request, again and again, and the last copy sent as
+            # the request ended would wait for ack_wait, behind later messages).
+            self.lingering.append(msg)
         elif self._is_copy(msg, key):
             pass
         elif len(self.unsettled) + len(self.ready) >= self.prefetch:
@@ -415,14 +421,19 @@ class PullConsumer:
         self.held.clear()
         if self.request is None or self.nc.is_closed:
             await self._unsubscribe(subscription)
-            await self._give_back(held)
+            await self._give_back(held + self._take_lingering())
             return True
         # Not unsubscribing yet: a 2.9 server that finds a redelivery's only waiting
         # request without interest loses that redelivery until ack_wait and sends
-        # another message twice. What reaches the open request meanwhile is given
-        # back at once (on_message), until the request ends.
-        await self._give_back(held)
+        # another message twice. What reaches the open request meanwhile is kept
+        # (on_message) and given back with what was held, in stream order, once the
+        # request ended: the next consumer then gets them first, in order.
+        self.lingering += held
         return False
+
+    def _take_lingering(self) -> list[Msg]:
+        taken, self.lingering = self.lingering, []
+        return taken
 
     async def linger(self, subscription: Subscription) -> None:
         """Keep the inbox of a left subscription until its open pull request ended."""
@@ -434,6 +445,7 @@ class PullConsumer:
         finally:
             with self.transport.cleanup_scope():
                 await self._unsubscribe(subscription)
+                await self._give_back(self._take_lingering())
 
     async def _unsubscribe(self, subscription: Subscription) -> None:
         """Unsubscribe; messages the server sent before it saw that are given back too."""

@@ -105,3 +105,11 @@ class NatsLeaseStore:
             return 1 if leases.pop(holder, None) is not None else 0
 
         await self._change(name, release, f"giving back a slot of {name!r}")
+
+    async def count(self, name: str) -> int:
+        """How many leases of ``name`` have not run out."""
+
+        def count(leases: Leases, now: float) -> int:
+            return len(leases)
+
+        return await self._change(name, count, f"counting the leases of {name!r}")

@@ -71,3 +71,11 @@ class PgLeaseStore:
             row_key(name),
             holder,
         )
+
+    async def count(self, name: str) -> int:
+        """How many leases of ``name`` have not run out."""
+        transport = self._transport
+        found = await transport.run(
+            f"counting the leases of {name!r}", "fetchval", transport.sql.count_slots, row_key(name)
+        )
+        return int(found or 0)

@@ -257,8 +257,7 @@ class PostgresOutbox:
             if connection.is_closed():
                 raise  # the connection is gone: the relay connects again (and says so once)
             logger.warning(
-                "outbox %s: counting the waiting rows failed (%s); the relay forwards "
-                "all the same",
+                "outbox %s: counting the waiting rows failed (%s); the relay forwards all the same",
                 self.schema,
                 _described(error),
             )

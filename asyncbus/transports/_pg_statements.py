@@ -271,6 +271,9 @@ class Statements:
             )
             WHERE name = $1::text
             RETURNING (SELECT count(*) FROM jsonb_object_keys(l.leases) k WHERE k = ANY($2))"""
+        #: (name) -> how many of its leases have not run out.
+        self.count_slots = f"""
+            SELECT count(*) FROM {s}.slots l, {_CLOCK}, {_LIVE} AND l.name = $1::text"""
         #: (name, holder).
         self.release_slot = f"""
             UPDATE {s}.slots SET leases = leases - $2::text WHERE name = $1 AND leases ? $2"""

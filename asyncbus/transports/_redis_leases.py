@@ -63,6 +63,15 @@ return redis.call('ZREM', KEYS[1], ARGV[1])
 """
 
 
+#: KEYS[1] the set. How many leases have not run out.
+_COUNT = (
+    _NOW
+    + """
+return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+"""
+)
+
+
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
@@ -106,3 +115,12 @@ class RedisLeaseStore:
         await self._scripts.run(
             _RELEASE, [self._key(name)], [holder], f"giving back a slot of {name!r}"
         )
+
+    async def count(self, name: str) -> int:
+        """How many leases of ``name`` have not run out."""
+        found = await self._scripts.run(
+            _COUNT, [self._key(name)], [], f"counting the leases of {name!r}"
+        )
+        if not isinstance(found, int):
+            raise TransportError(f"Redis: unexpected lease count {found!r}")
+        return found

@@ -7,7 +7,8 @@ protocol (``ack``, ``nack``, ``reject`` with one signature). What only some brok
 offer is an optional protocol of its own, checked once (``isinstance``) when the bus
 binds the transport: :class:`RoutedPublisher`, :class:`GroupPublisher`,
 :class:`BacklogReader`, :class:`DeadLetterStore` (and :class:`SharedDeadLetters`),
-:class:`DedupStoreProvider`, :class:`RateStoreProvider`, :class:`TickClaimsProvider`,
+:class:`DedupStoreProvider`, :class:`RateStoreProvider`, :class:`LeaseStoreProvider`,
+:class:`PartitionLeasesProvider`, :class:`TickClaimsProvider`,
 :class:`AcksWrittenBehind`, :class:`KeepAlive`, :class:`GroupAdmin`. Everything
 else (retry, expiry, timeouts, slips, requests, statistics) is the bus's, written once.
 """
@@ -31,7 +32,7 @@ from .._dedup import DedupStore
 from .._envelope import Envelope
 from .._exceptions import ConfigurationError
 from .._groups import GroupAdmin, GroupInfo
-from .._leases import LeaseStore
+from .._leases import LeaseStore, PartitionLeases
 from .._rates import RateStore
 from ._codec import Codec, default_codec
 from ._kit.delivery import BaseDelivery
@@ -50,6 +51,7 @@ __all__ = [
     "GroupPublisher",
     "KeepAlive",
     "LeaseStoreProvider",
+    "PartitionLeasesProvider",
     "RateStoreProvider",
     "RoutedPublisher",
     "SharedDeadLetters",
@@ -469,6 +471,16 @@ class LeaseStoreProvider(Protocol):
 
     def lease_store(self) -> LeaseStore:
         """The store (see :mod:`asyncbus._flights`)."""
+
+
+@runtime_checkable
+class PartitionLeasesProvider(Protocol):
+    """A transport that keeps the partitions of an ordered group leased to its replicas
+    in a way of its own (RabbitMQ: exclusive queues); a transport without it whose
+    :class:`LeaseStoreProvider` store counts its leases keeps them as leases there."""
+
+    def partition_leases(self) -> PartitionLeases:
+        """The leases (see :mod:`asyncbus._partitions`)."""
 
 
 @runtime_checkable

@@ -141,6 +141,7 @@ from ._rabbit_channel import ConsumerChannel, write_acks
 from ._rabbit_consumer import LOST, META_HEADER, PREFETCH_MAX, RELEASE_TIMEOUT, Subscription
 from ._rabbit_dead_letters import RabbitDeadLetters
 from ._rabbit_groups import GroupRegister
+from ._rabbit_leases import RabbitPartitionLeases
 from ._rabbit_link import Connections, Link
 from ._rabbit_names import (
     KEY_LIMIT,
@@ -534,6 +535,11 @@ class RabbitTransport(Transport):
             await anyio.sleep(max(wait, 0.001))
 
     # -- periodic ticks -------------------------------------------------------
+
+    def partition_leases(self) -> RabbitPartitionLeases:
+        """The partitions of ordered groups leased to replicas as exclusive queues
+        (:mod:`._rabbit_leases`)."""
+        return RabbitPartitionLeases(self.prefix, self._links.current)
 
     def tick_claims(self) -> TickLeader:
         """Periodic ticks claimed by leading (:mod:`._rabbit_ticks`): one replica per

@@ -6,11 +6,19 @@ import dataclasses
 import os
 import socket
 import time
+from dataclasses import replace
 
 import anyio
 import pytest
 
-from asyncbus import Bus, BusStatistics, ClusterStatistics, ConfigurationError, ProcessStatistics
+from asyncbus import (
+    Bus,
+    BusStatistics,
+    ClusterStatistics,
+    ConfigurationError,
+    ProcessStatistics,
+    StageStatistics,
+)
 from asyncbus._cluster import _decode, _encode, sum_statistics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -108,3 +116,39 @@ def test_a_heartbeat_record_carries_the_outbox_count(outbox_pending: int | None)
     read = _decode(record, time.time(), "instance-1")
     assert read is not None
     assert (read.statistics.published, read.statistics.outbox_pending) == (2, outbox_pending)
+
+
+def _with_stage(pid: int, owned: int, max_in_flight: int | None) -> ProcessStatistics:
+    """A process serving ``owned`` partitions of an ordered stage split in four."""
+    stage = StageStatistics(
+        name="orders@g",
+        topic="orders",
+        group="g",
+        published=10,
+        acked=10,
+        failed=0,
+        retried=0,
+        dead_lettered=0,
+        rejected=0,
+        dropped=0,
+        expired=0,
+        depth=0,
+        in_flight=0,
+        concurrency=4,
+        latency_p50=0.0,
+        latency_p99=0.0,
+        wait_p99=0.0,
+        ordering="key",
+        max_in_flight=max_in_flight,
+        partitions=4,
+        partitions_owned=owned,
+    )
+    process = _process(pid, None)
+    return replace(process, statistics=replace(process.statistics, stages=(stage,)))
+
+
+def test_a_groups_settings_are_not_summed_and_its_partitions_owned_are() -> None:
+    totals = sum_statistics([_with_stage(1, 3, 2), _with_stage(2, 1, None)])
+    (stage,) = totals.stages
+    assert (stage.ordering, stage.max_in_flight, stage.partitions) == ("key", 2, 4)
+    assert (stage.published, stage.partitions_owned) == (20, 4)

@@ -398,6 +398,8 @@ async def test_a_static_stage_reports_its_concurrency_as_its_limit() -> None:
         "max_in_flight",
         "slots_held",
         "slots_waiting",
+        "partitions",
+        "partitions_owned",
     ]
 
 

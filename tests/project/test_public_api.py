@@ -131,6 +131,8 @@ def test_stage_statistics_can_be_made_with_the_design_fields_alone() -> None:
         "max_in_flight": None,
         "slots_held": 0,
         "slots_waiting": 0,
+        "partitions": None,
+        "partitions_owned": 0,
     }
 
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from _brokers import make_transport  # type: ignore[import-not-found]
 
-from asyncbus import Bus, ConfigurationError, Envelope, Reject, Retry
+from asyncbus import Bus, Envelope, Reject, Retry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -68,18 +68,3 @@ async def test_each_key_keeps_its_publish_order_through_retries_and_dead_letters
     assert (stage.published, stage.acked, stage.dead_lettered) == (total, total - 2, 2)
     assert (stage.depth, stage.in_flight, stage.keys_held) == (0, 0, 0)
     assert stage.retried == len(failing - rejected)
-
-
-async def test_partitions_are_refused_over_a_broker_at_subscribe(
-    kind: str, url: str, unique_prefix: str
-) -> None:
-    bus = Bus(transport=make_transport(kind, url, unique_prefix))
-
-    async def handle(n: int) -> None:
-        pass
-
-    with pytest.raises(ConfigurationError, match="not available over a broker yet"):
-        bus.subscribe("orders", handle, ordering="key", partitions=8)
-    with pytest.raises(ConfigurationError, match="not available over a broker yet"):
-        bus.subscribe("orders", ordering="key", partitions=8)
-    assert bus.statistics().stages == ()
