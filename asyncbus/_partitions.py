@@ -435,7 +435,7 @@ class Partitions:
         with anyio.move_on_after(HAND_OVER):
             await self._settled(served.index)
         left = self._held(served.index)
-        self.given_back.update(left)  # not settled in time: given back when reached
+        self._give_back(left)  # not settled in time: given back when reached
         served.scope.cancel()
         await served.stopped.wait()
         await anyio.sleep(self._linger)  # what still reached it is given back first
@@ -466,6 +466,13 @@ class Partitions:
             if partition_of(delivery.envelope, count) == index
         ]
 
+    def _give_back(self, ids: list[str]) -> None:
+        """Have the guard give back these envelopes when a consumer reaches them (those
+        being handled now are not reached again, unless a retry brings them back)."""
+        handled = {h.envelope.id for h in self.stage.handlings if h.envelope is not None}
+        retrying = {envelope.id for envelope in self.stage.retrying.values()}
+        self.given_back.update(i for i in ids if i not in handled or i in retrying)
+
     async def _settled(self, index: int) -> None:
         """Wait until the stage holds no delivery of partition ``index`` (a hand-over is
         rare: polled)."""
@@ -474,7 +481,7 @@ class Partitions:
 
     def _stop_at_once(self, served: _Served) -> None:
         """Stop ``served`` now: what it took in and has not started is given back."""
-        self.given_back.update(self._held(served.index))
+        self._give_back(self._held(served.index))
         served.scope.cancel()
         if self.served.get(served.index) is served:
             del self.served[served.index]

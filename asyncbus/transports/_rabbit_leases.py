@@ -43,11 +43,16 @@ class RabbitPartitionLeases:
 
     :param prefix: the transport's prefix (the queues go under it).
     :param current_link: the transport's live link now, ``None`` while there is none.
+    :param timeout: seconds a call to the broker may take (the transport's
+        ``publish_timeout``) before it fails with :class:`TransportError`.
     """
 
-    def __init__(self, prefix: str, current_link: Callable[[], Link | None]) -> None:
+    def __init__(
+        self, prefix: str, current_link: Callable[[], Link | None], timeout: float
+    ) -> None:
         self._prefix = prefix
         self._current_link = current_link
+        self._timeout = timeout
         #: Lease name -> the link whose connection holds its exclusive queue.
         self._held: dict[str, Link] = {}
         #: (name, member) -> the link and channel of its count-in consumer.
@@ -68,14 +73,16 @@ class RabbitPartitionLeases:
         """A channel of the link's publishing connection, closed after use; the client's
         errors become :class:`TransportError` saying what was being done."""
         try:
-            channel = await link.publisher.channel(publisher_confirms=False)
-        except Exception as error:  # aiormq's: the connection closed under us
+            with anyio.fail_after(self._timeout):
+                channel = await link.publisher.channel(publisher_confirms=False)
+        except Exception as error:  # aiormq's (the connection closed under us), a timeout
             raise _failed(doing, error) from error
         try:
-            yield channel
+            with anyio.fail_after(self._timeout):
+                yield channel
         except (TransportError, anyio.get_cancelled_exc_class()):
             raise
-        except Exception as error:  # aiormq's
+        except Exception as error:  # aiormq's, a timeout
             raise _failed(doing, error) from error
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
@@ -91,10 +98,11 @@ class RabbitPartitionLeases:
             queue = self._queue(name, "count")
             doing = f"counting in {name!r}"
             try:
-                channel = await link.publisher.channel(publisher_confirms=False)
-                await channel.queue_declare(queue, auto_delete=True)
-                await channel.basic_consume(queue, _ignore, no_ack=True, consumer_tag=member)
-            except Exception as error:  # aiormq's
+                with anyio.fail_after(self._timeout):
+                    channel = await link.publisher.channel(publisher_confirms=False)
+                    await channel.queue_declare(queue, auto_delete=True)
+                    await channel.basic_consume(queue, _ignore, no_ack=True, consumer_tag=member)
+            except Exception as error:  # aiormq's, a timeout
                 raise _failed(doing, error) from error
             self._counted[name, member] = (link, channel)
         return await self.count(name)
@@ -104,8 +112,9 @@ class RabbitPartitionLeases:
         counted = self._counted.pop((name, member), None)
         if counted is not None and not counted[1].is_closed:
             try:
-                await counted[1].close()
-            except Exception as error:  # aiormq's
+                with anyio.fail_after(self._timeout):
+                    await counted[1].close()
+            except Exception as error:  # aiormq's, a timeout
                 raise _failed(f"counting out of {name!r}", error) from error
 
     async def count(self, name: str) -> int:

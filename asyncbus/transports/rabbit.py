@@ -539,7 +539,7 @@ class RabbitTransport(Transport):
     def partition_leases(self) -> RabbitPartitionLeases:
         """The partitions of ordered groups leased to replicas as exclusive queues
         (:mod:`._rabbit_leases`)."""
-        return RabbitPartitionLeases(self.prefix, self._links.current)
+        return RabbitPartitionLeases(self.prefix, self._links.current, self.publish_timeout)
 
     def tick_claims(self) -> TickLeader:
         """Periodic ticks claimed by leading (:mod:`._rabbit_ticks`): one replica per
