@@ -37,8 +37,9 @@ import rate_limit  # beside this script: its transports and clean-up
 
 from asyncbus import HEADER_KEY, Bus, Envelope
 
-#: The partitioned group's least throughput, as a share of the unordered group's.
-TARGET = 0.5
+#: The partitioned group's least throughput, as a share of the unordered group's: with 4
+#: partitions the broker stores and delivers each envelope 4 times, which this bounds.
+TARGET = 0.4
 URLS = {**rate_limit.URLS, "rabbit": "amqp://guest:guest@127.0.0.1:5672/"}
 
 
@@ -98,8 +99,11 @@ async def group_round(options: argparse.Namespace, partitions: int | None) -> di
         async with AsyncExitStack() as stack:
             for bus in buses:
                 await stack.enter_async_context(bus)
-            if partitions is not None:  # every partition served before the clock starts
-                while sum(b.statistics().stage("bench@g").partitions_owned for b in buses) < (
+            if partitions is not None:  # balanced before the clock starts
+                share = partitions // len(buses)
+                while any(
+                    b.statistics().stage("bench@g").partitions_owned < share for b in buses
+                ) or sum(b.statistics().stage("bench@g").partitions_owned for b in buses) < (
                     partitions
                 ):
                     await anyio.sleep(0.05)

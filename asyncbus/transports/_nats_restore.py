@@ -82,17 +82,18 @@ class Restorer:
                     each.wake()
             self.restores += 1
 
-    async def wait(self, subject: str) -> None:
-        """Wait, at most ``publish_timeout``, while another task makes the streams and
-        consumers again (:meth:`restore`): a publish stored before this process's
-        consumers exist would reach none of them (retention is by interest).
+    async def wait(self, subject: str, deadline: float) -> None:
+        """Wait, until ``deadline`` (the publish's, anyio clock) at most, while another
+        task makes the streams and consumers again (:meth:`restore`): a publish stored
+        before this process's consumers exist would reach none of them (retention is by
+        interest).
 
-        :raises TransportError: when that is not done within ``publish_timeout``.
+        :raises TransportError: when that is not done by ``deadline``.
         """
         if not self._lock.locked():
             return
         host = self._host
-        with anyio.move_on_after(host.publish_timeout) as waited:
+        with anyio.move_on_after(deadline - anyio.current_time()) as waited:
             async with self._lock:
                 pass
         if waited.cancelled_caught:

@@ -109,20 +109,33 @@ class EnvelopeSender:
             )
             await self.send_all(f"{self._host.prefix}.{envelope.topic}", [message])
 
-    async def send_all(self, subject: str, messages: list[tuple[bytes, dict[str, str]]]) -> None:
+    async def send_all(
+        self,
+        subject: str,
+        messages: list[tuple[bytes, dict[str, str]]],
+        deadline: float | None = None,
+    ) -> None:
         """Publish ``messages`` (body, headers) to ``subject`` in one pipelined write;
-        return once the stream stored every one."""
-        deadline = anyio.current_time() + self._host.publish_timeout
-        await self._restorer.wait(subject)
+        return once the stream stored every one, by ``deadline`` (anyio clock; by
+        default ``publish_timeout`` from now), or raise :class:`TransportError`."""
+        if deadline is None:
+            deadline = anyio.current_time() + self._host.publish_timeout
+        await self._restorer.wait(subject, deadline)
         connection = self._connection
         publisher = connection.publishing()
         try:
             try:
-                if len(messages) == 1:
-                    body, headers = messages[0]
-                    await publisher.publish(subject, body, headers)
-                else:
-                    await publisher.publish_many(subject, messages)
+                # One deadline for the whole publish, a wait for a restore included.
+                with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)) as late:
+                    if len(messages) == 1:
+                        body, headers = messages[0]
+                        await publisher.publish(subject, body, headers)
+                    else:
+                        await publisher.publish_many(subject, messages)
+                if late.cancelled_caught:
+                    raise TimeoutError(
+                        f"no ack from JetStream within {self._host.publish_timeout:g} s"
+                    )
             except NoStreamError:
                 await self._publish_without_stream(subject, messages, deadline)
         except connection.errors as error:

@@ -104,10 +104,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, ClassVar
 
+import anyio
+
 from .._checks import check_count
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, TransportError
 from .._groups import GroupInfo
 from .._routing import validate_topic
 from ._codec import Codec
@@ -434,8 +436,10 @@ class NatsTransport(Transport):
         :returns: the stage names of the groups reached (``()``: none).
         """
         subject = self._sender.subject(topic)  # (checks the topic)
+        # One deadline for the whole call: reading the groups, a restore, the publish.
+        deadline = anyio.current_time() + self.publish_timeout
         restorer = self._restorer
-        await restorer.wait(subject)
+        await restorer.wait(subject, deadline)
         names = self._groups.known(topic)
         if not names:
             await restorer.read_groups()
@@ -451,7 +455,13 @@ class NatsTransport(Transport):
                 await self._shared_dead.add(unrouted_entry(envelope))
             return ()
         changes = self._groups.changes
-        await self.publish(topic, envelopes)
+        with anyio.move_on_after(deadline - anyio.current_time()) as late:
+            await self.publish(topic, envelopes)
+        if late.cancelled_caught:
+            raise TransportError(
+                f"publish of {len(envelopes)} envelope(s) to {subject} was not confirmed "
+                f"within {self.publish_timeout:g} s"
+            )
         if self._groups.changes != changes:
             # The server announced a consumer created or deleted while the publish was on
             # its way: the announcement of one made before the publish was stored comes

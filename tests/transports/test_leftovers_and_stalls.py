@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
-from _private_brokers import private_nats
+from _private_brokers import nats_connections, private_nats
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -262,9 +262,15 @@ async def test_nats_consumes_again_at_once_after_a_cut_connection(tmp_path: Path
             await bus.drain()  # a new pull request is open from here on
             assert transport._connection.nc is not None
             reconnects = transport._connection.nc.stats["reconnects"]
+            connected = await nats_connections(server)
             await cutter.cut(down=1.0)
             # While it is away, the server finds no interest for the open pull request
-            # when this arrives: it drops the request and keeps the message.
+            # when this arrives: it drops the request and keeps the message. (Once the
+            # server has seen the connection go: a message sent into the request before
+            # that would be lost with it until ack_wait, whatever the client does.)
+            with anyio.fail_after(5):
+                while await nats_connections(server) >= connected:
+                    await anyio.sleep(0.01)
             await publisher.publish("work", [Envelope(topic="work", payload=1)])
             with anyio.fail_after(10):
                 while transport._connection.nc.stats["reconnects"] == reconnects:

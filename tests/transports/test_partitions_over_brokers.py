@@ -264,3 +264,29 @@ async def test_the_leases_of_partitions_are_exclusive_counted_and_marked(
         # A lease goes with its holder's connection over RabbitMQ, and after its renewals
         # stop elsewhere: the marks are kept by the brokers that need them.
         assert marked is (kind != "rabbit")
+
+
+async def test_a_bus_stopped_mid_key_leaves_the_rest_to_the_next_in_order(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    record = Record()
+    keys, each = 4, 12
+    first = replica(kind, url, unique_prefix, "a", record, pause=0.02)
+    with anyio.fail_after(60):
+        async with first:
+            await publish(first, keys, each)
+            while len(record.spans) < 10:
+                await anyio.sleep(0.01)
+            report = await first.aclose(timeout=0)  # at once: what is left is given back
+        assert report.abandoned  # envelopes were waiting for their keys
+        second = replica(kind, url, unique_prefix, "b", record)
+        async with second:
+            while len(record.spans) < keys * each:
+                await anyio.sleep(0.01)
+            await second.drain(timeout=10)
+            stage = second.statistics().stage("orders@g")
+    assert record.overlaps == []
+    # What the first bus finished is not handled again; the rest follows, in order.
+    assert record.handled() == {k: list(range(each)) for k in range(keys)}
+    first_handled = sum(1 for span in record.spans if span[2] == "a")
+    assert stage.acked == keys * each - first_handled
