@@ -142,7 +142,13 @@ class PostgresOutbox:
             ) from error
         try:
             await self._make_tables(connection)
-            await self._count(connection)
+            try:
+                await self._count(connection)
+            except database_errors() as error:  # (only when the connection broke)
+                raise ConnectError(
+                    f"{_OWNER}: the connection to {redact(self.dsn)} broke while opening: "
+                    f"{_described(error)}"
+                ) from error
             await self._listen(connection)
         except BaseException:
             await _close(connection)

@@ -507,6 +507,29 @@ async def test_a_database_that_cannot_be_reached_fails_the_start() -> None:
     assert not bus.running
 
 
+async def test_a_connection_that_breaks_while_the_outbox_opens_fails_the_start_clearly(
+    postgres_dsn: str, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server ends the outbox's connection right after its tables are made: the first
+    # count of its rows finds it gone.
+    make_tables = PostgresOutbox._make_tables
+
+    async def make_tables_then_lose_the_connection(self: PostgresOutbox, connection: Any) -> None:
+        await make_tables(self, connection)
+        other = await asyncpg.connect(postgres_dsn)
+        try:
+            await other.execute("SELECT pg_terminate_backend($1)", connection.get_server_pid())
+        finally:
+            await other.close()
+
+    monkeypatch.setattr(PostgresOutbox, "_make_tables", make_tables_then_lose_the_connection)
+    bus = Bus(outbox=PostgresOutbox(postgres_dsn, schema=schema))
+    with anyio.fail_after(WAIT), pytest.raises(ConnectError, match="broke while opening"):
+        async with bus:
+            pass
+    assert not bus.running
+
+
 async def test_two_buses_starting_together_make_the_tables_once(
     postgres_dsn: str, database: asyncpg.Connection, schema: str
 ) -> None:
