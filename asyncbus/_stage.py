@@ -617,8 +617,15 @@ class Stage:
             slots_held=0 if flights is None else flights.running,
             slots_waiting=0 if flights is None else flights.waiting,
             partitions=self.partitions,
-            partitions_owned=0 if self.partitioned is None else len(self.partitioned.served),
+            partitions_owned=self.partitions_owned(),
         )
+
+    def partitions_owned(self) -> int:
+        """The partitions this process serves: over a broker, those it holds now; in
+        memory, every one (one process serves them all); 0 for a stage not split."""
+        if self.partitioned is not None:
+            return len(self.partitioned.served)
+        return self.partitions or 0
 
     def busy_consumers(self) -> int:
         """Consumers holding work now: a batch consumer counts once, however many

@@ -146,8 +146,8 @@ class StageStatistics:
     #: ``subscribe(partitions=...)``: the partitions of an ordered group; ``None`` when
     #: not given.
     partitions: int | None = None
-    #: Over a broker, the partitions this process serves now (summed over a deployment:
-    #: ``partitions`` once every one is served).
+    #: The partitions this process serves now: over a broker those it holds (summed
+    #: over a deployment: ``partitions`` once every one is served); in memory, all.
     partitions_owned: int = 0
 
 

@@ -374,8 +374,12 @@ async def test_each_keys_order_holds_on_an_adaptive_or_partitioned_stage(
                 for key in "abcdefgh":
                     await bus.publish("t", [key, n], key=key)
             await bus.drain()
+            stage = bus.statistics().stage("t@g")
     assert journal.sequences() == {key: list(range(20)) for key in "abcdefgh"}
     journal.assert_one_at_a_time()
+    # In memory one process serves every partition.
+    partitions = options.get("partitions")
+    assert (stage.partitions, stage.partitions_owned) == (partitions, partitions or 0)
 
 
 async def test_a_higher_priority_does_not_overtake_its_own_key() -> None:
