@@ -10,14 +10,15 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 
 import anyio
 import pytest
-from _brokers import BROKERS, forget, names  # type: ignore[import-not-found]
+from _brokers import BROKERS  # type: ignore[import-not-found]
 from _processes import stop  # type: ignore[import-not-found]
 
 from asyncbus import Bus
@@ -26,17 +27,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(150)]
 
 WORKER = Path(__file__).with_name("_partition_worker.py")
 KEYS = 16
-
-
-@pytest.fixture(params=names())
-async def broker(
-    request: pytest.FixtureRequest, unique_prefix: str
-) -> AsyncIterator[tuple[str, str]]:
-    kind = request.param
-    url = request.getfixturevalue(f"{kind}_url")
-    yield kind, url
-    with anyio.CancelScope(shield=True):
-        await forget(kind, url, unique_prefix)
 
 
 class Replica:
@@ -62,8 +52,6 @@ class Replica:
                 await anyio.sleep(0.05)
 
     def kill(self) -> None:
-        import time
-
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
         self.killed_at = time.time()
@@ -102,9 +90,8 @@ def spans(
 
 
 async def test_a_killed_replica_s_partitions_are_taken_over_in_order_and_never_shared(
-    broker: tuple[str, str], unique_prefix: str, tmp_path: Path, replicas: list[Replica]
+    kind: str, url: str, unique_prefix: str, tmp_path: Path, replicas: list[Replica]
 ) -> None:
-    kind, url = broker
     replicas += [Replica(kind, url, unique_prefix, tmp_path, name) for name in ("a", "b")]
     for replica in replicas:
         await replica.wait_ready()
