@@ -4,11 +4,14 @@ forwarded through the bus's transport once it has committed.
 ``publish(..., connection=conn)`` on a bus given ``outbox=PostgresOutbox(dsn)`` writes
 one row per envelope (its fields and encoded payload) into ``{schema}.outbox`` through
 the caller's connection, with a ``NOTIFY`` that PostgreSQL delivers at commit. The
-relay, a task of the running bus, reads committed rows in id order, publishes each
-envelope as it was built (same id) and deletes what it sent, in one transaction that
-holds an advisory lock: one relay at a time across every process sharing the schema,
-so rows go out in order. A relay stopped between the send and the delete sends the
-rows again on its next run (at least once; ``deduplicate()`` makes that harmless). A
+relay, a task of the running bus, holds the schema's advisory lock on its connection
+(a session lock: one relay at a time across every process sharing the schema, so rows
+go out in order; taken by another relay when this one's connection goes, or when its
+transport fails), reads committed rows in id order, publishes each envelope as it was
+built (same id) and deletes what it sent. No transaction around a batch: on the path
+from a commit to the send there is one statement, the read. A relay stopped between
+the send and the delete sends the rows again on its next run (at least once;
+``deduplicate()`` makes that harmless). A
 row that does not decode is logged and kept aside (``dead`` says why), never retried.
 The relay also keeps the count of rows waiting (:attr:`PostgresOutbox.known_pending`,
 ``statistics().outbox_pending``): counted when the bus starts and every
@@ -68,7 +71,7 @@ class PostgresOutbox:
     :param schema: the schema of the outbox's tables (made when the bus starts).
     :param poll_interval: seconds between two looks at the table when no notification
         came (one can be lost while the relay reconnects).
-    :param batch_size: most rows forwarded in one transaction.
+    :param batch_size: most rows one read of the relay takes.
     :raises ConfigurationError: for a value that cannot work.
     """
 
@@ -91,6 +94,8 @@ class PostgresOutbox:
         self._opened = False
         #: The relay's connection: it listens, and forwards batches.
         self._connection: Any = None
+        #: Whether the relay's connection holds the schema's relay lock.
+        self._holds_lock = False
         #: Set by a notification (a commit of rows) while the relay runs.
         self._wake: anyio.Event | None = None
         #: The rows waiting as last counted, less what was forwarded since (None: never
@@ -324,6 +329,7 @@ class PostgresOutbox:
 
     async def _drop_connection(self) -> None:
         connection, self._connection = self._connection, None
+        self._holds_lock = False  # (the server lets go of it with the connection)
         if connection is not None:
             await _close(connection)
 
@@ -336,56 +342,53 @@ class PostgresOutbox:
         """Forward one batch of committed rows, in id order, and delete what was sent;
         whether a whole batch went out (more may wait).
 
-        The advisory lock is the transaction's: one relay at a time, and a relay that
-        dies lets go of it (and of the batch, whose rows stay) with its connection. What
-        went out is deleted even when the bus's stop cancels the batch (shielded, within
-        a bound): a clean stop sends nothing twice.
+        Only the holder of the schema's relay lock forwards: taken here when not held yet
+        (another relay holds it: nothing to do), kept by the connection until it closes,
+        or until forwarding fails (another relay may do better). What went out is
+        deleted even when the bus's stop cancels the batch (shielded, within a bound): a
+        clean stop sends nothing twice.
         """
         sql = self._sql
-        transaction = connection.transaction()
-        await transaction.start()
-        committed = False
-        try:
-            if not await connection.fetchval(sql.relay_lock, self.schema):
+        if not self._holds_lock:
+            self._holds_lock = bool(await connection.fetchval(sql.relay_lock, self.schema))
+            if not self._holds_lock:
                 return False  # (another relay is at work)
-            rows = await connection.fetch(sql.batch, self.batch_size)
-            sent: list[int] = []
-            dead: list[tuple[int, str]] = []
-            failure: _SendFailed | None = None
-            try:
-                for row in rows:
-                    if not running():
-                        break
-                    envelope, why = self._decoded(row["meta"], row["body"])
-                    if envelope is None:
-                        logger.error(
-                            "outbox %s: row %d cannot be forwarded (%s); it is kept aside "
-                            "(its dead column says why)",
-                            self.schema,
-                            row["id"],
-                            why,
-                        )
-                        dead.append((row["id"], why))
-                        continue
-                    try:
-                        await forward(envelope)
-                    except Exception as error:  # deliberate: what went out is still deleted
-                        failure = _SendFailed(error)
-                        break
-                    sent.append(row["id"])
-            finally:
-                with anyio.fail_after(_CLOSE_TIMEOUT, shield=True):
-                    if sent:
-                        await self._mark_sent(connection, sent)
-                    if dead:
-                        await connection.execute(
-                            sql.set_aside, [i for i, _ in dead], [why for _, why in dead]
-                        )
-                    await transaction.commit()
-                    committed = True
+        rows = await connection.fetch(sql.batch, self.batch_size)
+        sent: list[int] = []
+        dead: list[tuple[int, str]] = []
+        failure: _SendFailed | None = None
+        try:
+            for row in rows:
+                if not running():
+                    break
+                envelope, why = self._decoded(row["meta"], row["body"])
+                if envelope is None:
+                    logger.error(
+                        "outbox %s: row %d cannot be forwarded (%s); it is kept aside "
+                        "(its dead column says why)",
+                        self.schema,
+                        row["id"],
+                        why,
+                    )
+                    dead.append((row["id"], why))
+                    continue
+                try:
+                    await forward(envelope)
+                except Exception as error:  # deliberate: what went out is still deleted
+                    failure = _SendFailed(error)
+                    break
+                sent.append(row["id"])
         finally:
-            if not committed:
-                await _roll_back(transaction)
+            with anyio.fail_after(_CLOSE_TIMEOUT, shield=True):
+                if sent:
+                    await self._mark_sent(connection, sent)
+                if dead:
+                    await connection.execute(
+                        sql.set_aside, [i for i, _ in dead], [why for _, why in dead]
+                    )
+                if failure is not None:
+                    self._holds_lock = False
+                    await connection.execute(sql.relay_unlock, self.schema)
         if self._pending is not None:  # (rows committed since the last count wait for the next)
             self._pending = max(0, self._pending - len(sent) - len(dead))
         if failure is not None:
@@ -393,7 +396,7 @@ class PostgresOutbox:
         return len(rows) == self.batch_size and len(sent) + len(dead) == len(rows)
 
     async def _mark_sent(self, connection: Any, ids: list[int]) -> None:
-        """Delete the rows forwarded (in the batch's transaction)."""
+        """Delete the rows forwarded."""
         await connection.execute(self._sql.delete, ids)
 
     def _decoded(self, meta: bytes, body: bytes) -> tuple[Envelope | None, str]:
@@ -424,8 +427,12 @@ class _Statements:
         self.setup_lock = (
             "SELECT pg_advisory_xact_lock(hashtext('asyncbus.outbox.setup'), hashtext($1))"
         )
+        #: The relay's lock, held by its connection (a session lock) until released.
         self.relay_lock = (
-            "SELECT pg_try_advisory_xact_lock(hashtext('asyncbus.outbox.relay'), hashtext($1))"
+            "SELECT pg_try_advisory_lock(hashtext('asyncbus.outbox.relay'), hashtext($1))"
+        )
+        self.relay_unlock = (
+            "SELECT pg_advisory_unlock(hashtext('asyncbus.outbox.relay'), hashtext($1))"
         )
         self.create_version = (
             f"CREATE SCHEMA IF NOT EXISTS {schema};"
@@ -458,16 +465,6 @@ class _Statements:
 
 def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-async def _roll_back(transaction: Any) -> None:
-    """Roll back the relay's batch (shielded, within a bound); a connection too broken to
-    do it is dropped by the relay, and the server rolls back when it goes."""
-    with anyio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-        try:
-            await transaction.rollback()
-        except Exception:  # deliberate: the error that got here is the one raised
-            logger.debug("outbox: the rollback of a batch failed", exc_info=True)
 
 
 async def _close(connection: Any) -> None:

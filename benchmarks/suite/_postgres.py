@@ -49,9 +49,11 @@ is exit status 1 either way.
 
 Then the transactional publish latency (``--publishes`` per run, 500 by default; 0
 leaves it out): ``publish(topic, payload, connection=conn)`` one at a time, each in a
-transaction of its own, over ``PostgresTransport`` directly and through
-``PostgresOutbox``'s relay, from the publish call to the handler's start; p50 and p90
-per path and the ratio of the p50s (see :mod:`._postgres_latency`).
+transaction of its own, written by ``PostgresTransport`` itself and through
+``PostgresOutbox``'s relay to Redis (``--redis-url``) and to ``PostgresTransport``, from
+the publish call to the handler's start; p50 and p90 per path and the ratios of the p50s
+(see :mod:`._postgres_latency`); ``--check`` judges the outbox's target on the path to
+Redis.
 
 ``--fanout 1,3,10`` adds the design measurement: publishing only (nothing consumes),
 ``--messages`` single publishes from 100 tasks into a topic that reaches 1, 3 or 10
@@ -76,7 +78,6 @@ import gc
 import importlib.util
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -86,8 +87,9 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from ._brokers import IN_FLIGHT
-from ._postgres_latency import Latencies, latency_report, measure_latency, p50_ratios
+from ._brokers import IN_FLIGHT, REDIS_URL
+from ._postgres_latency import BASELINE, Latencies, latency_report, measure_latency, p50_ratios
+from ._postgres_latency import reachable as port_open
 from ._postgres_peers import PEERS, missing, peer_run
 from ._postgres_runs import (
     BATCH,
@@ -391,21 +393,27 @@ def judge(result: Result) -> list[Verdict]:
     return verdicts
 
 
-#: The outbox's target: its relay adds at most this share to the p50 latency of a
-#: transactional publish over PostgresTransport. Reported, not judged by ``--check``:
-#: it is not met (the relay's wake-up, its transaction and a second commit before the
-#: consumer's claim nearly double the p50; see docs/benchmarks.md).
+#: The outbox's target: a transactional publish through the outbox to a broker takes at
+#: most this share longer at p50, publish call to handler, than one written by
+#: ``PostgresTransport`` itself (the path that needs no relay). Judged on the path the
+#: outbox exists for, a broker that is not the database (Redis here); the relay's hop
+#: within one database (``outbox to postgres``: a second durable commit before the
+#: claim) is reported beside it, not judged (see docs/benchmarks.md).
 OUTBOX_P50_TARGET = 0.20
+#: The path the outbox's target is judged on.
+OUTBOX_JUDGED = "outbox to redis"
 
 
-def latency_target(found: dict[str, list[Latencies]]) -> str:
-    """The outbox target's line: met or not, by the median per-round p50 ratio."""
-    added = statistics.median(p50_ratios(found)) - 1
-    met = "met" if added <= OUTBOX_P50_TARGET else "NOT met"
-    return (
-        f"  target: the outbox adds <= {OUTBOX_P50_TARGET:.0%} to p50: {met} "
-        f"({added:+.0%}; reported, not judged by --check)"
-    )
+def latency_verdict(found: dict[str, list[Latencies]], skipped: dict[str, str]) -> Verdict:
+    """The outbox's target judged on :data:`OUTBOX_JUDGED`'s median per-round p50 ratio."""
+    name = f"{OUTBOX_JUDGED} vs {BASELINE} (p50)"
+    goal = f"<= {1 + OUTBOX_P50_TARGET:g}x"
+    if OUTBOX_JUDGED in skipped:
+        return Verdict(name, goal, skipped[OUTBOX_JUDGED], "FAIL")
+    ratios = p50_ratios(found, OUTBOX_JUDGED)
+    ratio = statistics.median(ratios)
+    measured = f"{ratio:.3f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+    return Verdict(name, goal, measured, "PASS" if ratio <= 1 + OUTBOX_P50_TARGET else "FAIL")
 
 
 def address(dsn: str) -> str:
@@ -416,12 +424,7 @@ def address(dsn: str) -> str:
 
 def reachable(dsn: str) -> bool:
     """Whether the server's port accepts a TCP connection."""
-    parts = urlsplit(dsn)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5432), 1.0):
-            return True
-    except OSError:
-        return False
+    return port_open(dsn, 5432)
 
 
 def header(loop: str, server: str) -> list[str]:
@@ -488,6 +491,12 @@ def main(argv: list[str] | None = None) -> int:
         "(0: no latency runs); default: %(default)s",
     )
     parser.add_argument(
+        "--redis-url",
+        default=REDIS_URL,
+        help="the Redis the outbox forwards to in the latency runs (loopback); "
+        "default: %(default)s",
+    )
+    parser.add_argument(
         "--loop",
         choices=("uvloop", "asyncio"),
         default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
@@ -515,13 +524,18 @@ def main(argv: list[str] | None = None) -> int:
     sides = [] if options.only_fanout else list(SIDES)
     publishes = 0 if options.only_fanout else options.publishes
 
-    async def run_all() -> tuple[str, Result, dict[int, list[Written]], dict[str, list[Latencies]]]:
+    Found = dict[int, list[Written]]
+    Latency = tuple[dict[str, list[Latencies]], dict[str, str]]
+
+    async def run_all() -> tuple[str, Result, Found, Latency]:
         server = await server_version(options.dsn)
         result = await measure(options.dsn, options.messages, options.rounds, sides)
-        latencies = {}
+        latencies: Latency = ({}, {})
         if publishes:
             try:
-                latencies = await measure_latency(options.dsn, publishes, options.rounds)
+                latencies = await measure_latency(
+                    options.dsn, publishes, options.rounds, redis_url=options.redis_url
+                )
             except Exception as error:
                 result.errors["latency"] = describe(error)
         found = (
@@ -537,13 +551,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = header(options.loop, server)
     if sides:
         lines += ["", *report(result, options.messages, options.rounds, options.dsn)]
-    if latencies:
-        lines += ["", *latency_report(latencies, publishes), latency_target(latencies)]
+    found_latencies, skipped_paths = latencies
+    if found_latencies:
+        lines += ["", *latency_report(found_latencies, skipped_paths, publishes)]
     elif "latency" in result.errors:
         lines += ["", f"Transactional publish latency: error: {result.errors['latency']}"]
     if found:
         lines += ["", *fanout_report(found, options.messages)]
     verdicts = judge(result) if options.check and sides else []
+    if options.check and found_latencies:
+        verdicts.append(latency_verdict(found_latencies, skipped_paths))
     if verdicts:
         lines += ["", "targets:"]
         lines += [f"  {v.verdict:<4}  {v.name:<46} {v.goal:<8} {v.measured}" for v in verdicts]

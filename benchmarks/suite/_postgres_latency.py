@@ -1,15 +1,22 @@
 """The outbox's latency in ``python -m asyncbus bench postgres`` (see :mod:`._postgres`):
-what forwarding through ``PostgresOutbox`` adds to a transactional publish, end to end.
+what a transactional publish costs end to end, written by ``PostgresTransport`` itself
+or through ``PostgresOutbox``'s relay to a broker.
 
-Two paths, each a fresh ``Bus`` over ``PostgresTransport`` (a schema of its own) with one
-subscription (group ``bench``, ``concurrency=8``) whose handler stamps its start:
+Three paths, each a fresh ``Bus`` with one subscription (group ``bench``,
+``concurrency=8``) whose handler stamps its start:
 
 * **transport**: ``Bus(transport=PostgresTransport(dsn, schema=...))``: ``publish(topic,
   payload, connection=conn)`` writes the transport's rows itself, in the caller's
-  transaction; they are claimable once it commits.
-* **outbox**: the same with ``outbox=PostgresOutbox(dsn, schema=...)`` (a schema of its
-  own): the publish writes an outbox row in the caller's transaction; the bus's relay,
-  woken by the notification the commit delivers, forwards it through the transport.
+  transaction; they are claimable once it commits. The baseline.
+* **outbox to redis**: ``Bus(transport=RedisTransport(url, prefix=...),
+  outbox=PostgresOutbox(dsn, schema=...))``: the publish writes an outbox row in the
+  caller's transaction; the bus's relay, woken by the notification the commit delivers,
+  forwards it to Redis. The outbox's purpose: a transactional publish for a bus whose
+  broker is not the database.
+* **outbox to postgres**: the same outbox forwarding through ``PostgresTransport``: the
+  relay's hop within one database (a second durable commit before the claim). Over
+  ``PostgresTransport`` the outbox is not needed (the transport path does the same in
+  one commit); measured to show what the hop itself costs.
 
 One publisher on a connection of its own, one publish at a time: ``async with
 conn.transaction(): await bus.publish(topic, {"id": i, "t": perf_counter()},
@@ -18,28 +25,43 @@ queueing). The latency of an envelope is its handler's start less the stamp it c
 (``time.perf_counter``: one process, one clock): the publish, the commit, the relay if
 any, the claim and the hand-out. Also kept: the part spent in the caller's transaction
 (the stamp until the commit returned). The first ``WARM_UP`` publishes of a run are not
-counted (statements being prepared, connections opened).
+counted (statements being prepared, connections opened). A path whose broker does not
+answer is skipped with a note.
 """
 
 from __future__ import annotations
 
+import socket
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 
 from asyncbus import Bus
+from asyncbus.transports.base import Transport
 from asyncbus.transports.postgres import PostgresOutbox, PostgresTransport
+from asyncbus.transports.redis import RedisTransport
 
+from ._brokers import REDIS_URL, redis_delete_prefix
 from ._postgres_runs import CONCURRENCY, GROUP, TOPIC, drop_schema, new_schema
 
-__all__ = ["PATHS", "WARM_UP", "Latencies", "latency_run", "quantile"]
+__all__ = ["BASELINE", "OUTBOX_PATHS", "PATHS", "WARM_UP", "Latencies", "latency_run", "quantile"]
 
-#: The paths, in the order each round runs them: name -> whether through the outbox.
-PATHS = {"transport": False, "outbox": True}
+#: The paths, in the order each round runs them: name -> the broker the outbox forwards
+#: to (``None``: no outbox, the transport writes in the caller's transaction).
+PATHS: dict[str, str | None] = {
+    "transport": None,
+    "outbox to redis": "redis",
+    "outbox to postgres": "postgres",
+}
+#: The path every other one is compared with.
+BASELINE = "transport"
+#: The paths through the outbox.
+OUTBOX_PATHS = [path for path, via in PATHS.items() if via is not None]
 #: Publishes of a run before the counted ones.
 WARM_UP = 20
 #: Longest wait for one envelope's handler.
@@ -67,15 +89,24 @@ class Latencies:
         return quantile(self.end_to_end, q)
 
 
-async def latency_run(dsn: str, publishes: int, *, outbox: bool) -> Latencies:
-    """``publishes`` transactional publishes, one at a time, through the outbox or not."""
+async def latency_run(
+    dsn: str, publishes: int, *, via: str | None, redis_url: str = REDIS_URL
+) -> Latencies:
+    """``publishes`` transactional publishes, one at a time, written by the transport
+    (``via=None``) or through the outbox to ``"redis"`` or ``"postgres"``."""
     import asyncpg
 
     schema = new_schema("lat")
     outbox_schema = new_schema("latob")
-    transport = PostgresTransport(dsn, schema=schema)
+    prefix = f"bench-lat-{schema[-8:]}"
+    transport: Transport = (
+        RedisTransport(redis_url, prefix=prefix)
+        if via == "redis"
+        else PostgresTransport(dsn, schema=schema)
+    )
     bus = Bus(
-        transport=transport, outbox=PostgresOutbox(dsn, schema=outbox_schema) if outbox else None
+        transport=transport,
+        outbox=PostgresOutbox(dsn, schema=outbox_schema) if via is not None else None,
     )
     end_to_end: list[float] = []
     in_transaction: list[float] = []
@@ -110,50 +141,78 @@ async def latency_run(dsn: str, publishes: int, *, outbox: bool) -> Latencies:
             await caller.close()
         await drop_schema(dsn, schema)
         await drop_schema(dsn, outbox_schema)
+        if via == "redis":
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                await redis_delete_prefix(redis_url, prefix)
 
 
-async def measure_latency(dsn: str, publishes: int, rounds: int) -> dict[str, list[Latencies]]:
-    """Alternate the paths ``rounds`` times (after one short warm-up run of each)."""
-    for outbox in PATHS.values():
+async def measure_latency(
+    dsn: str, publishes: int, rounds: int, *, redis_url: str = REDIS_URL
+) -> tuple[dict[str, list[Latencies]], dict[str, str]]:
+    """Alternate the paths ``rounds`` times (after one short warm-up run of each); also
+    the paths skipped, and why (their broker did not answer)."""
+    skipped: dict[str, str] = {}
+    if not reachable(redis_url):
+        skipped["outbox to redis"] = f"nothing listens on {urlsplit(redis_url).netloc}"
+    paths = {path: via for path, via in PATHS.items() if path not in skipped}
+    for via in paths.values():
         with anyio.fail_after(60):
-            await latency_run(dsn, 1, outbox=outbox)
-    found: dict[str, list[Latencies]] = {path: [] for path in PATHS}
+            await latency_run(dsn, 1, via=via, redis_url=redis_url)
+    found: dict[str, list[Latencies]] = {path: [] for path in paths}
     for _ in range(rounds):
-        for path, outbox in PATHS.items():
+        for path, via in paths.items():
             with anyio.fail_after(60 + publishes * TIMEOUT / 100):
-                found[path].append(await latency_run(dsn, publishes, outbox=outbox))
-    return found
+                found[path].append(await latency_run(dsn, publishes, via=via, redis_url=redis_url))
+    return found, skipped
 
 
-def p50_ratios(found: dict[str, list[Latencies]]) -> list[float]:
-    """The outbox's p50 over the transport's, round by round."""
+def reachable(url: str, default_port: int = 6379) -> bool:
+    """Whether the host and port of ``url`` accept a TCP connection."""
+    parts = urlsplit(url)
+    address = (parts.hostname or "127.0.0.1", parts.port or default_port)
+    try:
+        with socket.create_connection(address, 1.0):
+            return True
+    except OSError:
+        return False
+
+
+def p50_ratios(found: dict[str, list[Latencies]], path: str) -> list[float]:
+    """The p50 of ``path`` over the baseline's, round by round."""
     return [
-        outbox.p(0.5) / direct.p(0.5)
-        for outbox, direct in zip(found["outbox"], found["transport"], strict=True)
+        run.p(0.5) / direct.p(0.5) for run, direct in zip(found[path], found[BASELINE], strict=True)
     ]
 
 
-def latency_report(found: dict[str, list[Latencies]], publishes: int) -> list[str]:
-    """The latency table: per path, medians over the rounds of p50 and p90, and the ratio."""
-    rounds = len(found["transport"])
+def latency_report(
+    found: dict[str, list[Latencies]], skipped: dict[str, str], publishes: int
+) -> list[str]:
+    """The latency table: per path, medians over the rounds of p50 and p90; the ratios."""
+    rounds = len(found[BASELINE])
     lines = [
         f"Transactional publish latency ({publishes:,} publishes per run, one at a time, each "
         "in a transaction of its own; publish call -> handler start), medians of "
         f"{rounds} alternating rounds, ms",
-        f"  {'path':<10} {'p50':>7} {'p90':>7} {'in tx p50':>10}   rounds (p50)",
+        f"  {'path':<20} {'p50':>7} {'p90':>7} {'in tx p50':>10}   rounds (p50)",
     ]
-    for path, runs in found.items():
+    for path in PATHS:
+        if path in skipped:
+            lines.append(f"  {path:<20} skipped: {skipped[path]}")
+            continue
+        runs = found[path]
         p50 = statistics.median(run.p(0.5) for run in runs)
         p90 = statistics.median(run.p(0.9) for run in runs)
         held = statistics.median(quantile(run.in_transaction, 0.5) for run in runs)
         each = " ".join(f"{run.p(0.5) * 1e3:.2f}" for run in runs)
         lines.append(
-            f"  {path:<10} {p50 * 1e3:>7.2f} {p90 * 1e3:>7.2f} {held * 1e3:>10.2f}   {each}"
+            f"  {path:<20} {p50 * 1e3:>7.2f} {p90 * 1e3:>7.2f} {held * 1e3:>10.2f}   {each}"
         )
-    ratios = p50_ratios(found)
-    ratio = statistics.median(ratios)
-    lines.append(
-        f"  outbox / transport p50: {ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f}): "
-        f"the outbox's relay adds {ratio - 1:+.0%} (in tx = the stamp until the commit returned)"
-    )
+    for path in OUTBOX_PATHS:
+        if path in found:
+            ratios = p50_ratios(found, path)
+            ratio = statistics.median(ratios)
+            lines.append(
+                f"  {path} / {BASELINE} p50: {ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+            )
+    lines.append("  (in tx = the stamp until the caller's commit returned)")
     return lines

@@ -389,9 +389,7 @@ async def test_statistics_count_what_waits_in_the_outbox_while_another_relay_hol
     assert Bus().statistics().outbox_pending is None  # (no outbox)
     assert first.statistics().outbox_pending is None  # (not counted before its start)
     holder = await asyncpg.connect(postgres_dsn)
-    held = holder.transaction()
     try:
-        await held.start()
         assert await holder.fetchval(first_outbox._sql.relay_lock, schema) is True
         async with first:
             assert first.statistics().outbox_pending == 0
@@ -406,7 +404,7 @@ async def test_statistics_count_what_waits_in_the_outbox_while_another_relay_hol
         assert first.statistics().outbox_pending == 3  # (what it last knew)
         async with second:
             assert second.statistics().outbox_pending == 3  # (counted at the start)
-            await held.rollback()
+            await holder.fetchval(first_outbox._sql.relay_unlock, schema)
             await database.execute("SELECT pg_notify($1, '')", second_outbox._channel)  # (a wake)
             await seen.reach(3)
             await until(counted(second, 0))
@@ -612,3 +610,43 @@ async def test_a_count_that_fails_never_keeps_the_relay_from_forwarding(
     assert sorted(seen.items) == [0, 1, 2]
     logged = [r.getMessage() for r in caplog.records if r.name == "asyncbus.outbox"]
     assert logged and all("counting the waiting rows failed" in m for m in logged), logged
+
+
+async def test_a_relay_whose_transport_refuses_lets_another_relay_forward_in_order(
+    postgres_dsn: str, database: asyncpg.Connection, schema: str
+) -> None:
+    """The relay holding the schema's lock cannot send (its transport refuses every
+    envelope): it lets go of the lock after the failure, and the other bus's relay takes
+    it and forwards every row, in order, while the first bus still runs."""
+    refused: list[str] = []
+
+    class Refusing(PostgresOutbox):
+        async def relay(self, forward: Any, running: Callable[[], bool]) -> None:
+            async def refuse(envelope: Envelope) -> None:
+                refused.append(envelope.id)
+                raise ConnectionError("the transport is down")
+
+            await super().relay(refuse, running)
+
+    first = Bus(outbox=Refusing(postgres_dsn, schema=schema, poll_interval=0.05))
+    second_outbox = PostgresOutbox(postgres_dsn, schema=schema, poll_interval=0.05)
+    second = Bus(outbox=second_outbox)
+    seen = Seen()
+
+    @second.subscribe("ticks", group="counter")
+    async def counted(n: int) -> None:
+        seen.add(n)
+
+    async def refused_once() -> bool:
+        return bool(refused)
+
+    async with first:
+        async with database.transaction():
+            await first.publish_many("ticks", range(10), connection=database)
+        await until(refused_once)  # (the first relay held the lock, and failed)
+        async with second:
+            await seen.reach(10)
+            await forwarded(second_outbox)
+            await second.drain()
+    assert seen.items == list(range(10))
+    assert len(set(refused)) == 1  # (each attempt of the first relay was the first row)
