@@ -315,6 +315,10 @@ def private_redis(
     return _private(command, "redis", directory / "redis")
 
 
+class _NodeExited(RuntimeError):
+    """A node's process ended before it accepted a connection."""
+
+
 class RedisClusterNodes:
     """A Redis Cluster of the tests' own on loopback: ``masters`` masters with
     ``replicas`` replicas each, every node a redis-server without persistence in its
@@ -346,8 +350,8 @@ class RedisClusterNodes:
 
     def __enter__(self) -> RedisClusterNodes:
         try:
-            for port in self.ports:
-                self.start_node(port)
+            for index in range(len(self.ports)):
+                self._start_new_node(index)
             self._cli_call(
                 "--cluster",
                 "create",
@@ -365,8 +369,28 @@ class RedisClusterNodes:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _start_new_node(self, index: int, attempts: int = 3) -> None:
+        """Start the ``index``-th node before the cluster is made; one that exits at once
+        (a port chosen free and taken before it bound it, by an outgoing connection of
+        another test) is started again on fresh ports."""
+        for attempt in range(1, attempts + 1):
+            port = self.ports[index]
+            try:
+                self.start_node(port)
+                return
+            except _NodeExited:
+                self.kill(port)
+                if attempt == attempts:
+                    raise
+                del self._bus_ports[port]
+                self.ports[index] = fresh = free_port()
+                self._bus_ports[fresh] = free_port()
+
     def start_node(self, port: int) -> None:
-        """Start (or start again, with its cluster state) the node on ``port``."""
+        """Start (or start again, with its cluster state) the node on ``port``.
+
+        :raises RuntimeError: when it does not accept connections in time (``_NodeExited``
+            when its process ended first)."""
         folder = self.directory / f"redis-{port}"
         folder.mkdir(parents=True, exist_ok=True)
         command = [
@@ -389,7 +413,10 @@ class RedisClusterNodes:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 return
             except OSError:
-                if time.monotonic() > deadline or self._processes[port].poll() is not None:
+                code = self._processes[port].poll()
+                if code is not None:
+                    raise _NodeExited(f"redis-server on {port} exited at start ({code})") from None
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on {port} did not start") from None
                 time.sleep(0.05)
 

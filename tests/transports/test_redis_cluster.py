@@ -9,6 +9,7 @@ master and its replica hold a bus; several prefixes spread over the masters.
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -174,3 +175,20 @@ async def test_the_master_of_the_bus_slot_killed_under_load(
         assert max(load.took) <= 3.0 * 2 + 1.0  # a publish fails in time, never hangs
         assert load.resumed_in() <= 2.0 + 10.0  # ack_timeout + 10 s
         assert marker_in <= 3.0 + 10.0
+
+
+@pytest.mark.timeout(60)
+def test_a_node_whose_port_was_taken_before_it_started_moves_to_a_free_one(
+    tmp_path: Path,
+) -> None:
+    """The test clusters choose free ports before starting their nodes; another process
+    may take one in between (an outgoing connection, on this shared machine): that node
+    exits at once and is started on fresh ports, and the cluster still forms."""
+    nodes = RedisClusterNodes(tmp_path, masters=3, replicas=0)
+    taken = nodes.ports[1]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))  # (bound, not listening: as a client's port)
+        with nodes:
+            assert taken not in nodes.ports and len(set(nodes.ports)) == 3
+            nodes.wait_settled()
+            assert len(nodes.urls) == 3
