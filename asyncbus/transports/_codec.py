@@ -25,6 +25,7 @@ __all__ = [
     "dead_letter_keys_from_wire",
     "dead_letter_keys_to_wire",
     "dead_letter_to_wire",
+    "decode_body",
     "default_codec",
     "dump_meta",
     "envelope_from_wire",
@@ -454,12 +455,17 @@ def envelope_from_wire(
         fields = _meta_json.loads(meta)
     except Exception as error:  # json's ValueError, msgspec's DecodeError, RecursionError
         raise DecodeError(f"envelope metadata is unreadable: {_reason(error)}") from error
-    undecodable: str | None = None
-    try:
-        payload = codec.decode(body)
-    except Exception as error:  # a codec's DecodeError, or whatever a custom one raises
-        payload, undecodable = RawBody(body), _reason(error)
+    payload, undecodable = decode_body(body, codec)
     return envelope_from_fields(fields, payload, attempt), undecodable
+
+
+def decode_body(body: bytes, codec: Codec) -> tuple[Any, str | None]:
+    """``(payload, None)``, or ``(RawBody(body), why)`` when ``codec`` cannot decode it
+    (whatever a codec raises)."""
+    try:
+        return codec.decode(body), None
+    except Exception as error:  # a codec's DecodeError, or whatever a custom one raises
+        return RawBody(body), _reason(error)
 
 
 def _reason(error: BaseException) -> str:

@@ -19,6 +19,7 @@ from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._exceptions import DecodeError
 from ._codec import Codec, RawBody, envelope_from_wire
 from ._kit import AckWriter
+from ._kit.plain import plain_envelope, plain_headers
 from ._nats_client import broker_call, confirm
 from ._nats_messages import HEADER_META, HEADER_REPLAY_GROUP
 from .base import BaseDelivery
@@ -191,11 +192,14 @@ def make_delivery(consumer: Puller, msg: Msg) -> NatsDelivery | None:
     transport = consumer.transport
     try:
         meta = headers.get(HEADER_META)
-        if not isinstance(meta, str):
-            raise DecodeError(f"the message has no {HEADER_META} header")
-        envelope, error = envelope_from_wire(
-            meta.encode(), msg.data, transport.codec, attempt=attempt
-        )
+        if meta is None:  # a plain message: another client's
+            envelope, error = _plain(msg, headers, attempt, transport.prefix, transport.codec)
+        elif not isinstance(meta, str):
+            raise DecodeError(f"the message's {HEADER_META} header is not text")
+        else:
+            envelope, error = envelope_from_wire(
+                meta.encode(), msg.data, transport.codec, attempt=attempt
+            )
     except (DecodeError, UnicodeEncodeError) as failure:
         # Not an asyncbus message (or a mangled one): hand it over to be rejected.
         msg_id = headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"
@@ -215,3 +219,23 @@ def make_delivery(consumer: Puller, msg: Msg) -> NatsDelivery | None:
         )
         error = str(failure)
     return NatsDelivery(consumer, msg, envelope, error)
+
+
+def _plain(
+    msg: Msg, headers: dict[str, str], attempt: int, prefix: str, codec: Codec
+) -> tuple[Envelope, str | None]:
+    """The envelope of a message another client published without the bus's meta: its
+    data is the payload; its id ``Nats-Msg-Id`` (else ``nats-{stream sequence}``), its
+    timestamp the stream's, its headers those that are not the server's (``Nats-*``)."""
+    metadata = msg.metadata
+    stamp = getattr(metadata, "timestamp", None)
+    msg_id = headers.get("Nats-Msg-Id") or f"nats-{metadata.sequence.stream}"
+    return plain_envelope(
+        msg.data,
+        codec,
+        envelope_id=msg_id,
+        topic=msg.subject[len(prefix) + 1 :] or msg.subject,
+        attempt=attempt,
+        timestamp=stamp.timestamp() if stamp is not None else None,
+        headers=plain_headers(headers.items(), skip=("nats-", "asyncbus-")),
+    )

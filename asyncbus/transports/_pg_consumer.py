@@ -26,6 +26,7 @@ from .._exceptions import DecodeError, TransportError
 from ._codec import RawBody, dead_letter_to_wire, envelope_from_wire
 from ._kit.delivery import BaseDelivery
 from ._kit.options import checked_prefetch
+from ._kit.plain import plain_envelope
 from ._kit.redeliveries import over_max_deliveries
 
 if TYPE_CHECKING:
@@ -204,9 +205,19 @@ class PgSubscription:
     ) -> None:
         error: str | None
         try:
-            envelope, error = envelope_from_wire(
-                meta, body, self.transport.codec, attempt=attempt + deliveries - 1
-            )
+            if meta:
+                envelope, error = envelope_from_wire(
+                    meta, body, self.transport.codec, attempt=attempt + deliveries - 1
+                )
+            else:  # a plain row: another client's, its body alone
+                envelope, error = plain_envelope(
+                    body,
+                    self.transport.codec,
+                    envelope_id=f"postgres:{self.group_id}:{seq}",
+                    topic=self.pattern,
+                    attempt=attempt + deliveries - 1,
+                    timestamp=queued,
+                )
         except DecodeError as problem:
             envelope = Envelope(
                 id=f"postgres:{self.group_id}:{seq}",

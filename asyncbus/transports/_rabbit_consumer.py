@@ -31,6 +31,7 @@ from ._kit import Backoff
 from ._kit.options import checked_prefetch
 from ._kit.redeliveries import HEADER_DELIVERIES, carried_deliveries, over_max_deliveries
 from ._rabbit_channel import ConsumerChannel, retrieve, spurious_cancel
+from ._rabbit_plain import plain_message
 from .base import BaseDelivery, Delivery
 
 if TYPE_CHECKING:
@@ -453,11 +454,16 @@ class Subscription:
             meta = headers.get(META_HEADER)
             if isinstance(meta, str):
                 meta = meta.encode()
-            if not isinstance(meta, bytes):
-                raise DecodeError(f"the message has no {META_HEADER} header")
-            envelope, error = envelope_from_wire(meta, body, transport.codec)
-            if count:
-                envelope = envelope.evolve(attempt=envelope.attempt + count)
+            if meta is None:  # a plain message: another client's
+                envelope, error = plain_message(
+                    properties, headers, body, 1 + count, self._topic_of(message), transport.codec
+                )
+            elif not isinstance(meta, bytes):
+                raise DecodeError(f"the message's {META_HEADER} header is not text")
+            else:
+                envelope, error = envelope_from_wire(meta, body, transport.codec)
+                if count:
+                    envelope = envelope.evolve(attempt=envelope.attempt + count)
         except (DecodeError, UnicodeEncodeError) as problem:
             return self._stand_in(consumer, message, str(problem), count)
         if error is None:
@@ -466,6 +472,12 @@ class Subscription:
             self, consumer, tag, envelope, body, error, before, headers.get(QUEUED_HEADER)
         )
 
+    def _topic_of(self, message: DeliveredMessage) -> str:
+        """The topic a message was published on: its routing key when it came through
+        the bus's exchange, else the subscription's pattern."""
+        topic = message.routing_key if message.exchange == self.transport.prefix else None
+        return topic if isinstance(topic, str) and topic else self.pattern
+
     def _stand_in(
         self, consumer: ConsumerChannel, message: DeliveredMessage, error: str, count: int
     ) -> RabbitDelivery:
@@ -473,13 +485,12 @@ class Subscription:
         ``error``, so it is dead-lettered instead of blocking the queue."""
         properties = getattr(message.header, "properties", None)
         message_id = getattr(properties, "message_id", None)
-        topic = message.routing_key if message.exchange == self.transport.prefix else None
         body = bytes(message.body) if isinstance(message.body, bytes | bytearray) else b""
         envelope = Envelope(
             id=message_id
             if isinstance(message_id, str) and message_id
             else f"rabbit:{secrets.token_hex(8)}",
-            topic=topic if isinstance(topic, str) and topic else self.pattern,
+            topic=self._topic_of(message),
             payload=RawBody(body),
             attempt=1 + count,
         )

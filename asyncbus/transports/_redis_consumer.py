@@ -19,10 +19,18 @@ import anyio
 
 from .._dead_letters import DeadLetter
 from .._envelope import Envelope
-from .._exceptions import DecodeError
-from ._codec import Codec, RawBody, dump_meta, envelope_from_wire, envelope_meta
+from .._exceptions import DecodeError, EncodeError
+from ._codec import (
+    Codec,
+    RawBody,
+    dump_meta,
+    encode_payload,
+    envelope_from_wire,
+    envelope_meta,
+)
 from ._kit import AckWriter, Backoff
 from ._kit.options import checked_prefetch
+from ._kit.plain import plain_envelope
 from ._kit.redeliveries import over_max_deliveries
 from ._kit.routes import is_inbox
 from ._kit.verbatim import Verbatim
@@ -389,6 +397,7 @@ class RedisConsumer:
 
     def _deliver(self, entry: bytes, flat: list[bytes] | None, count: int) -> None:
         """Hand over the entry ``entry`` with fields ``flat`` (name, value, ...)."""
+        fields: dict[bytes, bytes] | None = None
         if flat and len(flat) == 4 and flat[0] == b"meta" and flat[2] == b"body":
             meta, body = flat[1], flat[3]  # as this transport writes them
         else:  # written by another client, or fields gone: whatever is there
@@ -397,9 +406,14 @@ class RedisConsumer:
             body = fields.get(b"body", b"")
         error: str | None
         try:
-            envelope, error = envelope_from_wire(meta, body, self.transport.codec)
-            if count > 1:
-                envelope = envelope.evolve(attempt=envelope.attempt + count - 1)
+            if fields is not None and b"meta" not in fields and fields:
+                envelope, error, body = plain_entry(
+                    entry, fields, self.pattern, count, self.transport.codec
+                )
+            else:
+                envelope, error = envelope_from_wire(meta, body, self.transport.codec)
+                if count > 1:
+                    envelope = envelope.evolve(attempt=envelope.attempt + count - 1)
         except DecodeError as problem:
             # Nothing to rebuild: hand the bus a stand-in carrying the raw entry, with
             # the error set, so it is dead-lettered instead of blocking the group.
@@ -499,3 +513,32 @@ class RedisConsumer:
                 )
         if released:
             self._claim_now()
+
+
+def plain_entry(
+    entry: bytes, fields: dict[bytes, bytes], pattern: str, count: int, codec: Codec
+) -> tuple[Envelope, str | None, bytes]:
+    """The envelope of an entry another client wrote without the bus's meta, why its
+    body did not decode (``None``: it did), and its body as a retry writes it back.
+
+    Its ``body`` field (or its only field) is the payload, decoded by the codec; an entry
+    of several fields and no ``body`` is the payload itself, a dict of its fields as
+    text. Its id is ``redis:{entry id}``, its timestamp the entry id's milliseconds."""
+    entry_id = text(entry)
+    stamp, _, _ = entry_id.partition("-")
+    timestamp = int(stamp) / 1000 if stamp.isdigit() else None
+    common: dict[str, Any] = {
+        "envelope_id": f"redis:{entry_id}",
+        "topic": pattern,
+        "attempt": count,
+        "timestamp": timestamp,
+    }
+    if b"body" in fields or len(fields) == 1:
+        body = fields.get(b"body", next(iter(fields.values())))
+        return (*plain_envelope(body, codec, **common), body)
+    try:
+        payload = {name.decode(): value.decode() for name, value in fields.items()}
+        body = encode_payload(codec, payload)
+    except (UnicodeDecodeError, EncodeError) as error:
+        raise DecodeError(f"an entry without meta whose fields are not text: {error}") from None
+    return (*plain_envelope(body, codec, payload=payload, decoded=True, **common), body)

@@ -322,7 +322,7 @@ FOREIGN_PAYLOAD = {"order": 8, "note": "crème ☃"}
 #: the attempt written (PostgreSQL: its ``attempt`` column), NATS from JetStream's
 #: delivery count alone.
 FOREIGN_ATTEMPT = {"redis": 3, "nats": 1, "rabbit": 3, "postgres": 3}
-#: The id of the stand-in for a message without meta (what it is made from).
+#: The id of the stand-in for a message whose meta is unreadable (what it is made from).
 STAND_IN_ID = {
     "redis": r"redis:\d+-\d+",  # the stream entry's id
     "nats": r"foreign-3",  # its Nats-Msg-Id
@@ -370,53 +370,25 @@ async def _write_rabbit(
     url: str, prefix: str, pattern: str, meta: bytes | None, body: bytes, message_id: str
 ) -> None:
     import aio_pika
+    from _foreign import publish_amqp  # type: ignore[import-not-found]
 
-    headers = {} if meta is None else {"asyncbus-meta": meta.decode()}
-    connection = await aio_pika.connect(url)
-    try:
-        channel = await connection.channel()
-        exchange = await channel.get_exchange(prefix, ensure=False)
-        await exchange.publish(
-            aio_pika.Message(
-                body,
-                headers=headers,
-                content_type="application/json",
-                message_id=message_id,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=TOPIC,
-        )
-    finally:
-        await connection.close()
+    message = aio_pika.Message(
+        body,
+        headers={} if meta is None else {"asyncbus-meta": meta.decode()},
+        content_type="application/json",
+        message_id=message_id,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
+    await publish_amqp(url, prefix, TOPIC, message)
 
 
 async def _write_postgres(
     url: str, prefix: str, pattern: str, meta: bytes | None, body: bytes, message_id: str
 ) -> None:
-    import asyncpg
+    from _foreign import insert_row  # type: ignore[import-not-found]
 
-    schema = prefix.replace("-", "_")
     attempt = 1 if meta is None else json.loads(meta).get("attempt", 1)
-    connection = await asyncpg.connect(url, timeout=5)
-    try:
-        async with connection.transaction():
-            group = await connection.fetchval(
-                f"SELECT id FROM {schema}.groups WHERE pattern = $1 AND grp = $2",
-                pattern,
-                "golden",
-            )
-            await connection.execute(
-                f"INSERT INTO {schema}.messages (group_id, envelope_id, meta, body, attempt) "
-                "VALUES ($1, $2, $3, $4, $5)",
-                group,
-                message_id,
-                b"" if meta is None else meta,
-                body,
-                attempt,
-            )
-            await connection.execute("SELECT pg_notify($1, $2)", schema, str(group))
-    finally:
-        await connection.close()
+    await insert_row(url, prefix, pattern, "golden", message_id, meta or b"", body, attempt)
 
 
 WRITERS: dict[str, Writer] = {
@@ -493,9 +465,10 @@ async def test_what_the_bus_cannot_read_is_dead_lettered_rejected_with_its_body(
         async with bus:
             await bus.subscribed()
             write = WRITERS[kind]
-            # A body the codec cannot decode, then a message with no meta at all.
+            # A body the codec cannot decode, then meta that says nothing of an envelope
+            # (a message with no meta at all is a plain one: test_plain_messages.py).
             await write(url, unique_prefix, TOPIC, _meta(fields), b"not json \xe2\x98", "foreign-2")
-            await write(url, unique_prefix, TOPIC, None, b'{"order":9}', "foreign-3")
+            await write(url, unique_prefix, TOPIC, b'{"v":1}', b'{"order":9}', "foreign-3")
             while len(bus.dead_letters.list()) < 2:
                 await anyio.sleep(0.02)
             await bus.drain()

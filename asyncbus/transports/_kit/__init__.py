@@ -16,7 +16,9 @@
   (hand-backs carry the count in ``asyncbus-deliveries``);
 * :mod:`.routes`: the bus's request-inbox groups (which groups are inboxes, how long a
   dead process's inbox stays) and the ``no_subscribers`` dead letter;
-* :class:`~.verbatim.Verbatim`: the codec that keeps an undecodable body as it came.
+* :class:`~.verbatim.Verbatim`: the codec that keeps an undecodable body as it came;
+* :mod:`.plain`: the envelope of a plain message, one another client wrote without the
+  bus's meta (its body the payload, the rest from the broker's own fields).
 """
 
 from __future__ import annotations

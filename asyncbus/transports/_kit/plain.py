@@ -1,0 +1,99 @@
+"""Plain messages: what a producer that knows nothing of asyncbus writes into a broker.
+
+A message without the bus's meta (no ``meta`` field in a Redis entry, no
+``asyncbus-meta`` header on NATS or RabbitMQ) is not refused: its body is the payload,
+decoded by the transport's codec, and the envelope's other fields come from what the
+broker itself records (an id, a timestamp, headers, a correlation id, a reply address),
+or are made up where it records nothing. From there it is an envelope like any other:
+deduplicated by its id, retried (a retry writes it back in the bus's own format, meta and
+all), dead-lettered and counted alike. A body the codec cannot decode is handed over
+with the error set, its bytes kept (a :class:`~.._codec.RawBody`), and the bus
+dead-letters it ``rejected``, as it does an asyncbus message whose body is bad.
+
+Meta that is there but unreadable is still refused: that message claims to be the
+bus's and is not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ..._envelope import EMPTY_HEADERS, Envelope, make_envelope
+from .._codec import Codec, decode_body
+
+__all__ = ["plain_envelope", "plain_headers"]
+
+
+def plain_envelope(
+    body: bytes,
+    codec: Codec,
+    *,
+    envelope_id: str,
+    topic: str,
+    attempt: int,
+    timestamp: float | None = None,
+    headers: Mapping[str, str] = EMPTY_HEADERS,
+    correlation_id: str | None = None,
+    reply_to: str | None = None,
+    payload: Any = None,
+    decoded: bool = False,
+) -> tuple[Envelope, str | None]:
+    """The envelope of a plain message, and why its body did not decode (``None``: it did).
+
+    :param body: the message's body, the payload as the codec encodes it.
+    :param envelope_id: the broker's id of the message (stable across its deliveries
+        where the broker has one, so ``deduplicate()`` works).
+    :param timestamp: when the broker took it (epoch seconds); ``None`` or not a finite
+        number: now.
+    :param payload: with ``decoded``, the payload already made (a Redis entry's fields),
+        used instead of the body.
+    """
+    error: str | None = None
+    if not decoded:
+        payload, error = decode_body(body, codec)
+    when = timestamp if timestamp is not None and math.isfinite(timestamp) else time.time()
+    envelope = make_envelope(
+        envelope_id,
+        topic,
+        payload,
+        headers,
+        when,
+        None,
+        max(1, attempt),
+        (),
+        correlation_id or envelope_id,
+        None,
+        reply_to or None,
+        None,
+    )
+    return envelope, error
+
+
+def plain_headers(items: Iterable[tuple[Any, Any]], *, skip: tuple[str, ...]) -> Mapping[str, str]:
+    """A plain message's headers as an envelope carries them: the pairs whose name and
+    value are both text, except names beginning with one of ``skip`` (the broker's own,
+    compared without case)."""
+    kept = {
+        name: value
+        for name, value in items
+        if type(name) is str
+        and type(value) is str
+        and not name.lower().startswith(skip)
+        and _encodable(name)
+        and _encodable(value)
+    }
+    return MappingProxyType(kept) if kept else EMPTY_HEADERS
+
+
+def _encodable(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

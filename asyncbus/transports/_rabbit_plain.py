@@ -1,0 +1,48 @@
+"""Plain messages over RabbitMQ: what a client that knows nothing of asyncbus publishes
+(no ``asyncbus-meta`` header) read as an envelope from the AMQP properties (see
+:mod:`._kit.plain`)."""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+from typing import Any
+
+from .._envelope import Envelope
+from ._codec import Codec
+from ._kit.plain import plain_envelope, plain_headers
+
+__all__ = ["plain_message"]
+
+
+def plain_message(
+    properties: Any, headers: dict[str, Any], body: bytes, attempt: int, topic: str, codec: Codec
+) -> tuple[Envelope, str | None]:
+    """The envelope of a message another client published without the bus's meta, and
+    why its body did not decode (``None``: it did).
+
+    Its body is the payload; ``message_id`` (else one made up: not the same on a
+    redelivery), ``timestamp``, ``correlation_id`` and ``reply_to`` are the envelope's,
+    and so are its text headers but the broker's (``x-*``).
+    """
+    message_id = properties.message_id
+    stamp = properties.timestamp
+    if isinstance(stamp, datetime.datetime):
+        when: float | None = stamp.timestamp()
+    else:
+        when = float(stamp) if type(stamp) is int else None
+    correlation = properties.correlation_id
+    reply_to = properties.reply_to
+    return plain_envelope(
+        body,
+        codec,
+        envelope_id=message_id
+        if isinstance(message_id, str) and message_id
+        else f"rabbit:{secrets.token_hex(8)}",
+        topic=topic,
+        attempt=attempt,
+        timestamp=when,
+        headers=plain_headers(headers.items(), skip=("x-", "asyncbus-")),
+        correlation_id=correlation if isinstance(correlation, str) else None,
+        reply_to=reply_to if isinstance(reply_to, str) else None,
+    )
