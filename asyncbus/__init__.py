@@ -22,6 +22,7 @@ from ._dead_letters import DeadLetterReason as DeadLetterReason
 from ._envelope import HEADER_KEY as HEADER_KEY
 from ._envelope import HEADER_PRIORITY as HEADER_PRIORITY
 from ._envelope import HEADER_REPLAYED as HEADER_REPLAYED
+from ._envelope import HEADER_WIRE as HEADER_WIRE
 from ._envelope import Envelope as Envelope
 from ._envelope import Receipt as Receipt
 from ._exceptions import AsyncbusError as AsyncbusError
@@ -83,6 +84,7 @@ __all__ = [
     "HEADER_KEY",
     "HEADER_PRIORITY",
     "HEADER_REPLAYED",
+    "HEADER_WIRE",
     "Adaptive",
     "Admission",
     "AsyncbusError",

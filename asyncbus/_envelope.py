@@ -18,6 +18,8 @@ __all__ = [
     "HEADER_KEY",
     "HEADER_PRIORITY",
     "HEADER_REPLAYED",
+    "HEADER_WIRE",
+    "WIRE_FORMATS",
     "Envelope",
     "Receipt",
     "new_id",
@@ -29,6 +31,13 @@ HEADER_REPLAYED = "asyncbus-replayed"
 HEADER_KEY = "asyncbus-key"
 #: Header carrying the ``priority=`` class given to :meth:`Bus.publish` (``"0"``..``"2"``).
 HEADER_PRIORITY = "asyncbus-priority"
+#: Header asking a broker transport to write the envelope for clients that know nothing
+#: of asyncbus: ``"plain"`` (the payload alone as the body, the rest in the broker's own
+#: fields), ``"cloudevents"`` (a CloudEvent in binary mode) or ``"cloudevents-structured"``
+#: (in structured mode). Only a publish is written so; a retry is in the bus's own format.
+HEADER_WIRE = "asyncbus-wire"
+#: The values :data:`HEADER_WIRE` takes.
+WIRE_FORMATS = ("plain", "cloudevents", "cloudevents-structured")
 
 EMPTY_HEADERS: Mapping[str, str] = MappingProxyType({})
 

@@ -25,6 +25,8 @@ from ._envelope import (
     EMPTY_HEADERS,
     HEADER_KEY,
     HEADER_PRIORITY,
+    HEADER_WIRE,
+    WIRE_FORMATS,
     Envelope,
     Receipt,
     make_envelope,
@@ -500,6 +502,12 @@ def _options(
             fields[HEADER_KEY] = str(key)
         if priority is not None:
             fields[HEADER_PRIORITY] = _priority_text(topic, priority)
+        wire = fields.get(HEADER_WIRE)
+        if wire is not None and wire not in WIRE_FORMATS:
+            raise ConfigurationError(
+                f"{where}: header {HEADER_WIRE!r} is {wire!r}; it takes one of "
+                f"{', '.join(map(repr, WIRE_FORMATS))}"
+            )
         frozen_headers: Mapping[str, str] = MappingProxyType(fields)
     else:
         frozen_headers = EMPTY_HEADERS

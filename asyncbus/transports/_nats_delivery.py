@@ -19,7 +19,7 @@ from .._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._exceptions import DecodeError
 from ._codec import Codec, RawBody, envelope_from_wire
 from ._kit import AckWriter
-from ._kit.plain import plain_envelope, plain_headers
+from ._kit.plain import foreign_envelope
 from ._nats_client import broker_call, confirm
 from ._nats_messages import HEADER_META, HEADER_REPLAY_GROUP
 from .base import BaseDelivery
@@ -224,18 +224,21 @@ def make_delivery(consumer: Puller, msg: Msg) -> NatsDelivery | None:
 def _plain(
     msg: Msg, headers: dict[str, str], attempt: int, prefix: str, codec: Codec
 ) -> tuple[Envelope, str | None]:
-    """The envelope of a message another client published without the bus's meta: its
-    data is the payload; its id ``Nats-Msg-Id`` (else ``nats-{stream sequence}``), its
-    timestamp the stream's, its headers those that are not the server's (``Nats-*``)."""
+    """The envelope of a message another client published without the bus's meta: a
+    CloudEvent, or a plain message whose data is the payload; its id ``Nats-Msg-Id``
+    (else ``nats-{stream sequence}``), its timestamp the stream's, its headers those that
+    are not the server's (``Nats-*``)."""
     metadata = msg.metadata
     stamp = getattr(metadata, "timestamp", None)
     msg_id = headers.get("Nats-Msg-Id") or f"nats-{metadata.sequence.stream}"
-    return plain_envelope(
+    return foreign_envelope(
         msg.data,
         codec,
+        headers=headers,
+        content_type=headers.get("Content-Type") or headers.get("content-type"),
+        skip=("nats-", "asyncbus-", "content-type"),
         envelope_id=msg_id,
         topic=msg.subject[len(prefix) + 1 :] or msg.subject,
         attempt=attempt,
         timestamp=stamp.timestamp() if stamp is not None else None,
-        headers=plain_headers(headers.items(), skip=("nats-", "asyncbus-")),
     )

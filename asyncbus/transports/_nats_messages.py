@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from .._envelope import HEADER_REPLAYED, Envelope
 from .._exceptions import TransportError
 from ._codec import Codec, envelope_to_wire
+from ._kit.outgoing import foreign_message, wire_of
 
 __all__ = ["HEADER_META", "HEADER_REPLAY_GROUP", "envelope_message", "header_size"]
 
@@ -43,7 +44,6 @@ def envelope_message(
 
     :raises TransportError: when it is larger than ``limit``, the server's ``max_payload``.
     """
-    meta, body = envelope_to_wire(envelope, codec)
     msg_id = envelope.id
     if target is not None or HEADER_REPLAYED in envelope.headers:
         # A replay reuses the envelope id; it must not be dropped as a duplicate
@@ -51,6 +51,13 @@ def envelope_message(
         msg_id = f"{envelope.id}:{target or ''}:{envelope.timestamp!r}"
     if "\r" in msg_id or "\n" in msg_id:
         msg_id = msg_id.replace("\r", " ").replace("\n", " ")
+    wire = wire_of(envelope) if target is None else None
+    if wire is not None:  # for clients that know nothing of asyncbus
+        body, extra, content_type = foreign_message(envelope, wire, codec)
+        headers = {"Nats-Msg-Id": msg_id, **extra, "content-type": content_type}
+        _refuse_over(envelope, len(body) + header_size(headers), limit)
+        return body, headers
+    meta, body = envelope_to_wire(envelope, codec)
     # Header values must be ASCII for every nats-py (up to 2.14 a non-ASCII value
     # loses the whole header block): escape what msgspec wrote as UTF-8.
     headers = {
@@ -61,10 +68,14 @@ def envelope_message(
         headers[HEADER_REPLAY_GROUP] = target
     # (A UTF-8 character is at most 4 bytes: most messages are surely small enough.)
     if len(body) + 4 * (len(msg_id) + len(headers[HEADER_META])) + 256 > limit:
-        size = len(body) + header_size(headers)
-        if size > limit:
-            raise TransportError(
-                f"envelope {envelope.id} is {size} bytes on the wire, over the NATS "
-                f"server's max_payload of {limit} bytes"
-            )
+        _refuse_over(envelope, len(body) + header_size(headers), limit)
     return body, headers
+
+
+def _refuse_over(envelope: Envelope, size: int, limit: int) -> None:
+    """:class:`TransportError` when a message of ``size`` bytes is over ``limit``."""
+    if size > limit:
+        raise TransportError(
+            f"envelope {envelope.id} is {size} bytes on the wire, over the NATS "
+            f"server's max_payload of {limit} bytes"
+        )

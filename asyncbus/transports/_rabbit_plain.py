@@ -10,7 +10,7 @@ from typing import Any
 
 from .._envelope import Envelope
 from ._codec import Codec
-from ._kit.plain import plain_envelope, plain_headers
+from ._kit.plain import foreign_envelope
 
 __all__ = ["plain_message"]
 
@@ -18,10 +18,11 @@ __all__ = ["plain_message"]
 def plain_message(
     properties: Any, headers: dict[str, Any], body: bytes, attempt: int, topic: str, codec: Codec
 ) -> tuple[Envelope, str | None]:
-    """The envelope of a message another client published without the bus's meta, and
-    why its body did not decode (``None``: it did).
+    """The envelope of a message another client published without the bus's meta (a
+    CloudEvent, in binary or structured mode, or a plain message), and why its body did
+    not decode (``None``: it did).
 
-    Its body is the payload; ``message_id`` (else one made up: not the same on a
+    A plain message's body is the payload; ``message_id`` (else one made up: not the same on a
     redelivery), ``timestamp``, ``correlation_id`` and ``reply_to`` are the envelope's,
     and so are its text headers but the broker's (``x-*``).
     """
@@ -33,16 +34,19 @@ def plain_message(
         when = float(stamp) if type(stamp) is int else None
     correlation = properties.correlation_id
     reply_to = properties.reply_to
-    return plain_envelope(
+    content_type = properties.content_type
+    return foreign_envelope(
         body,
         codec,
+        headers=headers,
+        content_type=content_type if isinstance(content_type, str) else None,
+        skip=("x-", "asyncbus-"),
         envelope_id=message_id
         if isinstance(message_id, str) and message_id
         else f"rabbit:{secrets.token_hex(8)}",
         topic=topic,
         attempt=attempt,
         timestamp=when,
-        headers=plain_headers(headers.items(), skip=("x-", "asyncbus-")),
         correlation_id=correlation if isinstance(correlation, str) else None,
         reply_to=reply_to if isinstance(reply_to, str) else None,
     )

@@ -6,6 +6,7 @@ handed back)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,7 +19,9 @@ from .._dead_letters import DeadLetter
 from .._envelope import Envelope
 from .._exceptions import EncodeError, TransportError
 from ._codec import Codec, dead_letter_to_wire, dump_meta, encode_payload, envelope_meta
+from ._kit.cloudevents import HEADER
 from ._kit.options import refuse_oversized
+from ._kit.outgoing import foreign_message, wire_of
 from ._kit.redeliveries import HEADER_DELIVERIES
 from ._kit.verbatim import Verbatim
 from ._rabbit_channel import ConsumerChannel, spurious_cancel
@@ -28,6 +31,10 @@ from ._rabbit_link import Connections, Link
 if TYPE_CHECKING:
     from pamqp.commands import Basic
     from pamqp.common import FieldTable
+
+#: The prefix of a CloudEvent's attributes among an AMQP message's headers (the AMQP
+#: binding's application properties; ``cloudEvents:`` is read too).
+AMQP_PREFIX = "cloudEvents_"
 
 __all__ = ["Publisher", "PublisherHost"]
 
@@ -98,6 +105,10 @@ class Publisher:
         the deliveries a copy handed back unhandled carries (:data:`HEADER_DELIVERIES`);
         ``queued_at``: when its original was queued (a copy keeps it; else now)."""
         host = self._host
+        if attempt is None and body is None and deliveries is None:  # a publish
+            wire = wire_of(envelope)
+            if wire is not None:
+                return self._foreign(envelope, wire)
         meta = envelope_meta(envelope)
         if attempt is not None:
             meta["attempt"] = attempt
@@ -123,6 +134,28 @@ class Publisher:
             headers=headers,
         )
         return body, properties
+
+    def _foreign(self, envelope: Envelope, wire: str) -> tuple[bytes, Basic.Properties]:
+        """Body and properties of ``envelope`` for clients that know nothing of asyncbus
+        (see :mod:`._kit.outgoing`): the AMQP properties carry its id, timestamp,
+        correlation id and reply address; a CloudEvent's attributes are the headers
+        ``cloudEvents_{attribute}``, as the AMQP binding names its application
+        properties."""
+        host = self._host
+        body, headers, content_type = foreign_message(envelope, wire, host.codec)
+        refuse_oversized(envelope, len(body), host.max_message_size)
+        if wire == "cloudevents":
+            headers = {AMQP_PREFIX + name[len(HEADER) :]: value for name, value in headers.items()}
+        correlation = envelope.correlation_id
+        return body, host._properties_type()(
+            content_type=content_type,
+            delivery_mode=2,
+            message_id=envelope.id,
+            timestamp=datetime.datetime.fromtimestamp(envelope.timestamp, datetime.UTC),
+            correlation_id=correlation if correlation != envelope.id else None,
+            reply_to=envelope.reply_to,
+            headers=dict(headers),
+        )
 
     async def publish_one(
         self,

@@ -29,8 +29,9 @@ from ._codec import (
     envelope_meta,
 )
 from ._kit import AckWriter, Backoff
+from ._kit.cloudevents import event_attributes
 from ._kit.options import checked_prefetch
-from ._kit.plain import plain_envelope
+from ._kit.plain import foreign_envelope, plain_envelope
 from ._kit.redeliveries import over_max_deliveries
 from ._kit.routes import is_inbox
 from ._kit.verbatim import Verbatim
@@ -523,18 +524,41 @@ def plain_entry(
 
     Its ``body`` field (or its only field) is the payload, decoded by the codec; an entry
     of several fields and no ``body`` is the payload itself, a dict of its fields as
-    text. Its id is ``redis:{entry id}``, its timestamp the entry id's milliseconds."""
+    text. Its id is its ``id`` field, else ``redis:{entry id}``; its timestamp the entry
+    id's milliseconds. Fields ``ce-*`` (or a ``content-type``) make it a CloudEvent."""
     entry_id = text(entry)
     stamp, _, _ = entry_id.partition("-")
     timestamp = int(stamp) / 1000 if stamp.isdigit() else None
+    given = fields.get(b"id")
+    try:
+        named = given.decode() if given else None
+    except UnicodeDecodeError:
+        named = None
     common: dict[str, Any] = {
-        "envelope_id": f"redis:{entry_id}",
+        "envelope_id": named or f"redis:{entry_id}",
         "topic": pattern,
         "attempt": count,
         "timestamp": timestamp,
     }
+    content_type = fields.get(b"content-type")
+    if event_attributes(fields) is not None or content_type is not None:
+        # A CloudEvent (binary: ce-* fields and its data in ``body``; structured: a
+        # ``content-type`` field), or a plain entry that says what its body is.
+        body = fields.get(b"body", b"")
+        found = foreign_envelope(
+            body,
+            codec,
+            headers=fields,
+            content_type=content_type.decode("utf-8", "replace") if content_type else None,
+            skip=("body", "content-type", "id"),
+            envelope_id=common["envelope_id"],
+            topic=pattern,
+            attempt=count,
+            timestamp=timestamp,
+        )
+        return (*found, body)
     if b"body" in fields or len(fields) == 1:
-        body = fields.get(b"body", next(iter(fields.values())))
+        body = fields.get(b"body", next(iter(fields.values())))  # (an id field aside)
         return (*plain_envelope(body, codec, **common), body)
     try:
         payload = {name.decode(): value.decode() for name, value in fields.items()}

@@ -6,6 +6,7 @@ version), a group's own writes, what reached no group, and the wait for replicas
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,6 +19,7 @@ from .._routing import validate_topic
 from ._coalesce import Coalescer
 from ._codec import Codec, envelope_to_wire
 from ._kit.options import refuse_oversized
+from ._kit.outgoing import foreign_message, wire_of
 from ._kit.routes import unrouted_entry
 from ._redis_dedup import RedisHost
 
@@ -114,7 +116,16 @@ class RedisPublisher:
     def encode(self, envelope: Envelope) -> tuple[bytes, bytes]:
         """``envelope`` as (meta, body); refused when over ``max_message_size``."""
         transport = self.transport
-        meta, body = envelope_to_wire(envelope, transport.codec)
+        wire = wire_of(envelope)
+        if wire is None:
+            meta, body = envelope_to_wire(envelope, transport.codec)
+        else:  # for clients that know nothing of asyncbus: fields, then ``body``
+            body, headers, content_type = foreign_message(envelope, wire, transport.codec)
+            fields = ["id", envelope.id]
+            if wire != "plain":
+                fields = [*(item for pair in headers.items() for item in pair), "content-type"]
+                fields.append(content_type)
+            meta = json.dumps(fields, separators=(",", ":")).encode()
         refuse_oversized(envelope, len(meta) + len(body), transport.max_message_size)
         return meta, body
 

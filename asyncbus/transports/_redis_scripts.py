@@ -54,13 +54,30 @@ return 1
 #: envelopes going to the same streams (one per publish, or one for consecutive
 #: publishes to the same streams): the number of its streams, their indexes into KEYS
 #: (negative for a request inbox: written only if it still exists, NOMKSTREAM), the
-#: number of its envelopes, then (meta, body) for each envelope.
+#: number of its envelopes, then (meta, body) for each envelope. A meta that is a JSON
+#: array is not meta: the entry is written for clients that know nothing of asyncbus,
+#: the array's (field, value, ...) pairs then ``body``.
 #: Nothing is written when the version is another (a binding was added or deleted
 #: since: the routes may name a stream that is gone). Returns {1 if written else 0,
 #: the version}.
 PUBLISH = """
 local version = redis.call('GET', KEYS[1])
 if (version or '') ~= ARGV[1] then return {0, version or ''} end
+local function add(key, head, meta, body)
+  if string.sub(meta, 1, 1) == '[' then
+    local fields = cjson.decode(meta)
+    fields[#fields + 1] = 'body'
+    fields[#fields + 1] = body
+    if head == 'NOMKSTREAM' then
+      return redis.call('XADD', key, 'NOMKSTREAM', '*', unpack(fields))
+    end
+    return redis.call('XADD', key, '*', unpack(fields))
+  end
+  if head == 'NOMKSTREAM' then
+    return redis.call('XADD', key, 'NOMKSTREAM', '*', 'meta', meta, 'body', body)
+  end
+  return redis.call('XADD', key, '*', 'meta', meta, 'body', body)
+end
 local i = 2
 while i <= #ARGV do
   local streams = tonumber(ARGV[i])
@@ -75,9 +92,9 @@ while i <= #ARGV do
     for s = 1, streams do
       local k = targets[s]
       if k > 0 then
-        redis.call('XADD', KEYS[k], '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+        add(KEYS[k], '', ARGV[at], ARGV[at + 1])
       else
-        redis.call('XADD', KEYS[-k], 'NOMKSTREAM', '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+        add(KEYS[-k], 'NOMKSTREAM', ARGV[at], ARGV[at + 1])
       end
     end
   end

@@ -11,7 +11,8 @@ with the error set, its bytes kept (a :class:`~.._codec.RawBody`), and the bus
 dead-letters it ``rejected``, as it does an asyncbus message whose body is bad.
 
 Meta that is there but unreadable is still refused: that message claims to be the
-bus's and is not.
+bus's and is not. A message that is a CloudEvent (its attributes as headers, or a
+structured event) is read as one (:mod:`.cloudevents`) before it is taken for plain.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Any
 
 from ..._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from .._codec import Codec, decode_body
+from .cloudevents import STRUCTURED, event_attributes, event_envelope, structured_event
 
-__all__ = ["plain_envelope", "plain_headers"]
+__all__ = ["foreign_envelope", "plain_envelope", "plain_headers"]
 
 
 def plain_envelope(
@@ -97,3 +99,46 @@ def _encodable(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def foreign_envelope(
+    body: bytes,
+    codec: Codec,
+    *,
+    headers: Mapping[Any, Any],
+    content_type: str | None,
+    skip: tuple[str, ...],
+    envelope_id: str,
+    topic: str,
+    attempt: int,
+    timestamp: float | None = None,
+    correlation_id: str | None = None,
+    reply_to: str | None = None,
+) -> tuple[Envelope, str | None]:
+    """The envelope of a message without the bus's meta: a CloudEvent in binary mode
+    (its attributes among ``headers``) or structured mode (``content_type``), else a
+    plain message (:func:`plain_envelope`, with ``headers`` but those beginning with one
+    of ``skip`` as its headers).
+
+    :raises DecodeError: for a CloudEvent that is not one (a required attribute
+        missing, a bad time, a structured body that is not a JSON object).
+    """
+    attributes = event_attributes(headers)
+    if attributes is not None:
+        if content_type and "datacontenttype" not in attributes:
+            attributes["datacontenttype"] = content_type  # (binary mode keeps it there)
+        return event_envelope(attributes, codec, topic=topic, attempt=attempt, body=body)
+    if content_type is not None and content_type.lower().startswith(STRUCTURED):
+        event = structured_event(body)
+        return event_envelope(event, codec, topic=topic, attempt=attempt)
+    return plain_envelope(
+        body,
+        codec,
+        envelope_id=envelope_id,
+        topic=topic,
+        attempt=attempt,
+        timestamp=timestamp,
+        headers=plain_headers(headers.items(), skip=skip),
+        correlation_id=correlation_id,
+        reply_to=reply_to,
+    )
