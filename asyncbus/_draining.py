@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DrainWaiter", "Draining", "Waiting"]
 
+#: Seconds before the first look again at a broker backlog that is not empty yet, and
+#: the most between two looks (each doubles the last).
+_FIRST_LOOK = 0.002
+_LAST_LOOK = 0.02
+
 
 class DrainWaiter:
     """One ``drain()`` waiting; ``strict`` unless it runs in a handler of the bus."""
@@ -86,6 +91,7 @@ class Draining:
         """Wait until the bus is idle (``strict``: handlers that drain included), its
         broker backlog too, or closed."""
         services = self._services
+        pause = _FIRST_LOOK
         while True:
             while not self.idle(strict):
                 if self._life.state == "closed":
@@ -102,8 +108,10 @@ class Draining:
                             services.idle_waiters.remove(waiter)
             if not await self._mode.backlog(self._stages.values()):
                 return
-            # Envelopes still in the broker for our stages: look again shortly.
-            await anyio.sleep(0.02)
+            # Envelopes still in the broker for our stages: look again shortly, soon at
+            # first (most often they are acks written behind, a few milliseconds away).
+            await anyio.sleep(pause)
+            pause = min(pause * 2, _LAST_LOOK)
 
     def idle(self, strict: bool = True) -> bool:
         """Whether nothing is queued, in flight, waiting for a retry or on its way
