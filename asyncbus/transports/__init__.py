@@ -20,6 +20,8 @@ from ._codec import Codec as Codec
 from ._codec import JsonCodec as JsonCodec
 from ._codec import MsgspecCodec as MsgspecCodec
 from ._codec import default_codec as default_codec
+from ._raw_codecs import BytesCodec as BytesCodec
+from ._raw_codecs import TextCodec as TextCodec
 from ._registry import lazy_classes
 from .base import AcksWrittenBehind as AcksWrittenBehind
 from .base import BacklogReader as BacklogReader
@@ -55,6 +57,7 @@ __all__ = [
     "AcksWrittenBehind",
     "BacklogReader",
     "BaseDelivery",
+    "BytesCodec",
     "Capabilities",
     "Codec",
     "DeadLetterChange",
@@ -77,6 +80,7 @@ __all__ = [
     "RoutedPublisher",
     "SharedDeadLetters",
     "SubscriptionControl",
+    "TextCodec",
     "TickClaimsProvider",
     "TopicLimits",
     "Transport",

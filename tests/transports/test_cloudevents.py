@@ -225,11 +225,12 @@ async def _ledger_run(
 
 
 @pytest.mark.parametrize("kind", BROKERS, indirect=True)
-async def test_an_event_without_its_required_attributes_is_dead_lettered_rejected(
+async def test_what_says_cloudevents_and_is_none_is_dead_lettered_rejected(
     kind: str, url: str, unique_prefix: str
 ) -> None:
-    """A message whose headers say CloudEvents but that lacks ``source``: not an event,
-    nor a plain message: dead-lettered ``rejected``, nothing handled."""
+    """A message whose headers say CloudEvents but that lacks ``source``, and a batch
+    (the HTTP binding's mode, one message holding several events): neither an event nor
+    a plain message: each dead-lettered ``rejected``, nothing handled."""
     bus = Bus(transport=_make(kind, url, unique_prefix))
     handled: list[Any] = []
 
@@ -237,23 +238,31 @@ async def test_an_event_without_its_required_attributes_is_dead_lettered_rejecte
     async def billing(payload: Any) -> None:
         handled.append(payload)
 
-    headers = {"ce-specversion": "1.0", "ce-id": "ev-9", "ce-type": "t"}
+    batch = json.dumps([{"id": "b-1", "source": "/s", "type": "t", "specversion": "1.0"}])
+    sent = [
+        ({"ce-specversion": "1.0", "ce-id": "ev-9", "ce-type": "t"}, b"{}", "application/json"),
+        ({}, batch.encode(), "application/cloudevents-batch+json"),
+    ]
     with anyio.fail_after(30):
         async with bus:
             await bus.subscribed()
-            if kind == "nats":
-                await _nats_publish(url, f"{unique_prefix}.{TOPIC}", b"{}", headers)
-            elif kind == "redis":
-                await _redis_add(url, unique_prefix, {**headers, "body": b"{}"})
-            else:
-                await _rabbit_publish(url, unique_prefix, b"{}", headers, "application/json")
-            while not bus.dead_letters.list():
+            for headers, body, content_type in sent:
+                if kind == "nats":
+                    everything = {**headers, "content-type": content_type}
+                    await _nats_publish(url, f"{unique_prefix}.{TOPIC}", body, everything)
+                elif kind == "redis":
+                    fields = {**headers, "content-type": content_type, "body": body}
+                    await _redis_add(url, unique_prefix, fields)
+                else:
+                    await _rabbit_publish(url, unique_prefix, body, headers, content_type)
+            while len(bus.dead_letters.list()) < 2:
                 await anyio.sleep(0.02)
             await bus.drain()
     assert handled == []
-    [entry] = bus.dead_letters.list()
-    assert entry.reason is DeadLetterReason.REJECTED
-    assert entry.error is not None and "'source'" in entry.error
+    errors = sorted(entry.error or "" for entry in bus.dead_letters.list())
+    assert {entry.reason for entry in bus.dead_letters.list()} == {DeadLetterReason.REJECTED}
+    assert "batch mode is the HTTP binding's" in errors[0], errors
+    assert "has no 'source'" in errors[1], errors
 
 
 # -- the SDK (and plain clients) as the consumer ----------------------------------------

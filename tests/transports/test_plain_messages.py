@@ -249,3 +249,74 @@ def test_plain_headers_keep_text_pairs_but_the_broker_own() -> None:
     kept = plain_headers(pairs, skip=("x-", "nats-"))
     assert dict(kept) == {"trace": "t-1", "note": "é ☃"}
     assert dict(plain_headers([], skip=())) == {}
+
+
+async def test_text_and_bytes_bodies_reach_handlers_through_the_text_and_bytes_codecs(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    """Bodies that are not JSON: a bus whose transport has ``TextCodec`` hands UTF-8
+    text to its handler as ``str`` (and dead-letters a body that is not UTF-8), one with
+    ``BytesCodec`` hands over the bytes as they came."""
+    from _brokers import make_transport  # type: ignore[import-not-found]
+
+    from asyncbus.transports import BytesCodec, TextCodec
+
+    texts: list[str] = []
+    text_bus = Bus(transport=make_transport(kind, url, unique_prefix, codec=TextCodec()))
+
+    @text_bus.subscribe(PATTERN, group=GROUP)
+    async def read_text(line: str) -> None:
+        texts.append(line)
+
+    write = WRITERS[kind]
+    with anyio.fail_after(30):
+        async with text_bus:
+            await text_bus.subscribed()
+            await write(url, unique_prefix, "text-1", "héllo, plain wörld".encode())
+            await write(url, unique_prefix, "text-2", b"\xff\xfe not utf-8")
+            while not texts or not text_bus.dead_letters.list():
+                await anyio.sleep(0.02)
+            await text_bus.drain()
+            [entry] = text_bus.dead_letters.list()
+            assert entry.reason is DeadLetterReason.REJECTED
+            assert entry.error is not None and "not UTF-8 text" in entry.error
+            assert entry.envelope.payload == b"\xff\xfe not utf-8"
+            assert text_bus.dead_letters.purge() == 1
+            await text_bus.drain()  # (the broker's entry removed too)
+    assert texts == ["héllo, plain wörld"]
+
+    chunks: list[bytes] = []
+    bytes_bus = Bus(transport=make_transport(kind, url, unique_prefix, codec=BytesCodec()))
+
+    @bytes_bus.subscribe(PATTERN, group=GROUP)
+    async def read_bytes(chunk: bytes) -> None:
+        chunks.append(chunk)
+
+    with anyio.fail_after(30):
+        async with bytes_bus:
+            await bytes_bus.subscribed()
+            await write(url, unique_prefix, "bytes-1", b"\x00\x01\xff binary")
+            while not chunks:
+                await anyio.sleep(0.02)
+            await bytes_bus.drain()
+            assert bytes_bus.dead_letters.list() == []
+    assert chunks == [b"\x00\x01\xff binary"]
+
+
+def test_the_text_and_bytes_codecs_take_what_they_say_and_refuse_the_rest() -> None:
+    from asyncbus import DecodeError, EncodeError
+    from asyncbus.transports import BytesCodec, TextCodec
+
+    text, raw = TextCodec(), BytesCodec()
+    assert (text.encode("é"), text.decode(b"\xc3\xa9"), text.content_type) == (
+        b"\xc3\xa9",
+        "é",
+        "text/plain; charset=utf-8",
+    )
+    assert (raw.encode(bytearray(b"\x00")), raw.decode(b"\xff")) == (b"\x00", b"\xff")
+    assert raw.encode(memoryview(b"ab")) == b"ab"
+    for codec, value in ((text, b"bytes"), (text, 1), (text, "\ud800"), (raw, "text"), (raw, 1)):
+        with pytest.raises(EncodeError):
+            codec.encode(value)
+    with pytest.raises(DecodeError, match="not UTF-8"):
+        text.decode(b"\xff")

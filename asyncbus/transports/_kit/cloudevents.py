@@ -28,6 +28,7 @@ from ..._exceptions import DecodeError
 from .._codec import Codec, decode_body
 
 __all__ = [
+    "BATCH",
     "HEADER",
     "STRUCTURED",
     "event_attributes",
@@ -41,6 +42,8 @@ __all__ = [
 HEADER = "ce-"
 #: The content type of an event in structured mode (JSON format).
 STRUCTURED = "application/cloudevents+json"
+#: The content type of the batch mode, which only the HTTP binding defines.
+BATCH = "application/cloudevents-batch+json"
 #: The header prefixes an attribute may be read under.
 _PREFIXES = ("ce-", "cloudevents_", "cloudevents:")
 #: The attributes an event must have.

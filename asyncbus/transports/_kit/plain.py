@@ -24,8 +24,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ..._envelope import EMPTY_HEADERS, Envelope, make_envelope
+from ..._exceptions import DecodeError
 from .._codec import Codec, decode_body
-from .cloudevents import STRUCTURED, event_attributes, event_envelope, structured_event
+from .cloudevents import BATCH, STRUCTURED, event_attributes, event_envelope, structured_event
 
 __all__ = ["foreign_envelope", "plain_envelope", "plain_headers"]
 
@@ -128,9 +129,15 @@ def foreign_envelope(
         if content_type and "datacontenttype" not in attributes:
             attributes["datacontenttype"] = content_type  # (binary mode keeps it there)
         return event_envelope(attributes, codec, topic=topic, attempt=attempt, body=body)
-    if content_type is not None and content_type.lower().startswith(STRUCTURED):
+    kind = content_type.lower() if content_type is not None else ""
+    if kind.startswith(STRUCTURED):
         event = structured_event(body)
         return event_envelope(event, codec, topic=topic, attempt=attempt)
+    if kind.startswith(BATCH):
+        raise DecodeError(
+            "a batch of CloudEvents: batch mode is the HTTP binding's; over a broker one "
+            "message is one event (publish each in binary or structured mode)"
+        )
     return plain_envelope(
         body,
         codec,
