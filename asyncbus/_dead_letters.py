@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -27,6 +28,10 @@ __all__ = [
 
 #: Topic on which every new dead letter is published, as a :class:`DeadLetter` payload.
 DEADLETTER_TOPIC = "$deadletter"
+
+#: Seconds a replay waits for an entry this process dead-lettered just now to reach the
+#: broker's store (its delivery's reject, which stores it, may still be on its way).
+_ARRIVING = 2.0
 
 
 class DeadLetterReason(StrEnum):
@@ -158,6 +163,9 @@ class DeadLetterQueue:
         self._died: dict[int, float] = {}
         self._by_id: dict[str, list[int]] = {}
         self._by_key: dict[DeadLetterKey, int] = {}
+        # Over a broker: ids this process dead-lettered, and when (the loop's clock), for
+        # a replay that comes before the broker has stored them (``_take_arriving``).
+        self._arriving: dict[str, float] = {}
         # Keys of entries a replay is re-sending: a second replay of them finds none.
         self._replaying: set[int] = set()
         self._next_key = 0
@@ -193,6 +201,8 @@ class DeadLetterQueue:
         """Store ``dead_letter``, evicting the oldest entry when the queue is full."""
         with self._lock:
             self._expire()
+            if self._shared is not None:  # (its store in the broker may lag a moment)
+                self._note_arriving(dead_letter.envelope.id)
             self._journal("merge", [dead_letter])
             # Over a broker, the broker may have told of it first (its copy): this one,
             # which may know more, takes its place. (In memory, every entry is one.)
@@ -391,6 +401,12 @@ class DeadLetterQueue:
             found = {entry.envelope.id for entry in taken}
             missing = [id for id in ids if id not in found]
             if missing:
+                # Listed here a moment before the broker has it (its delivery's reject,
+                # which stores it, is on its way): wait for that store, within a bound.
+                taken += await self._take_arriving(shared, missing)
+                found = {entry.envelope.id for entry in taken}
+                missing = [id for id in ids if id not in found]
+            if missing:
                 if taken:
                     await shared.put_back(taken)
                 raise _NotQueued(missing)
@@ -413,6 +429,36 @@ class DeadLetterQueue:
                     self.changed(added=entries[position:])
                     raise
         return receipts
+
+    def _note_arriving(self, id: str) -> None:
+        """Remember that this process dead-lettered ``id`` now; forget those noted
+        :data:`_ARRIVING` seconds ago or more (the oldest first: notes are in time order)."""
+        arriving, now = self._arriving, self._clock()
+        arriving.pop(id, None)
+        arriving[id] = now
+        while now - arriving[first := next(iter(arriving))] >= _ARRIVING:
+            del arriving[first]
+
+    async def _take_arriving(
+        self, shared: SharedStore, ids: builtins.list[str]
+    ) -> builtins.list[DeadLetter]:
+        """Take those of ``ids`` that this process dead-lettered less than
+        :data:`_ARRIVING` seconds ago as they reach the broker's store (looked for every
+        20 ms until then); the others (another process's, or older) are not waited for."""
+        with self._lock:
+            now = self._clock()
+            arriving = self._arriving
+            recent = [id for id in ids if now - arriving.get(id, -math.inf) < _ARRIVING]
+
+        taken: builtins.list[DeadLetter] = []
+        with anyio.move_on_after(_ARRIVING):
+            while recent:
+                await anyio.sleep(0.02)
+                more = await shared.take(recent)
+                taken += more
+                arrived = {entry.envelope.id for entry in more}
+                recent = [id for id in recent if id not in arrived]
+        return taken
 
     def _own(self, entry: DeadLetter) -> DeadLetter:
         key = self._by_key.get(dead_letter_key(entry))
