@@ -202,7 +202,7 @@ def make_delivery(consumer: Puller, msg: Msg) -> NatsDelivery | None:
             )
     except (DecodeError, UnicodeEncodeError) as failure:
         # Not an asyncbus message (or a mangled one): hand it over to be rejected.
-        msg_id = headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"
+        msg_id = _message_id(msg, headers)
         envelope = make_envelope(
             msg_id,
             msg.subject[len(transport.prefix) + 1 :] or msg.subject,
@@ -228,17 +228,21 @@ def _plain(
     CloudEvent, or a plain message whose data is the payload; its id ``Nats-Msg-Id``
     (else ``nats-{stream sequence}``), its timestamp the stream's, its headers those that
     are not the server's (``Nats-*``)."""
-    metadata = msg.metadata
-    stamp = getattr(metadata, "timestamp", None)
-    msg_id = headers.get("Nats-Msg-Id") or f"nats-{metadata.sequence.stream}"
+    stamp = getattr(msg.metadata, "timestamp", None)
     return foreign_envelope(
         msg.data,
         codec,
         headers=headers,
         content_type=headers.get("Content-Type") or headers.get("content-type"),
         skip=("nats-", "asyncbus-", "content-type"),
-        envelope_id=msg_id,
+        envelope_id=_message_id(msg, headers),
         topic=msg.subject[len(prefix) + 1 :] or msg.subject,
         attempt=attempt,
         timestamp=stamp.timestamp() if stamp is not None else None,
     )
+
+
+def _message_id(msg: Msg, headers: dict[str, str]) -> str:
+    """The id of a message without the bus's meta: ``Nats-Msg-Id``, else
+    ``nats-{stream sequence}`` (the same on every delivery of it)."""
+    return headers.get("Nats-Msg-Id") or f"nats-{msg.metadata.sequence.stream}"

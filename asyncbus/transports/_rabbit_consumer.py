@@ -31,7 +31,7 @@ from ._kit import Backoff
 from ._kit.options import checked_prefetch
 from ._kit.redeliveries import HEADER_DELIVERIES, carried_deliveries, over_max_deliveries
 from ._rabbit_channel import ConsumerChannel, retrieve, spurious_cancel
-from ._rabbit_plain import plain_message
+from ._rabbit_plain import message_id_of, plain_message
 from .base import BaseDelivery, Delivery
 
 if TYPE_CHECKING:
@@ -484,12 +484,9 @@ class Subscription:
         """A delivery for a message with nothing to rebuild: it carries the raw body and
         ``error``, so it is dead-lettered instead of blocking the queue."""
         properties = getattr(message.header, "properties", None)
-        message_id = getattr(properties, "message_id", None)
         body = bytes(message.body) if isinstance(message.body, bytes | bytearray) else b""
         envelope = Envelope(
-            id=message_id
-            if isinstance(message_id, str) and message_id
-            else f"rabbit:{secrets.token_hex(8)}",
+            id=message_id_of(properties),
             topic=self._topic_of(message),
             payload=RawBody(body),
             attempt=1 + count,

@@ -12,7 +12,7 @@ from .._envelope import Envelope
 from ._codec import Codec
 from ._kit.plain import foreign_envelope
 
-__all__ = ["plain_message"]
+__all__ = ["message_id_of", "plain_message"]
 
 
 def plain_message(
@@ -26,7 +26,6 @@ def plain_message(
     redelivery), ``timestamp``, ``correlation_id`` and ``reply_to`` are the envelope's,
     and so are its text headers but the broker's (``x-*``).
     """
-    message_id = properties.message_id
     stamp = properties.timestamp
     if isinstance(stamp, datetime.datetime):
         when: float | None = stamp.timestamp()
@@ -41,12 +40,21 @@ def plain_message(
         headers=headers,
         content_type=content_type if isinstance(content_type, str) else None,
         skip=("x-", "asyncbus-"),
-        envelope_id=message_id
-        if isinstance(message_id, str) and message_id
-        else f"rabbit:{secrets.token_hex(8)}",
+        envelope_id=message_id_of(properties),
         topic=topic,
         attempt=attempt,
         timestamp=when,
         correlation_id=correlation if isinstance(correlation, str) else None,
         reply_to=reply_to if isinstance(reply_to, str) else None,
+    )
+
+
+def message_id_of(properties: Any) -> str:
+    """A message's ``message_id``, else one made up (``rabbit:{random}``: not the same on
+    a redelivery, which has nothing else to go by)."""
+    message_id = getattr(properties, "message_id", None)
+    return (
+        message_id
+        if isinstance(message_id, str) and message_id
+        else f"rabbit:{secrets.token_hex(8)}"
     )

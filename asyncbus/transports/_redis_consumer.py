@@ -534,35 +534,41 @@ def plain_entry(
         named = given.decode() if given else None
     except UnicodeDecodeError:
         named = None
-    common: dict[str, Any] = {
-        "envelope_id": named or f"redis:{entry_id}",
-        "topic": pattern,
-        "attempt": count,
-        "timestamp": timestamp,
-    }
+    envelope_id = named or f"redis:{entry_id}"
+    body = fields.get(b"body")
+    if body is None and len(fields) == 1:
+        body = next(iter(fields.values()))
     content_type = fields.get(b"content-type")
-    if event_attributes(fields) is not None or content_type is not None:
-        # A CloudEvent (binary: ce-* fields and its data in ``body``; structured: a
-        # ``content-type`` field), or a plain entry that says what its body is.
-        body = fields.get(b"body", b"")
-        found = foreign_envelope(
+    if body is None and content_type is None and event_attributes(fields) is None:
+        # Several fields, no ``body``, not a CloudEvent: the payload is a dict of them.
+        try:
+            payload = {name.decode(): value.decode() for name, value in fields.items()}
+            body = encode_payload(codec, payload)
+        except (UnicodeDecodeError, EncodeError) as error:
+            raise DecodeError(f"an entry without meta whose fields are not text: {error}") from None
+        found = plain_envelope(
             body,
             codec,
-            headers=fields,
-            content_type=content_type.decode("utf-8", "replace") if content_type else None,
-            skip=("body", "content-type", "id"),
-            envelope_id=common["envelope_id"],
+            envelope_id=envelope_id,
             topic=pattern,
             attempt=count,
             timestamp=timestamp,
+            payload=payload,
+            decoded=True,
         )
         return (*found, body)
-    if b"body" in fields or len(fields) == 1:
-        body = fields.get(b"body", next(iter(fields.values())))  # (an id field aside)
-        return (*plain_envelope(body, codec, **common), body)
-    try:
-        payload = {name.decode(): value.decode() for name, value in fields.items()}
-        body = encode_payload(codec, payload)
-    except (UnicodeDecodeError, EncodeError) as error:
-        raise DecodeError(f"an entry without meta whose fields are not text: {error}") from None
-    return (*plain_envelope(body, codec, payload=payload, decoded=True, **common), body)
+    # A plain body, or a CloudEvent (binary: ce-* fields and its data in ``body``;
+    # structured: a ``content-type`` field saying so).
+    body = body or b""
+    found = foreign_envelope(
+        body,
+        codec,
+        headers=fields,
+        content_type=content_type.decode("utf-8", "replace") if content_type else None,
+        skip=("body", "content-type", "id"),
+        envelope_id=envelope_id,
+        topic=pattern,
+        attempt=count,
+        timestamp=timestamp,
+    )
+    return (*found, body)

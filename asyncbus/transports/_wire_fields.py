@@ -21,6 +21,7 @@ from .._routing import compile_pattern, validate_topic
 
 __all__ = [
     "MAX_ATTEMPT",
+    "encodable",
     "envelope_from_fields",
     "group_from_wire",
     "optional_text",
@@ -34,7 +35,7 @@ MAX_ATTEMPT = 2**53
 
 def text(value: Any, field: str) -> str:
     """``value`` if it is a string UTF-8 can encode (no lone surrogates), else DecodeError."""
-    if type(value) is str and (value.isascii() or _encodable(value)):
+    if type(value) is str and encodable(value):
         return value
     raise DecodeError(f"envelope field {field!r} is not a string: {_show(value)}")
 
@@ -74,7 +75,10 @@ def _nonempty(value: Any, field: str) -> str:
     return found
 
 
-def _encodable(value: str) -> bool:
+def encodable(value: str) -> bool:
+    """Whether UTF-8 can encode ``value`` (no lone surrogates)."""
+    if value.isascii():
+        return True
     try:
         value.encode()
     except UnicodeEncodeError:

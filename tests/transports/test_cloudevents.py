@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncbus import HEADER_WIRE, Bus, DeadLetterReason, Envelope, Retry
+from asyncbus import HEADER_WIRE, Bus, DeadLetterReason, Envelope, Receipt, Retry
 from asyncbus.middleware import deduplicate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -343,32 +343,45 @@ def _as_sdk_event(kind: str, message: Any, structured: bool) -> Any:
     return http.from_http(http.HTTPMessage(headers=headers, body=body), fmt)
 
 
-@pytest.mark.parametrize("kind", BROKERS, indirect=True)
-@pytest.mark.parametrize("wire", ["cloudevents", "cloudevents-structured"])
-async def test_what_the_bus_publishes_as_a_cloudevent_the_sdk_reads_as_that_event(
-    kind: str, url: str, unique_prefix: str, wire: str
-) -> None:
-    bus = Bus(transport=_make(kind, url, unique_prefix), name="billing")
+async def _published_and_read(
+    kind: str, url: str, prefix: str, payload: Any, headers: dict[str, str]
+) -> tuple[Receipt, Any, Envelope]:
+    """One publish of ``payload`` with ``headers`` by a bus named ``billing``: its
+    receipt, what the broker's plain client received of it, and the envelope the bus's
+    own subscription handled."""
+    bus = Bus(transport=_make(kind, url, prefix), name="billing")
     handled: list[Envelope] = []
+    arrived = anyio.Event()
 
     @bus.subscribe(PATTERN, group=GROUP)
     async def billing(envelope: Envelope) -> None:
         handled.append(envelope)
+        arrived.set()
 
-    headers = {HEADER_WIRE: wire, "ce-type": "com.example.invoice.sent", "ce-subject": "inv-7"}
-    receipts = []
+    receipts: list[Receipt] = []
     with anyio.fail_after(30):
         async with bus:
             await bus.subscribed()
 
             async def publish() -> None:
-                receipts.append(await bus.publish(TOPIC, {"invoice": 7}, headers=headers))
+                receipts.append(await bus.publish(TOPIC, payload, headers=headers))
 
-            message = await READERS[kind](url, unique_prefix, publish)
-            while not handled:
-                await anyio.sleep(0.02)
+            message = await READERS[kind](url, prefix, publish)
+            await arrived.wait()
             await bus.drain()
-    [receipt] = receipts
+    [receipt], [again] = receipts, handled
+    return receipt, message, again
+
+
+@pytest.mark.parametrize("kind", BROKERS, indirect=True)
+@pytest.mark.parametrize("wire", ["cloudevents", "cloudevents-structured"])
+async def test_what_the_bus_publishes_as_a_cloudevent_the_sdk_reads_as_that_event(
+    kind: str, url: str, unique_prefix: str, wire: str
+) -> None:
+    headers = {HEADER_WIRE: wire, "ce-type": "com.example.invoice.sent", "ce-subject": "inv-7"}
+    receipt, message, again = await _published_and_read(
+        kind, url, unique_prefix, {"invoice": 7}, headers
+    )
     event = _as_sdk_event(kind, message, structured=wire == "cloudevents-structured")
     assert (event.get_id(), event.get_type(), event.get_source(), event.get_subject()) == (
         receipt.id,
@@ -379,7 +392,7 @@ async def test_what_the_bus_publishes_as_a_cloudevent_the_sdk_reads_as_that_even
     assert event.get_specversion() == "1.0"
     assert event.get_data() == {"invoice": 7}
     assert event.get_datacontenttype() == "application/json"
-    [again] = handled  # and the bus reads it back as the same event
+    # The bus reads it back as the same event.
     assert (again.id, again.payload, again.headers["ce-type"]) == (
         receipt.id,
         {"invoice": 7},
@@ -393,27 +406,10 @@ async def test_what_the_bus_publishes_as_a_cloudevent_the_sdk_reads_as_that_even
 async def test_what_the_bus_publishes_plain_a_plain_client_reads_as_the_json_alone(
     kind: str, url: str, unique_prefix: str
 ) -> None:
-    bus = Bus(transport=_make(kind, url, unique_prefix))
-    handled: list[Envelope] = []
-
-    @bus.subscribe(PATTERN, group=GROUP)
-    async def billing(envelope: Envelope) -> None:
-        handled.append(envelope)
-
     headers = {HEADER_WIRE: "plain", "trace": "t-1"}
-    receipts = []
-    with anyio.fail_after(30):
-        async with bus:
-            await bus.subscribed()
-
-            async def publish() -> None:
-                receipts.append(await bus.publish(TOPIC, {"invoice": 8}, headers=headers))
-
-            message = await READERS[kind](url, unique_prefix, publish)
-            while not handled:
-                await anyio.sleep(0.02)
-            await bus.drain()
-    [receipt] = receipts
+    receipt, message, again = await _published_and_read(
+        kind, url, unique_prefix, {"invoice": 8}, headers
+    )
     if kind == "nats":
         assert json.loads(message.data) == {"invoice": 8}
         assert message.headers == {
@@ -428,7 +424,7 @@ async def test_what_the_bus_publishes_plain_a_plain_client_reads_as_the_json_alo
         assert message.timestamp is not None
     else:
         assert message == {"id": receipt.id.encode(), "body": b'{"invoice":8}'}
-    [again] = handled  # the bus reads it back as a plain message with the same id
+    # The bus reads it back as a plain message with the same id.
     assert (again.id, again.payload) == (receipt.id, {"invoice": 8})
 
 

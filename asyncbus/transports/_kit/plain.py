@@ -26,6 +26,7 @@ from typing import Any
 from ..._envelope import EMPTY_HEADERS, Envelope, make_envelope
 from ..._exceptions import DecodeError
 from .._codec import Codec, decode_body
+from .._wire_fields import encodable
 from .cloudevents import BATCH, STRUCTURED, event_attributes, event_envelope, structured_event
 
 __all__ = ["foreign_envelope", "plain_envelope", "plain_headers"]
@@ -86,20 +87,10 @@ def plain_headers(items: Iterable[tuple[Any, Any]], *, skip: tuple[str, ...]) ->
         if type(name) is str
         and type(value) is str
         and not name.lower().startswith(skip)
-        and _encodable(name)
-        and _encodable(value)
+        and encodable(name)
+        and encodable(value)
     }
     return MappingProxyType(kept) if kept else EMPTY_HEADERS
-
-
-def _encodable(value: str) -> bool:
-    if value.isascii():
-        return True
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def foreign_envelope(
