@@ -24,6 +24,7 @@ __all__ = [
     "check_nodes",
     "open_client",
     "packing_by_hiredis",
+    "socket_timeouts",
 ]
 
 #: The URL schemes redis-py takes, and what a URL looks like (for errors).
@@ -129,6 +130,15 @@ def _cluster_client(nodes: list[str], retry: Any, timeouts: dict[str, float]) ->
     )
 
 
+def socket_timeouts(publish_timeout: float, block_ms: int) -> dict[str, float]:
+    """redis-py's socket timeouts of the transport's clients."""
+    return {
+        "socket_connect_timeout": min(5.0, publish_timeout),
+        # Every call is bounded; a blocking read waits block_ms, well within it.
+        "socket_timeout": max(publish_timeout, block_ms / 1000 + 1.0),
+    }
+
+
 async def open_client(
     nodes: list[str], *, cluster: bool, publish_timeout: float, block_ms: int, shown: str
 ) -> tuple[Any, CaughtErrors]:
@@ -153,11 +163,7 @@ async def open_client(
     retry = Retry(
         ExponentialBackoff(cap=0.5, base=0.05), 3, supported_errors=(errors.ConnectionError,)
     )
-    timeouts = {
-        "socket_connect_timeout": min(5.0, publish_timeout),
-        # Every call is bounded; a blocking read waits block_ms, well within it.
-        "socket_timeout": max(publish_timeout, block_ms / 1000 + 1.0),
-    }
+    timeouts = socket_timeouts(publish_timeout, block_ms)
     client: Any
     if cluster:
         client = _cluster_client(nodes, retry, timeouts)

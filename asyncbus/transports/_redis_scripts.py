@@ -8,6 +8,7 @@ consumers, moving due retries back.
 from __future__ import annotations
 
 __all__ = [
+    "ADD",
     "CLAIM",
     "CLEAR_DEAD",
     "COUNT_DELAYED",
@@ -101,6 +102,15 @@ while i <= #ARGV do
   i = i + envelopes * 2
 end
 return {1, version or ''}
+"""
+
+#: XADD entries to one stream, in order. KEYS[1] the stream; ARGV meta, body, meta,
+#: body... Returns how many were added.
+ADD = """
+for at = 1, #ARGV, 2 do
+  redis.call('XADD', KEYS[1], '*', 'meta', ARGV[at], 'body', ARGV[at + 1])
+end
+return #ARGV / 2
 """
 
 #: XAUTOCLAIM entries idle for ARGV[3] ms and report each one's delivery count.

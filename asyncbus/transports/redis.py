@@ -107,7 +107,14 @@ from ._kit.options import (
 from ._kit.redeliveries import DEFAULT_MAX_DELIVERIES, checked_max_deliveries
 from ._kit.routes import INBOX_TTL, is_inbox
 from ._redis_bindings import RedisBindings
-from ._redis_connection import CLOSE_TIMEOUT, SCHEMES, URL_FORM, check_nodes, open_client
+from ._redis_connection import (
+    CLOSE_TIMEOUT,
+    SCHEMES,
+    URL_FORM,
+    check_nodes,
+    open_client,
+    socket_timeouts,
+)
 from ._redis_consumer import RELEASE_TIMEOUT, RedisConsumer
 from ._redis_dead_letters import RedisDeadLetters
 from ._redis_dedup import RedisDedupStore
@@ -115,6 +122,7 @@ from ._redis_delayed import DelayedRetries
 from ._redis_groups import RedisGroups
 from ._redis_heartbeats import RedisHeartbeats
 from ._redis_leases import RedisLeaseStore
+from ._redis_master import PrefixMaster
 from ._redis_publish import RedisPublisher
 from ._redis_rates import RedisRateStore
 from .base import Capabilities, DeadLetterChange, Delivery, Transport
@@ -177,12 +185,16 @@ class RedisTransport(Transport):
         it too (Redis ``WAIT``, on the connection that wrote it), and raises
         :class:`TransportError` when fewer had it within ``publish_timeout``: a
         confirmed publish then survives the master's loss. ``0`` (the default): once
-        the server has it (its replicas follow asynchronously).
+        the server has it (its replicas follow asynchronously). On a cluster the write
+        and its ``WAIT`` go to the master of the prefix's slot directly; a master that
+        is gone or moved is looked up again and the write tried again within
+        ``publish_timeout`` (after a failover the new master has its replicas only
+        once the old one came back as one).
     :raises ConfigurationError: for a URL without a scheme, with another broker's or
         the web's (not ``redis``, ``rediss``, ``unix``) or with a bad port, several
         URLs without ``cluster=True``, a cluster node given by a socket path or a
         database other than 0, a prefix with braces on a cluster, ``wait_replicas``
-        with ``cluster=True`` or out of range, or a
+        out of range, or a
         timeout, interval, size or cap that is not a positive number in range (NaN,
         infinities, bools, huge values included).
     :raises ImportError: (also a ``ConnectError`` and a ``ConfigurationError``) when
@@ -230,11 +242,6 @@ class RedisTransport(Transport):
         wait_replicas = check_count(
             wait_replicas, "RedisTransport: wait_replicas", 0, _WAIT_REPLICAS_MAX
         )
-        if wait_replicas and cluster:
-            raise ConfigurationError(
-                "RedisTransport: wait_replicas is not available with cluster=True yet "
-                "(a cluster's client cannot keep a write and its WAIT on one connection)"
-            )
         ack_timeout = checked_seconds(ack_timeout, "RedisTransport: ack_timeout")
         publish_timeout = checked_seconds(publish_timeout, "RedisTransport: publish_timeout")
         # A blocking read is one call: it must fit well within a socket timeout.
@@ -282,6 +289,11 @@ class RedisTransport(Transport):
         #: The bindings made and routed by (see the module docstring: routing).
         self._bindings = RedisBindings(self)
         self._publisher = RedisPublisher(self)
+        #: The master of the prefix's slot, reached directly (``wait_replicas`` on a
+        #: cluster).
+        self._master = PrefixMaster(
+            nodes, f"{self.key_base}:version", socket_timeouts(publish_timeout, block_ms)
+        )
         self._delayed = DelayedRetries(self)
         #: Acks written behind, by (stream, group): entry ids, in one MULTI per write.
         self._acks = AckWriter[tuple[str, str], bytes](
@@ -357,6 +369,7 @@ class RedisTransport(Transport):
                     "RedisTransport is closed: nothing more can be published"
                 )
             client, self._client = self._client, None
+            await self._master.aclose()
             if client is not None:
                 # Closing sockets is local and quick: it runs even past the close
                 # deadline (bounded), so no connection is left open.

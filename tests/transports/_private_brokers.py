@@ -162,6 +162,12 @@ class PrivateServer:
             await process.wait()
             await process.aclose()
 
+    def pause(self, paused: bool = True) -> None:
+        """Stop the server (``SIGSTOP``: its connections open, nothing answered), or
+        let it go on (``paused=False``: ``SIGCONT``)."""
+        assert self._process is not None, "the server is not running"
+        os.killpg(self._process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     async def restart(self, *, fresh: bool = False) -> None:
         """Kill the server and start it again on the same port; ``fresh``: with its
         data directory emptied first (a server that lost its state)."""
@@ -507,6 +513,26 @@ class RedisClusterNodes:
                 if int(first) <= slot <= int(last or first):
                     return int(fields[1].split("@")[0].rsplit(":", 1)[1])
         raise RuntimeError(f"no master serves slot {slot}")
+
+    def replicas_of(self, master: int) -> list[int]:
+        """The ports of the live replicas of the master on port ``master``."""
+        alive = set(self._alive())
+        nodes = self._nodes()
+        ids = [fields[0] for fields in nodes if f":{master}@" in fields[1]]
+        found = []
+        for fields in nodes:
+            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            if "slave" in fields[2] and fields[3] in ids and port in alive:
+                found.append(port)
+        return found
+
+    def pause(self, port: int) -> None:
+        """Stop the node on ``port`` (``SIGSTOP``): connected, answering nothing."""
+        os.killpg(self._processes[port].pid, signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        """Let a paused node go on (``SIGCONT``)."""
+        os.killpg(self._processes[port].pid, signal.SIGCONT)
 
 
 @asynccontextmanager

@@ -20,7 +20,7 @@ from _brokers import publish_verbatim  # type: ignore[import-not-found]
 from _failover import LoadThroughAFault  # type: ignore[import-not-found]
 from _private_brokers import RedisClusterNodes  # type: ignore[import-not-found]
 
-from asyncbus import Bus, ConfigurationError, Retry
+from asyncbus import Bus, ConfigurationError, Envelope, Retry, TransportError
 from asyncbus.testing.transport_suite import TransportSuite
 from asyncbus.transports import Transport
 from asyncbus.transports.redis import RedisTransport
@@ -109,6 +109,66 @@ async def test_a_bus_runs_on_the_cluster_end_to_end(
     assert sorted(seen["a"]) == list(range(20))
     assert sorted(seen["b"]) == list(range(20))
     assert failed_once == {0, 5, 10, 15}
+
+
+async def _added_on(port: int, key: str) -> int:
+    """How many entries were ever added to stream ``key`` on the node at ``port`` (a
+    replica answers reads once told ``READONLY``)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis(host="127.0.0.1", port=port, single_connection_client=True)
+    try:
+        await client.execute_command("READONLY")
+        return int((await client.xinfo_stream(key))["entries-added"])
+    finally:
+        await client.aclose()
+
+
+async def test_wait_replicas_on_a_cluster_waits_for_the_replica_of_the_slots_master(
+    cluster: RedisClusterNodes, prefix: str
+) -> None:
+    """``wait_replicas=1`` with ``cluster=True``: each publish (and a write to one group)
+    returns once the replica of the master holding the prefix has it; with that replica
+    stopped (connected, silent) each raises in time, the envelope on the master all the
+    same."""
+    transport = RedisTransport(
+        cluster.urls, prefix=prefix, cluster=True, wait_replicas=1, publish_timeout=1.0
+    )
+    bus = Bus(transport=transport)
+    handled: list[int] = []
+    stream = transport.stream_key("jobs", "workers")
+    master = await anyio.to_thread.run_sync(cluster.master_of, f"{{{prefix}}}")
+    [replica] = await anyio.to_thread.run_sync(cluster.replicas_of, master)
+
+    @bus.subscribe("jobs", group="workers", concurrency=1, capacity=64)
+    async def work(n: int) -> None:
+        handled.append(n)
+
+    with anyio.fail_after(60):
+        async with bus:
+            for n in range(3):
+                await bus.publish("jobs", n)
+                assert await _added_on(replica, stream) == n + 1  # the replica has it
+            await transport.publish_to_group("jobs", "workers", [Envelope(topic="jobs", payload=3)])
+            assert await _added_on(replica, stream) == 4
+            cluster.pause(replica)
+            try:
+                for publish in (
+                    lambda: bus.publish("jobs", 4),
+                    lambda: transport.publish_to_group(
+                        "jobs", "workers", [Envelope(topic="jobs", payload=5)]
+                    ),
+                ):
+                    began = anyio.current_time()
+                    with pytest.raises(TransportError, match="on 0 of the 1 replicas"):
+                        await publish()
+                    took = anyio.current_time() - began
+                    assert took <= 1.0 + 0.5, f"the publish took {took:.2f} s to fail"
+            finally:
+                cluster.resume(replica)
+            await bus.drain(10)
+        await anyio.to_thread.run_sync(cluster.wait_settled)
+    assert sorted(handled) == [0, 1, 2, 3, 4, 5]  # on the master all the same
 
 
 def test_several_urls_without_cluster_and_braces_in_a_cluster_prefix_are_refused() -> None:
