@@ -21,7 +21,7 @@ import anyio
 from ._dead_letters import DeadLetter, DeadLetterReason
 from ._envelope import Envelope
 from ._exceptions import BusClosedError, ConfigurationError
-from ._failures import describe_error
+from ._failures import describe_error, stray_cancellation
 from ._stage import Stage, StageHost
 from .transports.base import BaseDelivery, Delivery, SubscriptionControl
 
@@ -145,7 +145,14 @@ async def pump(
         except ConfigurationError as error:
             host.refused(stage, error)  # never again: the stage is withdrawn, or the start fails
             return
-        except Exception as error:  # deliberate: nothing the broker does ends the bus
+        except BaseException as error:  # deliberate: nothing the broker does ends the bus
+            # A cancellation nobody asked of this task (a client library cancelling what
+            # it awaited, a connection it gave up on) fails the subscription like any
+            # error: left to end the task, it would stop the bus's whole task group.
+            if not isinstance(error, Exception) and not (
+                isinstance(error, anyio.get_cancelled_exc_class()) and stray_cancellation()
+            ):
+                raise
             if anyio.current_time() - began > PUMP_BACKOFF_MAX:
                 backoff = PUMP_BACKOFF_MIN  # it worked for a while: a new failure
             pause = backoff * random.uniform(0.5, 1.0)

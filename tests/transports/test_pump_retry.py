@@ -10,7 +10,7 @@ subscribes on a running bus.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ class FlakyTransport(Transport):
     def __init__(self, failures: Sequence[str]) -> None:
         super().__init__()
         self.failures = list(failures)
+        #: Raises a cancellation the calling task was not asked for (a "cancelled" failure).
+        self.cancelled_elsewhere: Callable[[], Awaitable[None]] | None = None
         self.attempts = 0
         self.acked: list[Any] = []
         #: Published and not acked: the broker's backlog.
@@ -89,6 +91,8 @@ class FlakyTransport(Transport):
         async def deliveries() -> AsyncIterator[_Delivery]:
             if failure == "iterate":
                 raise TransportError("connection lost (iterating)")
+            if failure == "cancelled":  # a client library cancelled what it awaited
+                await self.cancelled_elsewhere()
             async for envelope in self._receive:
                 yield _Delivery(envelope, self)
 
@@ -118,6 +122,33 @@ async def test_a_subscription_that_fails_is_made_again_and_the_bus_consumes(
     assert "the broker is down (subscribe)" in warned[0]
     assert "connection refused (entering)" in warned[1]
     assert "connection lost (iterating)" in warned[2]
+
+
+async def test_a_cancellation_the_broker_client_raised_is_a_failed_subscription(
+    cancelled_elsewhere: Callable[[], Awaitable[None]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client library that cancels what it awaits (a connection it gave up on) raises
+    a cancellation in the pump that nobody asked of it: the subscription failed and is
+    made again; the bus does not stop."""
+    transport = FlakyTransport(["cancelled", "cancelled"])
+    transport.cancelled_elsewhere = cancelled_elsewhere
+    bus = Bus(transport)
+    handled: list[int] = []
+
+    @bus.subscribe("jobs", group="g")
+    async def handle(n: int) -> None:
+        handled.append(n)
+
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        async with bus:
+            for n in range(3):
+                await bus.publish("jobs", n)
+            await bus.drain()
+            assert bus.running
+    assert handled == [0, 1, 2]
+    assert transport.attempts == 3
+    warned = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(warned) == 2
 
 
 async def test_a_subscription_failing_on_a_running_bus_leaves_the_bus_up() -> None:
