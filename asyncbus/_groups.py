@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ._exceptions import ConfigurationError, TransportError
+from ._partitions import split_partition_group
 
 if TYPE_CHECKING:
     from ._stats import StageStatistics
@@ -170,7 +171,8 @@ async def delete_group(
     """Delete (pattern, group) and its backlog from the broker behind ``admin``.
 
     :param force: delete it even while consumers of other processes read it (they
-        bind it again when they next read: stop them first).
+        bind it again when they next read: stop them first). The groups of its
+        partitions (``partitions=N``) are deleted with it.
     :param mine: whether this process subscribes to it (then it is refused).
     :returns: whether the group existed.
     :raises ConfigurationError: when this process subscribes to it, or (unless
@@ -178,15 +180,34 @@ async def delete_group(
     """
     if mine:
         raise subscribed_here(pattern, group)
+    # A partitioned group is one broker group per partition (``group#index/count``):
+    # they go with it.
+    listed = await admin.groups()
+    partitions = [
+        info.group
+        for info in listed
+        if info.pattern == pattern and _partition_of(info.group) == group
+    ]
     if not force:
-        for info in await admin.groups():
-            if (info.pattern, info.group) == (pattern, group) and info.consumers:
+        for info in listed:
+            if info.pattern != pattern or info.group not in (group, *partitions):
+                continue
+            if info.consumers:
                 raise ConfigurationError(
                     f"group {group!r} on {pattern!r} has {info.consumers} consumer(s) "
                     "reading it: stop them first (a live consumer binds its group again), "
                     "or pass force=True"
                 )
-    return await admin.delete_group(pattern, group)
+    existed = await admin.delete_group(pattern, group)
+    for partition in partitions:
+        existed = await admin.delete_group(pattern, partition) or existed
+    return existed
+
+
+def _partition_of(name: str) -> str | None:
+    """The group whose partition the broker's group ``name`` is, ``None`` for another."""
+    split = split_partition_group(name)
+    return None if split is None else split[0]
 
 
 def subscribed_here(pattern: str, group: str) -> ConfigurationError:

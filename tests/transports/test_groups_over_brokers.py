@@ -168,3 +168,29 @@ async def test_a_publish_reaching_a_group_without_consumers_is_warned_of_once_pe
             # Within the interval, the group is not warned of again.
             await publisher.publish("orders.created", published)
             assert len(warnings()) == 1
+
+
+async def test_a_partitioned_group_is_deleted_with_the_groups_of_its_partitions(
+    kind: str, url: str, unique_prefix: str
+) -> None:
+    """A group subscribed with ``partitions=N`` is a broker group per partition: deleting
+    the group deletes them all, so later publishes reach none of them."""
+    old = Bus(transport=make_transport(kind, url, unique_prefix))
+
+    @old.subscribe("orders", group="g", ordering="key", partitions=4)
+    async def handle(n: int) -> None:
+        raise AssertionError("the partitioned group's process is gone")
+
+    console = Bus(transport=make_transport(kind, url, unique_prefix))
+    with anyio.fail_after(60):
+        async with old:
+            await old.subscribed()
+        async with console:
+            receipt = await console.publish("orders", 1, key="k")
+            assert receipt.accepted == ("orders@g",)
+            assert {info.pattern for info in await console.groups()} == {"orders"}
+            assert await console.delete_group("orders", "g") is True
+            assert await console.delete_group("orders", "g") is False
+            assert await console.groups() == []
+            receipt = await console.publish("orders", 2, key="k")
+            assert receipt.accepted == ()
