@@ -2,19 +2,20 @@
 
 ``python benchmarks/scale.py [--brokers redis,nats,rabbit] [--messages 20000]
 [--processes 1,2,4] [--concurrency 32] [--work 0] [--redis URL] [--nats URL]
-[--rabbit URL] [--redis-cluster URLS] [--nats-cluster URLS] [--json PATH] [--check]``
+[--rabbit URL] [--redis-cluster URLS] [--nats-cluster URLS] [--rabbit-cluster URLS]
+[--json PATH] [--check]``
 (also ``python -m asyncbus bench scale ...``)
 
 For each broker (and each cluster given: ``--redis-cluster`` with ``cluster=True``,
-``--nats-cluster`` with ``replicas=3``), a backlog of ``messages`` envelopes is stored
-in one group first; then ``N`` worker processes, each a :class:`~asyncbus.Bus` with one
-subscription to that group (``concurrency`` handlers, each spinning ``--work`` seconds of
-CPU, or only yielding), are started, and once every one is subscribed (each holding its
-prefetch) told to go together; they are timed from the first envelope handled to the
-last (their wall clocks: one machine). It prints, per broker and ``N``, envelopes
-per second, the ratio to one process, and the CPU the workers spent per envelope (user
-plus system time of every worker, in microseconds): the bus side's cost, which is what
-more machines divide.
+``--nats-cluster`` and ``--rabbit-cluster`` with ``replicas=3``), a backlog of
+``messages`` envelopes is stored in one group first; then ``N`` worker processes, each a
+:class:`~asyncbus.Bus` with one subscription to that group (``concurrency`` handlers,
+each spinning ``--work`` seconds of CPU, or only yielding), are started, and once every
+one is subscribed (each holding its prefetch) told to go together; they are timed from
+the first envelope handled to the last (their wall clocks: one machine). It prints, per
+broker and ``N``, envelopes per second, the ratio to one process, and the CPU the
+workers spent per envelope (user plus system time of every worker, in microseconds): the
+bus side's cost, which is what more machines divide.
 
 The ratio is bounded by the machine: with two cores, two processes can at best double
 the rate of one only when one process does not already use both cores (the broker
@@ -67,7 +68,7 @@ def make_transport(kind: str, url: str, prefix: str, cluster: bool) -> Any:
         return NatsTransport(urls, prefix=prefix, replicas=3 if cluster else 1)
     from asyncbus.transports.rabbit import RabbitTransport
 
-    return RabbitTransport(urls, prefix=prefix)
+    return RabbitTransport(urls, prefix=prefix, replicas=3 if cluster else None)
 
 
 # -- a worker process -------------------------------------------------------------
@@ -259,6 +260,8 @@ def deployments(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
         chosen.append(("redis", args.redis_cluster, True))
     if args.nats_cluster:
         chosen.append(("nats", args.nats_cluster, True))
+    if args.rabbit_cluster:
+        chosen.append(("rabbit", args.rabbit_cluster, True))
     return chosen
 
 
@@ -312,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{kind}", default=None, help=f"default {DEFAULTS[kind]}")
     parser.add_argument("--redis-cluster", default=None, help="node URLs, comma-separated")
     parser.add_argument("--nats-cluster", default=None, help="node URLs, comma-separated")
+    parser.add_argument("--rabbit-cluster", default=None, help="node URLs, comma-separated")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

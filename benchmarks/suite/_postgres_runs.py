@@ -25,6 +25,8 @@ DSN = "postgresql://postgres@127.0.0.1:5432/test?sslmode=disable"
 TOPIC = "bench.items"
 GROUP = "bench"
 BATCH = 100
+#: ``Batch``'s default ``max_wait``: what the reported lingering batch side waits.
+LINGER = 0.05
 CONCURRENCY = 8
 CAPACITY = 256
 #: Publisher tasks of the batch sides, each ``publish_many`` (or insert) of ``BATCH``.
@@ -126,10 +128,16 @@ def chunked(messages: Sequence[Payload]) -> list[Sequence[Payload]]:
 
 
 async def asyncbus_run(
-    dsn: str, messages: Sequence[Payload], *, groups: int = 1, batch: bool = False
+    dsn: str,
+    messages: Sequence[Payload],
+    *,
+    groups: int = 1,
+    batch: bool = False,
+    linger: float = 0.0,
 ) -> Run:
     """One Bus over a fresh schema: ``groups`` subscriptions on the topic, single
-    publishes from 100 tasks (or ``publish_many`` of 100 from 4, into batch handlers)."""
+    publishes from 100 tasks (or ``publish_many`` of 100 from 4, into batch handlers
+    that wait up to ``linger`` seconds for a batch to fill: ``Batch.max_wait``)."""
     schema = new_schema("ab")
     transport = PostgresTransport(dsn, schema=schema)
     bus = Bus(transport=transport)
@@ -150,7 +158,7 @@ async def asyncbus_run(
                 group=name,
                 concurrency=CONCURRENCY,
                 capacity=CAPACITY,
-                batch=Batch(max_size=BATCH),
+                batch=Batch(max_size=BATCH, max_wait=linger),
             )
         else:
             bus.subscribe(TOPIC, handle, group=name, concurrency=CONCURRENCY, capacity=CAPACITY)
