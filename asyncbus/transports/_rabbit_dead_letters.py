@@ -6,7 +6,9 @@ takes a broker-wide lock (an exclusive queue: another connection's declaration i
 refused while it exists, and it goes when its connection does), consumes the whole
 queue on a fresh channel without acking, acks the entries to drop and closes the
 channel: the broker puts every other entry back in its place, in order (classic
-queues keep the position of what is returned to them). A reader that dies half-way
+queues keep the position of what is returned to them; a quorum queue puts what a closed
+channel held back ahead of the rest, in order, counting it in ``x-delivery-count``,
+which no delivery limit applies to: none is declared). A reader that dies half-way
 returns everything too. A :class:`DeadLetterScan` does that to the dead-letter queue,
 dropping the entries past the TTL, beyond the maximum length, or asked for (taking
 them out: the lock makes that a claim, one process at a time).
@@ -52,7 +54,7 @@ from .base import DeadLetterChange
 
 if TYPE_CHECKING:
     from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
-    from pamqp.commands import Basic
+    from pamqp.commands import Basic, Queue
 
     from ._rabbit_link import Connections, Link
     from ._rabbit_publisher import Publisher
@@ -66,6 +68,15 @@ logger = logging.getLogger("asyncbus.transport.rabbit")
 
 #: Idle seconds after which a read asks whether it has everything.
 _IDLE = 0.05
+#: The prefetch of a reading consumer: the largest AMQP takes (16 bits).
+_SCAN_PREFETCH = 65535
+#: Entries a read drops one by one at most (beyond the run that begins it); the
+#: broker's client of a quorum queue sends 32 settlements at a time.
+_ACKS_PER_READ = 16
+#: Longest wait for the entries an earlier reader held to be back in the queue, and
+#: how often to look.
+_RETURNS_WAIT = 2.0
+_RETURNS_LOOK = 0.005
 
 
 class QueueScan:
@@ -91,23 +102,22 @@ class QueueScan:
         self.lock = lock
         self.lock_timeout = lock_timeout
         self.consumer_tag = consumer_tag
+        #: Whether the read under way left entries to drop for another read.
+        self.again = False
 
     async def scan(
         self, sift: Callable[[AbstractChannel, list[DeliveredMessage]], Awaitable[T]]
     ) -> T:
-        """Read every entry, hand them to ``sift`` (which acks those to drop), put the
-        rest back; return what ``sift`` returned."""
+        """Read every entry, hand them to ``sift`` (which drops entries with
+        :meth:`settle`), put the rest back; read again while entries to drop were left
+        for another read; return what ``sift`` returned the last time."""
         lock = await self._lock()
         try:
-            reader = await self.connection.channel(publisher_confirms=False)
-            try:
-                messages = await self._read(reader)
-                return await sift(reader, messages)
-            finally:
-                # Closing returns every entry not acked, each to its place.
-                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
-                    if not reader.is_closed:
-                        await reader.close()
+            while True:
+                self.again = False
+                result = await self._read_once(sift)
+                if not self.again:
+                    return result
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
                 try:
@@ -116,6 +126,53 @@ class QueueScan:
                         await lock.close()
                 except Exception as error:  # the lock goes with the connection anyway
                     logger.debug("RabbitMQ: releasing the lock %s failed: %s", self.lock, error)
+
+    async def _read_once(
+        self, sift: Callable[[AbstractChannel, list[DeliveredMessage]], Awaitable[T]]
+    ) -> T:
+        """One read on a fresh channel, closed after ``sift``."""
+        reader = await self.connection.channel(publisher_confirms=False)
+        try:
+            return await sift(reader, await self._read(reader))
+        finally:
+            # Closing returns every entry not acked, each to its place.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT):
+                if not reader.is_closed:
+                    await reader.close()
+
+    async def settle(
+        self,
+        reader: AbstractChannel,
+        received: list[DeliveredMessage],
+        going: list[DeliveredMessage],
+    ) -> set[int]:
+        """Ack (drop) ``going``, of the entries ``received`` in this read; return the
+        delivery tags acked.
+
+        A quorum queue's client in the broker's channel sends a few dozen settlements at
+        a time and holds the rest back until the first are applied: those still held
+        when the channel closes are lost, and their entries go back. So the run of
+        entries to drop that begins the read is acked at once (one ``multiple`` ack is
+        one settlement), and at most :data:`_ACKS_PER_READ` others one by one; what is
+        left is dropped by another read (:meth:`scan` reads again).
+        """
+        tags = {message.delivery_tag or 0 for message in going}
+        run = 0
+        while run < len(received) and (received[run].delivery_tag or 0) in tags:
+            run += 1
+        acked = {message.delivery_tag or 0 for message in received[:run]}
+        if run:
+            await reader.basic_ack(received[run - 1].delivery_tag or 0, multiple=True)
+        rest = sorted(
+            (message for message in going if (message.delivery_tag or 0) not in acked),
+            key=lambda message: message.delivery_tag or 0,
+        )
+        for message in rest[:_ACKS_PER_READ]:
+            await reader.basic_ack(message.delivery_tag or 0)
+            acked.add(message.delivery_tag or 0)
+        if len(rest) > _ACKS_PER_READ:
+            self.again = True
+        return acked
 
     async def _lock(self) -> AbstractChannel:
         """Hold the exclusive lock queue (another connection's declaration is refused)."""
@@ -142,12 +199,28 @@ class QueueScan:
                 )
             await backoff.sleep()
 
+    async def _returned(self, reader: AbstractChannel) -> Queue.DeclareOk:
+        """The queue's counts once what an earlier reader held is back in it.
+
+        Only readers consume the queue, one at a time: a consumer still counted is one
+        whose channel closed and whose entries a quorum queue has not taken back yet
+        (it does so a moment later; a classic queue at once). Counted now, those would
+        be missed, and kept by a read meant to drop them. Waited for up to
+        :data:`_RETURNS_WAIT` seconds (a client of another kind may consume it).
+        """
+        deadline = anyio.current_time() + _RETURNS_WAIT
+        while True:
+            declared = await reader.queue_declare(self.queue, passive=True)
+            if not declared.consumer_count or anyio.current_time() >= deadline:
+                return declared
+            await anyio.sleep(_RETURNS_LOOK)
+
     async def _read(self, reader: AbstractChannel) -> list[DeliveredMessage]:
         """Consume the whole dead-letter queue, unacked, on ``reader``."""
         import aiormq.exceptions
 
         try:
-            declared = await reader.queue_declare(self.queue, passive=True)
+            declared = await self._returned(reader)
         except aiormq.exceptions.ChannelNotFoundEntity:
             return []
         expected = int(declared.message_count or 0)
@@ -160,8 +233,11 @@ class QueueScan:
             received.append(message)
             arrived[0].set()
 
-        await reader.basic_qos(prefetch_count=0)
-        await reader.basic_consume(self.queue, on_message, consumer_tag=self.consumer_tag)
+        # A quorum queue gives a consumer without a prefetch 2,000 messages at most: the
+        # largest prefetch AMQP takes, and one more consumer each time one is full.
+        await reader.basic_qos(prefetch_count=_SCAN_PREFETCH)
+        tags = [self.consumer_tag]
+        await reader.basic_consume(self.queue, on_message, consumer_tag=tags[0])
         while len(received) < expected:
             arrived[0] = anyio.Event()
             with anyio.move_on_after(_IDLE):
@@ -170,11 +246,16 @@ class QueueScan:
             # Quiet (some expired meanwhile?): everything handed to us has arrived once
             # the queue shows none ready and a round trip on this channel came back.
             left = await reader.queue_declare(self.queue, passive=True)
-            await reader.basic_qos(prefetch_count=0)
+            await reader.basic_qos(prefetch_count=_SCAN_PREFETCH)
             await anyio.lowlevel.checkpoint()
             if not left.message_count:
                 break
-        await reader.basic_cancel(self.consumer_tag)
+            if len(received) >= len(tags) * _SCAN_PREFETCH:
+                tags.append(f"{self.consumer_tag}.{len(tags)}")
+                await reader.basic_consume(self.queue, on_message, consumer_tag=tags[-1])
+        # Not cancelled: the consumer goes with the channel, together with what it holds
+        # (what reaches it from now on is not read, and goes back too), so while a quorum
+        # queue still counts it, the next reader knows to wait (``_returned``).
         await anyio.lowlevel.checkpoint()
         return list(received)
 
@@ -209,12 +290,16 @@ class DeadLetterScan(QueueScan):
         """The dead letters kept, oldest first, after taking out those of ``drop``
         (envelope ids; ``None``: every one); and those taken out."""
 
-        async def sift(
+        taken: list[DeadLetter] = []  # (over every read the scan makes)
+
+        async def sift_and_take(
             reader: AbstractChannel, messages: list[DeliveredMessage]
         ) -> tuple[list[DeadLetter], list[DeadLetter]]:
-            return await self._sift(reader, messages, drop)
+            kept, now_taken = await self._sift(reader, messages, drop)
+            taken.extend(now_taken)
+            return kept, taken
 
-        return await self.scan(sift)
+        return await self.scan(sift_and_take)
 
     async def _sift(
         self,
@@ -222,12 +307,12 @@ class DeadLetterScan(QueueScan):
         messages: list[DeliveredMessage],
         drop: frozenset[str] | None,
     ) -> tuple[list[DeadLetter], list[DeadLetter]]:
-        """Ack what goes (expired, beyond maxlen, dropped); return what stays, and what
-        was dropped (taken out)."""
+        """Drop what goes (expired, beyond maxlen, dropped: :meth:`settle`); return what
+        stays, and what was dropped now (taken out)."""
         horizon = time.time() - self.ttl
         kept: list[tuple[DeliveredMessage, DeadLetter]] = []
         gone: list[DeliveredMessage] = []
-        taken: list[DeadLetter] = []
+        taken: list[tuple[DeliveredMessage, DeadLetter]] = []
         for message in messages:
             try:
                 entry = dead_letter_from_wire(message.body, self.codec)
@@ -240,16 +325,15 @@ class DeadLetterScan(QueueScan):
                 gone.append(message)
             elif drop is None or entry.envelope.id in drop:
                 gone.append(message)
-                taken.append(entry)
+                taken.append((message, entry))
             else:
                 kept.append((message, entry))
         excess = len(kept) - max(self.maxlen, 0)
         if excess > 0:
             gone += [message for message, _ in kept[:excess]]
             kept = kept[excess:]
-        for message in gone:
-            await reader.basic_ack(message.delivery_tag or 0)
-        return [entry for _, entry in kept], taken
+        acked = await self.settle(reader, messages, gone)
+        return [entry for _, entry in kept], [e for m, e in taken if m.delivery_tag in acked]
 
 
 #: The body of a change that says: read every dead letter again.

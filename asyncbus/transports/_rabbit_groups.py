@@ -133,10 +133,13 @@ class GroupRegister:
         """Stage names of the known groups ``topic`` reaches, sorted."""
         return self._routes.lookup(topic, self._groups.values())
 
-    async def declare(self, channel: AbstractChannel) -> None:
-        """The fanout exchange and the durable register queue bound to it."""
+    async def declare_exchange(self, channel: AbstractChannel) -> None:
+        """The fanout exchange groups are announced on (the register queue is declared
+        by the topology, as a quorum queue)."""
         await channel.exchange_declare(self.exchange, exchange_type="fanout", durable=True)
-        await channel.queue_declare(self.queue, durable=True)
+
+    async def bind(self, channel: AbstractChannel) -> None:
+        """Bind the register queue to the exchange."""
         await channel.queue_bind(self.queue, self.exchange, routing_key="")
 
     async def listen(self, connection: AbstractConnection) -> AbstractChannel:
@@ -173,18 +176,20 @@ class GroupRegister:
 
         async def sift(reader: AbstractChannel, messages: list[DeliveredMessage]) -> None:
             kept: dict[tuple[str, str], DeliveredMessage] = {}
+            going: list[DeliveredMessage] = []
             for message in messages:
                 parsed = _parse(message.body)
                 if parsed is not None and parsed[2]:  # a deletion: it and what it deleted go
                     gone = kept.pop(parsed[:2], None)
                     if gone is not None:
-                        await reader.basic_ack(gone.delivery_tag or 0)
+                        going.append(gone)
                         self.remove(*parsed[:2])
                 if parsed is None or parsed[2] or parsed[:2] in kept or parsed[:2] == drop:
-                    await reader.basic_ack(message.delivery_tag or 0)  # a duplicate, or junk
+                    going.append(message)  # a duplicate, or junk
                     continue
                 kept[parsed[:2]] = message
                 self.add(*parsed[:2])
+            await scan.settle(reader, messages, going)
 
         await scan.scan(sift)
 

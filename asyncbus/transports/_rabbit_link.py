@@ -83,6 +83,23 @@ class Link:
                 self.channel = await self.publisher.channel(publisher_confirms=True)
         return self.channel
 
+    async def renew_channel(self, refused: AbstractChannel) -> None:
+        """Close the publishing channel ``refused`` (the broker nacked a publish on it)
+        unless it was replaced already: the next publish opens a fresh one.
+
+        A channel keeps what it learnt of a quorum queue: one whose first publish found
+        the queue's leader gone (its node just died) is refused on that channel until
+        the channel closes, however soon a new leader is elected.
+        """
+        async with self.channel_lock:
+            if self.channel is not refused or refused.is_closed:
+                return
+            try:
+                with anyio.move_on_after(RELEASE_TIMEOUT):
+                    await refused.close()
+            except Exception as error:  # closing what is already broken
+                logger.debug("RabbitMQ: closing a refused channel failed: %r", error)
+
     async def close(self, timeout: float = RELEASE_TIMEOUT) -> None:
         """Close both connections, together and shielded, within ``timeout`` seconds.
 
@@ -145,10 +162,12 @@ class Connections:
         #: The client (aiormq), once loaded by :meth:`load`.
         self.aiormq: Any = None
         #: What the client raises when the broker refused (or an argument is wrong): not
-        #: retried; when a queue does not exist; when a ``mandatory`` publish came back.
+        #: retried; when a queue does not exist; when a ``mandatory`` publish came back;
+        #: when the broker nacked a publish (retried on a fresh channel).
         self.fatal: tuple[type[BaseException], ...] = ()
         self.not_found: type[BaseException] = LookupError
         self.returned: type[BaseException] = LookupError
+        self.nacked: type[BaseException] = LookupError
 
     def load(self) -> type[Basic.Properties]:
         """Import the client and learn its errors; return its message properties class.
@@ -174,7 +193,6 @@ class Connections:
             errors.ChannelNotFoundEntity,
             errors.ChannelLockedResource,
             errors.ChannelPreconditionFailed,
-            errors.DeliveryError,
             errors.AuthenticationError,
             errors.ProbableAuthenticationError,
             errors.IncompatibleProtocolError,
@@ -183,6 +201,10 @@ class Connections:
         )
         self.not_found = errors.ChannelNotFoundEntity
         self.returned = errors.PublishError
+        # A nack: the message is not stored (a quorum queue without a leader for a moment,
+        # or a channel that still refuses after one was elected): sent again, on a fresh
+        # channel, until publish_timeout.
+        self.nacked = errors.DeliveryError
         return Basic.Properties
 
     async def open(self) -> None:
@@ -371,6 +393,7 @@ class Connections:
         backoff = Backoff(BACKOFF_MIN, self._host.max_backoff, jitter=True)
         while True:
             link = await self.wait(deadline)
+            channel = link.channel
             try:
                 # Bounded: a broker that stops answering (a confirm that never comes)
                 # fails the call at the deadline instead of hanging it.
@@ -386,6 +409,8 @@ class Connections:
                 raise self.failed(what, error) from error
             except Exception as error:
                 problem = error
+                if isinstance(error, self.nacked):
+                    await link.renew_channel(channel)
             if self.closing:
                 raise TransportError("RabbitTransport is closed")
             if anyio.current_time() >= deadline:
@@ -438,4 +463,7 @@ class Connections:
             )
         except self.returned:
             return False  # mandatory, and no queue is bound for it
+        except self.nacked:
+            await link.renew_channel(channel)  # (the next try opens a fresh one)
+            raise
         return True

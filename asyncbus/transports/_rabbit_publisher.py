@@ -177,12 +177,13 @@ class Publisher:
         link = links.link
         if link is not None and not link.lost.is_set() and not link.channel.is_closed:
             # The common case, without the retry loop's set-up; a failure goes to it.
+            channel = link.channel
             try:
                 # The client's own timeout (it sets one anyway: cheaper than a cancel
                 # scope per publish). ``wait=False``: the channel's lock is not held
                 # until the frames reach the socket (the confirm implies they did), so
                 # concurrent publishes are written back to back.
-                await link.channel.basic_publish(
+                await channel.basic_publish(
                     body,
                     exchange=exchange,
                     routing_key=routing_key,
@@ -205,6 +206,8 @@ class Publisher:
                 raise links.failed(f"publishing to {exchange or routing_key!r}", error) from error
             except Exception as error:
                 logger.debug("RabbitMQ: publishing failed, retrying: %s", error)
+                if isinstance(error, links.nacked):
+                    await link.renew_channel(channel)
         return await links.call(
             f"publishing to {exchange or routing_key!r}",
             lambda link: links.send(link, exchange, routing_key, body, properties, mandatory),

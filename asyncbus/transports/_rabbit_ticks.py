@@ -10,7 +10,7 @@ connection holds a schedule's lock publishes its ticks; the others answer
 runner's patience runs out: when the leader goes, the next replica to ask takes the
 lock, reads which ticks were published, and publishes those left.
 
-What was published is kept in a queue of its own, ``{prefix}._asyncbus.periodic.
+What was published is kept in a quorum queue of its own, ``{prefix}._asyncbus.periodic.
 {digest}``, holding one message (``x-max-length`` 1: a newer one drops the older):
 the newest ticks published (:data:`KEPT`; a tick older than all of them counts as
 published) and whether the schedule is known. Only the leader writes it, after each
@@ -135,17 +135,20 @@ class TickLeader:
         live_link: Callable[[], Awaitable[Link]],
         current_link: Callable[[], Link | None],
         keep: Callable[[str, bytes], Awaitable[None]],
+        declare: Callable[[str], Awaitable[None]],
     ) -> None:
         """
         :param prefix: the transport's prefix (the lock and record queues go under it).
         :param live_link: the transport's live link, waited for (a reconnection).
         :param current_link: the live link now, ``None`` while there is none.
         :param keep: publish a record (queue name, body) with the broker's confirm.
+        :param declare: declare a record's queue (durable, holding one message).
         """
         self._prefix = prefix
         self._live_link = live_link
         self._current_link = current_link
         self._keep = keep
+        self._declare = declare
         self._schedules: dict[str, _Schedule] = {}
         #: Concurrent claims inside this replica (the leader fires ticks concurrently).
         self._leases = MemoryDedupStore()
@@ -230,6 +233,7 @@ class TickLeader:
             async with self._channel(link) as channel:
                 if not await self._take_lock(channel, schedule):
                     return False
+            await self._declare(schedule.record)
             async with self._channel(link) as channel:
                 await self._read(channel, schedule)
             newest = schedule.published[-1] if schedule.published else None
@@ -262,9 +266,8 @@ class TickLeader:
         return True
 
     async def _read(self, channel: AbstractChannel, schedule: _Schedule) -> None:
-        """Read the record; the messages go back to their queue when the channel closes
-        (every message there is read and merged: records only grow)."""
-        await channel.queue_declare(schedule.record, durable=True, arguments={"x-max-length": 1})
+        """Read the record (declared before); the messages go back to their queue when
+        the channel closes (every message there is read and merged: records only grow)."""
         for _ in range(_READ_AT_MOST):
             message: Any = await channel.basic_get(schedule.record, no_ack=False)
             if not message.delivery_tag:  # Basic.GetEmpty

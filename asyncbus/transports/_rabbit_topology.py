@@ -72,13 +72,60 @@ class Topology:
         self.catalog = f"{host.prefix}.catalog"
         #: Retry queues used by this process, by work queue, with when they were declared.
         self.retry_queues: dict[str, dict[str, float]] = {}
-        self._dead_args_warned = False
+        #: Queues found with other arguments and kept as they are (said once each).
+        self._kept: set[str] = set()
+
+    def durable_arguments(self, arguments: FieldTable | None = None) -> FieldTable:
+        """The arguments of a durable queue the transport shares: a quorum queue (its
+        ``replicas``, when given), with ``arguments``."""
+        found: FieldTable = {"x-queue-type": "quorum", **(arguments or {})}
+        if self._host.replicas is not None:
+            found["x-quorum-initial-group-size"] = self._host.replicas
+        return found
+
+    async def declare_durable(self, link: Link, queue: str, arguments: FieldTable) -> None:
+        """Declare ``queue`` with ``arguments``; one that exists with others (a classic
+        queue of an older version, other limits) is kept as it is, said once.
+
+        :raises Exception: what the client raises otherwise (a classic queue whose node
+            is down: ``NOT_FOUND``).
+        """
+        admin = self._links.admin
+        try:
+            await admin(
+                link,
+                lambda channel: channel.queue_declare(queue, durable=True, arguments=arguments),
+            )
+        except self._links.aiormq.exceptions.ChannelPreconditionFailed as error:
+            if queue not in self._kept:
+                self._kept.add(queue)
+                logger.warning(
+                    "RabbitMQ: %s exists with other arguments (a classic queue declared by "
+                    "an older version, or other limits): used as it is (%s)",
+                    queue,
+                    error,
+                )
+            await admin(link, lambda channel: channel.queue_declare(queue, passive=True))
+
+    async def _declare_fixed_queue(self, link: Link, queue: str, arguments: FieldTable) -> bool:
+        """:meth:`declare_durable`, tolerating a queue whose node is down (a classic queue
+        of an older version: its node alone holds it): logged, ``False``."""
+        try:
+            await self.declare_durable(link, queue, arguments)
+        except self._links.not_found as error:
+            logger.warning(
+                "RabbitMQ: %s cannot be used until its node is back (%s); going on without it",
+                queue,
+                error,
+            )
+            return False
+        return True
 
     async def declare_fixed(self, link: Link) -> None:
-        """The topic exchange, and the dead-letter exchange and queue."""
+        """The topic exchange, the dead-letter exchange and queue, the catalog and the
+        group register (see the module docstring of :mod:`.rabbit`)."""
         host = self._host
         admin = self._links.admin
-        aiormq = self._links.aiormq
 
         async def declare(channel: AbstractChannel) -> None:
             await channel.exchange_declare(host.prefix, exchange_type="topic", durable=True)
@@ -86,45 +133,27 @@ class Topology:
                 await channel.exchange_declare(fanout, exchange_type="fanout", durable=True)
 
         await admin(link, declare)
-        await admin(
-            link,
-            lambda channel: channel.queue_declare(
-                self.catalog, durable=True, arguments={"x-max-length": _CATALOG_MAX}
-            ),
+        await self._declare_fixed_queue(
+            link, self.catalog, self.durable_arguments({"x-max-length": _CATALOG_MAX})
         )
-        arguments: FieldTable = {
+        limits: FieldTable = {
             "x-message-ttl": min(max(1, int(host.settings.dead_letter_ttl * 1000)), _TTL_MAX_MS),
             "x-max-length": max(0, int(host.settings.dead_letter_maxlen)),
         }
-        try:
-            await admin(
-                link,
-                lambda channel: channel.queue_declare(
-                    host.dead_letter_queue, durable=True, arguments=arguments
-                ),
-            )
-        except aiormq.exceptions.ChannelPreconditionFailed as error:
-            # Declared earlier with other limits: keep it (listing applies the current
-            # dead_letter_ttl and dead_letter_maxlen anyway).
-            if not self._dead_args_warned:
-                self._dead_args_warned = True
-                logger.warning(
-                    "RabbitMQ: %s exists with other limits, kept as it is: %s",
-                    host.dead_letter_queue,
-                    error,
+        if await self._declare_fixed_queue(
+            link, host.dead_letter_queue, self.durable_arguments(limits)
+        ):
+
+            async def bind(channel: AbstractChannel) -> None:
+                await channel.queue_bind(
+                    host.dead_letter_queue, host.dead_letter_exchange, routing_key=""
                 )
-            await admin(
-                link,
-                lambda channel: channel.queue_declare(host.dead_letter_queue, passive=True),
-            )
 
-        async def bind(channel: AbstractChannel) -> None:
-            await channel.queue_bind(
-                host.dead_letter_queue, host.dead_letter_exchange, routing_key=""
-            )
-
-        await admin(link, bind)
-        await admin(link, host._groups.declare)
+            await admin(link, bind)
+        register = host._groups
+        await admin(link, register.declare_exchange)
+        if await self._declare_fixed_queue(link, register.queue, self.durable_arguments()):
+            await admin(link, register.bind)
 
     async def declare_queue(self, link: Link, pattern: str, group: str) -> str:
         """Declare the quorum queue of a group and bind it (once per link)."""
@@ -212,19 +241,19 @@ class Topology:
         if name in link.declared and now - known.get(name, -math.inf) < expires / 2000:
             return name
 
-        async def declare(channel: AbstractChannel) -> None:
-            await channel.queue_declare(
-                name,
-                durable=True,
-                arguments={
-                    "x-message-ttl": ms,
-                    "x-dead-letter-exchange": "",
-                    "x-dead-letter-routing-key": queue,
-                    "x-expires": expires,
-                },
-            )
-
-        await self._links.admin(link, declare)
+        arguments = self.durable_arguments(
+            {
+                "x-message-ttl": ms,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": queue,
+                # Dead-lettered once the group's queue confirmed it (needs reject-publish;
+                # a retry queue has no length limit to reject at).
+                "x-dead-letter-strategy": "at-least-once",
+                "x-overflow": "reject-publish",
+                "x-expires": expires,
+            }
+        )
+        await self.declare_durable(link, name, arguments)
         await self.catalogue(link, name)
         link.declared.add(name)
         known[name] = now

@@ -13,24 +13,43 @@ Broker names (all under ``prefix``, ``asyncbus`` by default):
   queue; a name over 200 bytes is cut and ends in a hash of the whole. The queue of
   a bus's reply inbox (group ``_reply.*``, one per process) expires 5 minutes after
   its last consumer left.
-* ``{queue}.retry.{ms}``: classic queues where delayed retries wait ``ms``
+* ``{queue}.retry.{ms}``: quorum queues where delayed retries wait ``ms``
   milliseconds (``x-message-ttl``) and are then dead-lettered back to ``{queue}``
-  through the default exchange. A delay is rounded up to one of 16 buckets per
-  doubling (at most 6.25 % later), so each queue holds one delay and no retry waits
-  behind a longer one (per-message TTLs only expire at the head of a queue). Unused
-  retry queues expire (``x-expires``).
-* ``{prefix}.deadletters``: a fanout exchange and a classic queue of dead-letter
+  through the default exchange, at least once (``x-dead-letter-strategy``
+  ``at-least-once``, with ``x-overflow`` ``reject-publish`` as it requires: the
+  message leaves the retry queue once the group's queue confirmed it). A delay is
+  rounded up to one of 16 buckets per doubling (at most 6.25 % later), so each queue
+  holds one delay and no retry waits behind a longer one (per-message TTLs only expire
+  at the head of a queue). Unused retry queues expire (``x-expires``).
+* ``{prefix}.deadletters``: a fanout exchange and a quorum queue of dead-letter
   documents (``x-message-ttl`` = ``dead_letter_ttl``, ``x-max-length`` =
   ``dead_letter_maxlen``, as they were when the queue was first declared; listing
   applies the current values), and ``{prefix}.deadletters.lock``, an exclusive queue
   that exists while one process reads or edits the dead letters;
   ``{prefix}.deadletters.changes``, a fanout exchange announcing what was taken out,
   so every process's list follows (:class:`~._rabbit_dead_letters.DeadLetterNews`).
-* ``{prefix}.catalog``: the names of the queues declared under the prefix, one
-  message each (AMQP cannot list queues), for :meth:`RabbitTransport.delete_everything`.
+* ``{prefix}.catalog``: a quorum queue of the names of the queues declared under the
+  prefix, one message each (AMQP cannot list queues), for
+  :meth:`RabbitTransport.delete_everything`.
 * ``{prefix}.groups``: a fanout exchange each group is announced on when declared,
-  and the durable queue (the register) bound to it, read at connect; see
-  :mod:`._rabbit_groups`.
+  and the quorum queue (the register) bound to it, read at connect; see
+  :mod:`._rabbit_groups`. ``{prefix}._asyncbus.periodic.{digest}``: a quorum queue
+  holding a periodic schedule's record (:mod:`._rabbit_ticks`).
+
+Queue kinds. Every durable queue is a quorum queue (``replicas`` sets its initial group
+size too), so it lives on the cluster, not on one node: any one node of a cluster of
+three can die and every queue goes on, led by another node (a classic queue lives on the
+node that declared it, and while that node is down declaring it again fails with
+``NOT_FOUND``, which no reconnection gets past). The rest are exclusive or server-named
+queues that go with their connection (locks, leases, the news of groups and dead
+letters): they need no replicas. A durable queue that exists with other arguments (a
+classic queue of an older version, other limits) is used as it is, said once per
+transport (declaring it with others is the broker's ``PRECONDITION_FAILED``). While the
+node of such a classic queue is down, the queues declared at connect (dead letters,
+catalog, group register) are left out, said at each connect, and whatever needs one of
+them (a retry queue too) fails with :class:`TransportError` until its node is back: the
+bus still connects and runs. Unused retry queues expire, so those become quorum queues
+by themselves.
 
 How it works:
 
@@ -99,9 +118,21 @@ How it works:
   subscriptions consume again. The broker returns the deliveries of the lost
   connection to their queues; settling one of them raises :class:`TransportError`.
 * **Dead letters** are read under the lock by consuming the whole dead-letter queue
-  on a fresh channel, acking the entries to drop (past the TTL, beyond the maximum
-  length, or removed) and closing the channel, which puts every other entry back in
-  its place, in order.
+  on a fresh channel (the largest prefetch AMQP takes, and one more consumer each time
+  it is full: a quorum queue gives a consumer without one 2,000), acking the entries to
+  drop (past the TTL, beyond the maximum length, or removed) and closing the channel,
+  which puts every other entry back, in order, ahead of anything newer. The quorum
+  queue counts each return in ``x-delivery-count``; no delivery limit is declared on
+  it, so reading never drops or dead-letters an entry. The broker sends a quorum queue
+  a few dozen settlements at a time from one channel and loses those it still holds
+  when the channel closes, so a read acks the run of entries to drop that begins it in
+  one ``multiple`` ack and at most 16 others one by one, and reads again for the rest;
+  and a read first waits (up to 2 s) until no consumer is left on the queue: the
+  previous reader's entries are back only once its consumer is gone.
+* **A nack of a publish** (the message is not stored: a quorum queue without a leader
+  for a moment after its node died) is sent again on a fresh channel until
+  ``publish_timeout``: a channel whose first publish to a quorum queue found its leader
+  gone keeps refusing publishes to it, however soon a new one is elected.
 * **backlog** = the ready messages of the group's queue and of the retry queues this
   process used, plus the deliveries this process's consumers hold (after a round trip
   on each consumer channel, so none is in flight uncounted). Deliveries held by
@@ -544,7 +575,22 @@ class RabbitTransport(Transport):
     def tick_claims(self) -> TickLeader:
         """Periodic ticks claimed by leading (:mod:`._rabbit_ticks`): one replica per
         schedule holds its lock queue and publishes its ticks."""
-        return TickLeader(self.prefix, self._links.live, self._links.current, self._keep_record)
+        return TickLeader(
+            self.prefix,
+            self._links.live,
+            self._links.current,
+            self._keep_record,
+            self._declare_record,
+        )
+
+    async def _declare_record(self, queue: str) -> None:
+        """Declare a record's queue: a quorum queue holding the newest message only."""
+        topology = self._topology
+        arguments = topology.durable_arguments({"x-max-length": 1})
+        await self._links.call(
+            f"declaring {queue!r}",
+            lambda link: topology.declare_durable(link, queue, arguments),
+        )
 
     async def _keep_record(self, queue: str, body: bytes) -> None:
         """Publish a record to its one-message queue (catalogued for delete_everything)."""

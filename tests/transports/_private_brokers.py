@@ -20,7 +20,10 @@ under ``ASYNCBUS_REQUIRE_SERVICES=1`` (CI), like the shared brokers' fixtures.
   ``cluster-node-timeout`` 1 s: a replica takes over 2-3 s after its master's
   ``kill -9``), started without an event loop so a module can share one.
 * ``private_rabbit`` is a RabbitMQ node of its own (its own name, ports, data and an
-  empty plugin list); it takes 5-15 s to start.
+  empty plugin list); it takes 5-15 s to start. ``private_rabbit_cluster`` starts three
+  such nodes (one Erlang cookie, an epmd of their own) and joins them into one cluster
+  (:class:`RabbitCluster`: about 15 s; a node killed and started again rejoins in
+  about 5 s).
 * ``private_postgres`` is a PostgreSQL server of its own (``initdb`` on first start,
   trust authentication, user ``postgres``); run as the ``postgres`` user when the tests
   run as root, with its files in a directory of the system's temporary folder (the
@@ -50,6 +53,7 @@ import pytest
 
 __all__ = [
     "PrivateServer",
+    "RabbitCluster",
     "RedisClusterNodes",
     "free_port",
     "nats_connections",
@@ -57,6 +61,7 @@ __all__ = [
     "private_nats_cluster",
     "private_postgres",
     "private_rabbit",
+    "private_rabbit_cluster",
     "private_redis",
     "private_redis_replica",
 ]
@@ -645,3 +650,154 @@ def private_rabbit(directory: Path) -> AbstractAsyncContextManager[PrivateServer
         userinfo="guest:guest",
         start_timeout=60.0,
     )
+
+
+_RABBITMQCTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
+#: Seconds a rabbitmqctl call may take (each starts an Erlang VM: about 1 s).
+_CTL_TIMEOUT = 60.0
+
+
+def _rabbit_node_env(
+    node: str, dist_port: int, epmd_port: int, cookie: str
+) -> Callable[[int, Path], dict[str, str]]:
+    """A clustered node's environment: :func:`_rabbit_env`, the cluster's epmd and
+    cookie, one scheduler (the machine is small) and distribution on loopback only."""
+    base = _rabbit_env(node, dist_port)
+
+    def env(port: int, directory: Path) -> dict[str, str]:
+        found = base(port, directory)
+        cookie_file = directory / "home" / ".erlang.cookie"
+        if not cookie_file.exists():
+            cookie_file.write_text(cookie)
+            cookie_file.chmod(0o400)
+        return {
+            **found,
+            "ERL_EPMD_PORT": str(epmd_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": (
+                "+S 1:1 -kernel inet_dist_use_interface {127,0,0,1}"
+            ),
+        }
+
+    return env
+
+
+class RabbitCluster:
+    """Three RabbitMQ nodes of the tests' own joined into one cluster on loopback.
+
+    ``nodes[i]`` is a :class:`PrivateServer` (``kill()`` is ``kill -9``); :meth:`restart`
+    starts a killed node again and waits until it is back in the cluster;
+    :meth:`leader_of` names the node leading a quorum queue (``rabbitmqctl``).
+    """
+
+    def __init__(self, directory: Path, size: int = 3) -> None:
+        self.directory = directory
+        tag = uuid.uuid4().hex[:8]
+        self.names = [f"asyncbus-{tag}-{index + 1}@localhost" for index in range(size)]
+        cookie = uuid.uuid4().hex.upper()
+        self._epmd = PrivateServer(
+            lambda port, _: [
+                _binary("epmd", "/usr/bin/epmd"),
+                *("-port", str(port), "-address", "127.0.0.1"),
+            ],
+            "epmd",
+            directory / "epmd",
+        )
+        self.nodes = [
+            PrivateServer(
+                _rabbit_command,
+                "amqp",
+                directory / f"rabbit-{index + 1}",
+                env=_rabbit_node_env(name, free_port(), self._epmd.port, cookie),
+                userinfo="guest:guest",
+                start_timeout=60.0,
+            )
+            for index, name in enumerate(self.names)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every node's AMQP URL, in the order of :attr:`nodes`."""
+        return [node.url for node in self.nodes]
+
+    async def ctl(self, index: int, *args: str) -> str:
+        """Run ``rabbitmqctl`` against node ``index`` (with its environment); its output.
+
+        :raises RuntimeError: when it fails.
+        """
+        node = self.nodes[index]
+        assert node._env is not None
+        env = node._env(node.port, node.directory)
+        ctl_port = free_port()
+        env["RABBITMQ_CTL_DIST_PORT_MIN"] = env["RABBITMQ_CTL_DIST_PORT_MAX"] = str(ctl_port)
+        command = _RABBITMQCTL if os.path.exists(_RABBITMQCTL) else _binary("rabbitmqctl")
+        with anyio.fail_after(_CTL_TIMEOUT):
+            done = await anyio.run_process(
+                [command, "-n", self.names[index], "-q", *args], env=env, check=False
+            )
+        if done.returncode:
+            raise RuntimeError(
+                f"rabbitmqctl {' '.join(args)} on {self.names[index]} failed "
+                f"({done.returncode}): {done.stdout.decode()} {done.stderr.decode()}"
+            )
+        return done.stdout.decode()
+
+    async def start(self) -> None:
+        """Start every node, then join the second and the third to the first."""
+        await self._epmd.start()
+        async with anyio.create_task_group() as starting:
+            for node in self.nodes:
+                starting.start_soon(node.start)
+        for index in range(1, len(self.nodes)):
+            await self.ctl(index, "stop_app")
+            await self.ctl(index, "join_cluster", self.names[0])
+            await self.ctl(index, "start_app")
+        await self.wait_running(len(self.nodes))
+
+    async def wait_running(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until a live node counts ``count`` running nodes in the cluster."""
+        with anyio.fail_after(timeout):
+            while True:
+                alive = next(i for i, node in enumerate(self.nodes) if node.running)
+                status = await self.ctl(alive, "eval", "length(rabbit_nodes:all_running()).")
+                if status.strip() == str(count):
+                    return
+                await anyio.sleep(0.2)
+
+    async def restart(self, index: int) -> None:
+        """Start node ``index`` again (killed before: it keeps its data) and wait until
+        every node runs in the cluster again."""
+        await self.nodes[index].start()
+        await self.wait_running(len(self.nodes))
+
+    async def leader_of(self, queue: str) -> int:
+        """The index of the node leading the quorum queue ``queue`` now.
+
+        :raises LookupError: when no live node lists it with a leader.
+        """
+        alive = next(i for i, node in enumerate(self.nodes) if node.running)
+        for line in (await self.ctl(alive, "list_queues", "name", "leader")).splitlines():
+            name, _, leader = line.rpartition("\t")
+            if name == queue and leader in self.names:
+                return self.names.index(leader)
+        raise LookupError(f"no leader listed for {queue!r}")
+
+    async def aclose(self) -> None:
+        """Kill every node and the epmd (only the processes this cluster started)."""
+        with anyio.CancelScope(shield=True):
+            for node in self.nodes:
+                await node.kill()
+            await self._epmd.kill()
+
+
+@asynccontextmanager
+async def private_rabbit_cluster(directory: Path) -> AsyncIterator[RabbitCluster]:
+    """Three RabbitMQ nodes of the test's own joined into one cluster (guest/guest):
+    see :class:`RabbitCluster`."""
+    _rabbit_command(0, directory)  # skips (or fails) now when the server is missing
+    cluster = RabbitCluster(directory)
+    try:
+        await cluster.start()
+        yield cluster
+    finally:
+        await cluster.aclose()

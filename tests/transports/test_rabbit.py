@@ -623,6 +623,42 @@ async def test_dead_letters_outlive_the_transport_that_stored_them(made: Made) -
         assert [e.envelope.payload for e in await second.dead_letters()] == [0, 2, 3, 4]
 
 
+async def test_dead_letters_read_many_times_are_all_kept_in_order(made: Made) -> None:
+    """The dead-letter queue is a quorum queue: each read puts back what it held, which
+    the queue counts as a delivery, and no delivery limit is declared, so nothing is
+    dropped or dead-lettered however often it is read; a read takes more entries than the
+    2,000 a quorum queue gives a consumer without a prefetch; the order stays."""
+    entries = [_dead(n) for n in range(2100)]
+    ids = [entry.envelope.id for entry in entries]
+    with anyio.fail_after(60):
+        async with made() as transport:
+            await transport.restore_dead_letters(entries)  # (published pipelined)
+            assert [e.envelope.id for e in await transport.dead_letters()] == ids
+            for _ in range(30):
+                listed = await transport.dead_letters()
+                assert len(listed) == len(ids)
+            assert [e.envelope.id for e in listed] == ids
+            assert await _ready_count(made.url, transport.dead_letter_queue) == len(ids)
+
+
+async def test_many_dead_letters_taken_out_of_order_are_all_taken(made: Made) -> None:
+    """The broker's client of a quorum queue sends a few dozen settlements at a time and
+    loses those it still holds when the channel closes: taking every other one of 200
+    entries (no run of them to ack at once) and then clearing the rest takes them all."""
+    entries = [_dead(n) for n in range(200)]
+    ids = [entry.envelope.id for entry in entries]
+    with anyio.fail_after(60):
+        async with made() as transport:
+            await transport.restore_dead_letters(entries)
+            assert len(await transport.dead_letters()) == len(ids)  # (read and put back)
+            taken = await transport.take_dead_letters(ids[1::2])
+            assert sorted(e.envelope.id for e in taken) == sorted(ids[1::2])
+            assert [e.envelope.id for e in await transport.dead_letters()] == ids[::2]
+            await transport.clear_dead_letters()
+            assert await transport.dead_letters() == []
+            assert await _ready_count(made.url, transport.dead_letter_queue) == 0
+
+
 async def test_concurrent_readers_of_the_dead_letters_each_see_them_all(made: Made) -> None:
     """The lock queue keeps two processes from splitting the entries between them."""
     entries = [_dead(n) for n in range(30)]

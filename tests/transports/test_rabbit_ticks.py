@@ -138,6 +138,15 @@ async def test_what_the_client_raises_while_looking_at_the_lead_is_a_transport_e
     async def keep(queue: str, body: bytes) -> None:
         raise AssertionError("nothing is written by a replica that does not lead")
 
-    leader = _rabbit_ticks.TickLeader("p", live_link, lambda: link, keep)  # type: ignore[arg-type]
+    async def declare(queue: str) -> None:
+        raise AssertionError("the lock is looked at first")
+
+    leader = _rabbit_ticks.TickLeader(
+        "p",
+        live_link,  # type: ignore[arg-type]
+        lambda: link,  # type: ignore[arg-type,return-value]
+        keep,
+        declare,
+    )
     with pytest.raises(TransportError, match="ConnectionResetError: the connection is closing"):
         await leader.claim(key(100), "a", 5.0)
