@@ -145,13 +145,12 @@ async def pump(
         except ConfigurationError as error:
             host.refused(stage, error)  # never again: the stage is withdrawn, or the start fails
             return
-        except BaseException as error:  # deliberate: nothing the broker does ends the bus
-            # A cancellation nobody asked of this task (a client library cancelling what
-            # it awaited, a connection it gave up on) fails the subscription like any
-            # error: left to end the task, it would stop the bus's whole task group.
-            if not isinstance(error, Exception) and not (
-                isinstance(error, anyio.get_cancelled_exc_class()) and stray_cancellation()
-            ):
+        except (Exception, anyio.get_cancelled_exc_class()) as error:
+            # Deliberate: nothing the broker does ends the bus. A cancellation nobody
+            # asked of this task (a client library cancelling what it awaited, a
+            # connection it gave up on) fails the subscription like any error: left to
+            # end the task, it would stop the bus's whole task group.
+            if not isinstance(error, Exception) and not stray_cancellation():
                 raise
             if anyio.current_time() - began > PUMP_BACKOFF_MAX:
                 backoff = PUMP_BACKOFF_MIN  # it worked for a while: a new failure

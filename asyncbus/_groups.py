@@ -182,16 +182,13 @@ async def delete_group(
         raise subscribed_here(pattern, group)
     # A partitioned group is one broker group per partition (``group#index/count``):
     # they go with it.
-    listed = await admin.groups()
-    partitions = [
-        info.group
-        for info in listed
-        if info.pattern == pattern and _partition_of(info.group) == group
+    ours = [
+        info
+        for info in await admin.groups()
+        if info.pattern == pattern and group in (info.group, _partition_of(info.group))
     ]
     if not force:
-        for info in listed:
-            if info.pattern != pattern or info.group not in (group, *partitions):
-                continue
+        for info in ours:
             if info.consumers:
                 raise ConfigurationError(
                     f"group {group!r} on {pattern!r} has {info.consumers} consumer(s) "
@@ -199,8 +196,9 @@ async def delete_group(
                     "or pass force=True"
                 )
     existed = await admin.delete_group(pattern, group)
-    for partition in partitions:
-        existed = await admin.delete_group(pattern, partition) or existed
+    for info in ours:
+        if info.group != group:
+            existed = await admin.delete_group(pattern, info.group) or existed
     return existed
 
 

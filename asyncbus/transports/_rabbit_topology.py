@@ -162,12 +162,12 @@ class Topology:
         if queue in link.declared:
             return queue
         key = binding_key(pattern)
-        arguments: FieldTable = {"x-queue-type": "quorum"}
-        if is_inbox(group):
-            # A bus's reply inbox: its process's alone, gone once nobody consumes it.
-            arguments["x-expires"] = _INBOX_EXPIRES_MS
-        elif host.replicas is not None:
-            arguments["x-quorum-initial-group-size"] = host.replicas
+        # A bus's reply inbox: its process's alone, gone once nobody consumes it.
+        arguments: FieldTable = (
+            {"x-queue-type": "quorum", "x-expires": _INBOX_EXPIRES_MS}
+            if is_inbox(group)
+            else self.durable_arguments()
+        )
 
         async def declare(channel: AbstractChannel) -> None:
             try:

@@ -22,6 +22,7 @@ __all__ = [
     "URL_FORM",
     "CaughtErrors",
     "check_nodes",
+    "credentials",
     "open_client",
     "packing_by_hiredis",
     "socket_timeouts",
@@ -110,20 +111,27 @@ def check_nodes(nodes: list[str], cluster: bool, prefix: object) -> None:
         )
 
 
+def credentials(url: str) -> dict[str, Any]:
+    """redis-py's ``username``, ``password`` and ``ssl`` for the node at ``url``."""
+    parts = urlsplit(url)
+    return {
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+        "ssl": parts.scheme == "rediss",
+    }
+
+
 def _cluster_client(nodes: list[str], retry: Any, timeouts: dict[str, float]) -> Any:
     """redis-py's cluster client, starting from ``nodes`` (credentials of the first)."""
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    first = urlsplit(nodes[0])
     startup = []
     for one in nodes:
         parts = urlsplit(one)
         startup.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
     return RedisCluster(
         startup_nodes=startup,
-        username=unquote(first.username) if first.username else None,
-        password=unquote(first.password) if first.password else None,
-        ssl=first.scheme == "rediss",
+        **credentials(nodes[0]),
         retry=retry,
         socket_connect_timeout=timeouts["socket_connect_timeout"],
         socket_timeout=timeouts["socket_timeout"],

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import anyio
+
+from ._redis_connection import credentials
 
 __all__ = ["PrefixMaster"]
 
@@ -33,13 +34,7 @@ class PrefixMaster:
     """
 
     def __init__(self, nodes: list[str], key: str, timeouts: dict[str, float]) -> None:
-        first = urlsplit(nodes[0])
-        self._options: dict[str, Any] = {
-            "username": unquote(first.username) if first.username else None,
-            "password": unquote(first.password) if first.password else None,
-            "ssl": first.scheme == "rediss",
-            **timeouts,
-        }
+        self._options: dict[str, Any] = {**credentials(nodes[0]), **timeouts}
         self._key = key
         self._clients: dict[tuple[str, int], Any] = {}
 

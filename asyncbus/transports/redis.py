@@ -292,7 +292,7 @@ class RedisTransport(Transport):
         #: The master of the prefix's slot, reached directly (``wait_replicas`` on a
         #: cluster).
         self._master = PrefixMaster(
-            nodes, f"{self.key_base}:version", socket_timeouts(publish_timeout, block_ms)
+            nodes, self._version_key, socket_timeouts(publish_timeout, block_ms)
         )
         self._delayed = DelayedRetries(self)
         #: Acks written behind, by (stream, group): entry ids, in one MULTI per write.
