@@ -16,6 +16,8 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
+import anyio
+
 from .._exceptions import ConfigurationError, DecodeError
 from .._groups import GroupInfo
 from .._routing import compile_pattern
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
     from nats.js import JetStreamContext
+    from nats.js.api import ConsumerInfo
 
 __all__ = ["GroupDirectory", "group_backlog", "group_description", "list_groups", "remove_group"]
 
@@ -178,15 +181,48 @@ async def _listed(js: JetStreamContext, stream: str, prefix: str) -> list[GroupI
 
 async def group_backlog(js: JetStreamContext, stream: str, name: str) -> int:
     """Messages of consumer ``name`` not yet delivered plus delivered, unsettled (0: no
-    such consumer)."""
+    such consumer).
+
+    A replicated consumer's leader counts from its own copy of the stream, which a
+    follower brings up to date a moment after the stream's leader confirmed a publish
+    (milliseconds; longer on a loaded machine). When the two leaders differ, the count
+    is read again once the stream's leader reports the consumer leader's copy holding
+    everything it confirmed, so a backlog read after a confirmed publish counts it (as
+    ``drain`` needs), waiting ``_CATCH_UP`` seconds at most.
+    """
     from nats.js.errors import NotFoundError
 
     with broker_call(f"cannot read consumer {name}"):
         try:
             info = await js.consumer_info(stream, name)
+            leader = info.cluster.leader if info.cluster is not None else None
+            if leader is not None and info.cluster is not None and info.cluster.replicas:
+                info = await _caught_up(js, stream, name, leader) or info
         except NotFoundError:
             return 0
     return (info.num_pending or 0) + (info.num_ack_pending or 0)
+
+
+#: How long a backlog read waits for a consumer leader's copy of the stream to catch up.
+_CATCH_UP = 1.0
+
+
+async def _caught_up(
+    js: JetStreamContext, stream: str, name: str, leader: str
+) -> ConsumerInfo | None:
+    """Consumer ``name`` read again once its leader's copy of the stream holds all the
+    stream's leader confirmed (``None``: it is the stream's leader, the first read
+    holds it all)."""
+    deadline = anyio.current_time() + _CATCH_UP
+    while True:
+        cluster = (await js.stream_info(stream)).cluster
+        if cluster is None or cluster.leader == leader:
+            return None
+        copy = next((peer for peer in cluster.replicas or () if peer.name == leader), None)
+        if copy is None or (copy.current and not copy.lag) or anyio.current_time() > deadline:
+            again: ConsumerInfo = await js.consumer_info(stream, name)
+            return again
+        await anyio.sleep(0.005)
 
 
 async def remove_group(js: JetStreamContext, directory: GroupDirectory, name: str) -> bool:
