@@ -118,21 +118,26 @@ class RedisBindings:
         except transport._errors.ResponseError as error:
             if "BUSYGROUP" not in str(error):
                 raise
+        inbox = is_inbox(group)
+        if inbox and transport.cluster:
+            # The stream is in a slot of its own: its expiry is written first, apart.
+            await client.pexpire(stream, _ttl_ms(transport.inbox_ttl))
         pipe = client.pipeline(transaction=True)
         pipe.hset(transport._bindings_key, stream, json.dumps([pattern, group]))
         pipe.set(transport._version_key, secrets.token_hex(8))
-        if is_inbox(group):
-            self.queue_inbox_expiry(pipe, stream)
+        if inbox:
+            self.queue_inbox_expiry(pipe, stream, of_stream=not transport.cluster)
         await pipe.execute()
         self.bound.add(stream)
         return stream
 
-    def queue_inbox_expiry(self, pipe: Any, stream: str) -> None:
-        """Push the expiry of inbox ``stream`` ``inbox_ttl`` ahead (on ``pipe``)."""
-        transport = self.transport
-        ttl_ms = math.ceil(transport.inbox_ttl * 1000)
-        pipe.zadd(transport._inboxes_key, {stream: int(time.time() * 1000) + ttl_ms})
-        pipe.pexpire(stream, ttl_ms)
+    def queue_inbox_expiry(self, pipe: Any, stream: str, *, of_stream: bool = True) -> None:
+        """Push the expiry of inbox ``stream`` ``inbox_ttl`` ahead (on ``pipe``): in the
+        sorted set of inboxes, and (``of_stream``) the stream's own."""
+        ttl_ms = _ttl_ms(self.transport.inbox_ttl)
+        pipe.zadd(self.transport._inboxes_key, {stream: int(time.time() * 1000) + ttl_ms})
+        if of_stream:
+            pipe.pexpire(stream, ttl_ms)
 
     async def _read(self) -> tuple[dict[bytes, bytes], bytes | None]:
         transport = self.transport
@@ -228,10 +233,13 @@ class RedisBindings:
                 for stream in {c.stream for c in transport._consumers if is_inbox(c.group)}:
                     self.queue_inbox_expiry(pipe, stream)
                 await pipe.execute()
-                await transport._scripts["REAP_INBOXES"](
+                gone = await transport._scripts["REAP_INBOXES"](
                     keys=[transport._inboxes_key, transport._bindings_key, transport._version_key],
-                    args=[int(time.time() * 1000), secrets.token_hex(8)],
+                    args=[int(time.time() * 1000), secrets.token_hex(8), int(transport.cluster)],
                 )
+                if transport.cluster:  # the streams are in slots of their own
+                    for stream in gone:
+                        await transport._redis().delete(stream)
             except Exception as error:  # keep going: the next round tries again
                 logger.warning("Redis: keeping request inboxes failed: %s", error)
             await anyio.sleep(transport.inbox_ttl / 3)
@@ -243,13 +251,16 @@ class RedisBindings:
         if any(other.stream == stream for other in transport._consumers):
             return
         pipe = transport._redis().pipeline(transaction=True)
-        pipe.delete(stream)
+        if not transport.cluster:
+            pipe.delete(stream)
         pipe.hdel(transport._bindings_key, stream)
         pipe.zrem(transport._inboxes_key, stream)
         pipe.set(transport._version_key, secrets.token_hex(8))
         with anyio.move_on_after(within):
             try:
                 await pipe.execute()
+                if transport.cluster:  # (its stream is in a slot of its own)
+                    await transport._redis().delete(stream)
             except transport._errors.RedisError as error:
                 logger.warning(
                     "Redis: deleting the inbox %s failed (it expires within %g s): %s",
@@ -258,3 +269,8 @@ class RedisBindings:
                     error,
                 )
         self.bound.discard(stream)
+
+
+def _ttl_ms(seconds: float) -> int:
+    """``seconds`` in whole milliseconds, rounded up."""
+    return math.ceil(seconds * 1000)

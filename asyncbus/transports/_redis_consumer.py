@@ -6,6 +6,7 @@ transport's module docstring: reading, settling, attempts, crash recovery, hand-
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from ._redis_dead_letters import RedisDeadLetters
     from ._redis_delayed import DelayedRetries
     from ._redis_groups import RedisGroups
+    from ._redis_publish import RedisPublisher
 
 __all__ = ["RELEASE_TIMEOUT", "ConsumerHost", "RedisConsumer", "RedisDelivery"]
 
@@ -89,6 +91,11 @@ class ConsumerHost(RedisHost, Protocol):
     @property
     def _bindings(self) -> RedisBindings:
         """The bindings (to make a vanished stream again, to drop an inbox)."""
+        ...
+
+    @property
+    def _publisher(self) -> RedisPublisher:
+        """The writer (a dead letter on the replicas, with ``wait_replicas``)."""
         ...
 
     @property
@@ -440,23 +447,41 @@ class RedisConsumer:
         delay: float | None = None,
         dead: tuple[DeadLetter, bytes] | None = None,
     ) -> None:
-        """XACK and XDEL ``entry``, with its re-add, delayed retry or dead letter, atomically."""
+        """XACK and XDEL ``entry``, with its re-add, delayed retry or dead letter, atomically.
+
+        On a cluster whose bindings spread over slots the dead-letter stream is in
+        another slot than the entry: the dead letter is written first, then the entry
+        settled; cut off between the two, the entry is delivered again (and may be dead
+        -lettered twice). A delayed retry stays with its binding, atomic with the ack,
+        and is named in the prefix's index of bindings with retries before and after.
+        """
         transport = self.transport
-        pipe = transport._redis().pipeline(transaction=True)
+        spread = transport.cluster
         delayed = transport._delayed
         due = 0.0
-        if retry is not None:
-            meta, body = retry
-            if delay is not None and delay > 0:
-                due = delayed.queue(pipe, self.stream, meta, body, delay)
-            else:
-                pipe.xadd(self.stream, {"meta": meta, "body": body})
-        if dead is not None:
-            transport._shared_dead.queue(pipe, dead[0], Verbatim(dead[1]))
-        pipe.xack(self.stream, self.group, entry)
-        pipe.xdel(self.stream, entry)
         try:
+            if dead is not None and spread:
+                # (With wait_replicas, on the replicas of its master too: the ack after
+                # it is on another master, which does not fail over with this one.)
+                store = transport._shared_dead
+                add = functools.partial(store.add_on, entry=dead[0], codec=Verbatim(dead[1]))
+                await transport._publisher.replicated(add, key=store.dead_key)
+            pipe = transport._redis().pipeline(transaction=True)
+            if retry is not None:
+                meta, body = retry
+                if delay is not None and delay > 0:
+                    due = delayed.queue(pipe, self.stream, meta, body, delay)
+                    if spread:
+                        await delayed.index(self.stream, due)
+                else:
+                    pipe.xadd(self.stream, {"meta": meta, "body": body})
+            if dead is not None and not spread:
+                transport._shared_dead.queue(pipe, dead[0], Verbatim(dead[1]))
+            pipe.xack(self.stream, self.group, entry)
+            pipe.xdel(self.stream, entry)
             await pipe.execute()
+            if due and spread:  # (a mover may have written a later time meanwhile)
+                await delayed.index_again(self.stream, due)
         except transport._errors.RedisError as error:
             raise transport._failed(f"settling {text(entry)} of {self.stream}", error) from error
         if due and due < delayed.next_due:

@@ -69,19 +69,32 @@ class RedisDeadLetters:
         self.removed_key = f"{dead_key}:removed"
         self.count_key = f"{dead_key}:removals"
 
+    def _xadd(
+        self, entry: DeadLetter, codec: Codec | None
+    ) -> tuple[tuple[str, dict[str, Any]], dict[str, Any]] | None:
+        """The arguments of the XADD of ``entry`` (``None``: a store of size 0 keeps
+        nothing)."""
+        transport = self.transport
+        if transport.settings.dead_letter_maxlen <= 0:
+            return None
+        document = dead_letter_to_wire(entry, codec or transport.codec)
+        fields: dict[str, Any] = {"id": entry.envelope.id, "entry": document}
+        options = {"maxlen": transport.settings.dead_letter_maxlen, "approximate": True}
+        return (self.dead_key, fields), options
+
     def queue(self, pipe: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
         """Add the XADD of ``entry`` to ``pipe`` (its payload encoded by ``codec``, the
         transport's by default)."""
-        transport = self.transport
-        if transport.settings.dead_letter_maxlen <= 0:
-            return  # a store of size 0 keeps nothing
-        document = dead_letter_to_wire(entry, codec or transport.codec)
-        pipe.xadd(
-            self.dead_key,
-            {"id": entry.envelope.id, "entry": document},
-            maxlen=transport.settings.dead_letter_maxlen,
-            approximate=True,
-        )
+        call = self._xadd(entry, codec)
+        if call is not None:
+            pipe.xadd(*call[0], **call[1])
+
+    async def add_on(self, client: Any, entry: DeadLetter, codec: Codec | None = None) -> None:
+        """Append ``entry`` with ``client`` (one command: on one connection, which a
+        ``WAIT`` after it counts); see :meth:`queue`."""
+        call = self._xadd(entry, codec)
+        if call is not None:
+            await client.xadd(*call[0], **call[1])
 
     async def add(self, entry: DeadLetter) -> None:
         """Append ``entry`` to the stream."""

@@ -26,6 +26,8 @@ class RedisHost(Protocol):
     prefix: str
     #: What every key starts with (the prefix, hash-tagged on a cluster).
     key_base: str
+    #: Talking to a Redis Cluster (the bindings' keys spread over its slots).
+    cluster: bool
     #: redis-py's errors the transport catches (``RedisError``, ``ResponseError``).
     _errors: Any
 

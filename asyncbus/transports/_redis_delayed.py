@@ -5,6 +5,18 @@
 them per stream (for the backlog). A task of every transport moves the due ones back
 with a Lua script (``MOVE_DUE``), so any live process does it; a retry of this process
 due before the mover's next look wakes it.
+
+On a cluster whose bindings spread over slots, a binding's retries stay in its slot:
+the sorted set ``{stream}:delayed`` and its items ``{stream}:delayed:{token}`` (their
+count is its ``ZCARD``). The prefix's ``{prefix}:delayed:due`` indexes the bindings
+with retries by when the first is due: a delayed nack lowers its binding's score
+(``ZADD LT``) before and after writing the retry, and the mover reads the index, moves
+each due binding's retries (``MOVE_DUE_OF_BINDING``), writes the binding's next time
+and looks at the binding again, so a retry written meanwhile is indexed. What a cut
+could still leave out (a process killed between the retry and its second ``ZADD``, or
+the index's master failing over without them) the mover finds every
+``_REPAIR_EVERY`` seconds: it looks at every registered binding's first retry and
+lowers the index to it.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import anyio.lowlevel
 
 from . import _redis_scripts
 from ._kit import Backoff
+from ._redis_dedup import RedisHost
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
@@ -35,16 +48,23 @@ _DELAY_POLL = 0.1
 _DELAY_BATCH = 500
 #: Longest pause of the mover after failures.
 _BACKOFF_MAX = 2.0
+#: Seconds between two looks of the mover at every binding's first retry (on a cluster).
+_REPAIR_EVERY = 5.0
 
 
-class DelayedHost(Protocol):
+class DelayedHost(RedisHost, Protocol):
     """What the delayed retries use of their transport (:class:`~.redis.RedisTransport`)."""
 
     _delayed_key: str
     _delayed_counts_key: str
+    _delayed_index_key: str
     _bindings_key: str
     #: The registered scripts of :mod:`._redis_scripts`, by name.
     _scripts: dict[str, AsyncScript]
+
+    def delayed_key_of(self, stream: str) -> str:
+        """The sorted set of delayed retries ``stream``'s are in."""
+        ...
 
 
 class DelayedRetries:
@@ -54,6 +74,8 @@ class DelayedRetries:
         self.transport = transport
         #: When the mover looks next (epoch seconds).
         self.next_due = float("inf")
+        #: When the mover last looked at every binding's first retry (monotonic).
+        self._repaired_at = -_REPAIR_EVERY
         # Made in ``open``, inside the event loop that uses it.
         self.wake: anyio.Event
 
@@ -66,15 +88,40 @@ class DelayedRetries:
         return when it is due (epoch seconds)."""
         transport = self.transport
         due = time.time() + delay
-        item = f"{transport._delayed_key}:{secrets.token_hex(12)}"
+        delayed_key = transport.delayed_key_of(stream)
+        item = f"{delayed_key}:{secrets.token_hex(12)}"
         pipe.hset(item, mapping={"stream": stream, "meta": meta, "body": body})
-        pipe.zadd(transport._delayed_key, {item: math.ceil(due * 1000)})  # never early
+        pipe.zadd(delayed_key, {item: _ms(due)})  # never early
+        if transport.cluster:
+            return due  # (counted by the binding's own set)
         # Not HINCRBY: a count another client garbled must not fail the nack.
         # EVAL, not the registered script: a pipeline would check that the
         # server has it first (another round trip), and a cluster's pipeline
         # does not load it on the node.
         pipe.eval(_redis_scripts.COUNT_DELAYED, 1, transport._delayed_counts_key, stream)
         return due
+
+    async def index(self, stream: str, due: float) -> None:
+        """Have the index of bindings with retries (on a cluster) name ``stream`` by
+        ``due`` at the latest."""
+        transport = self.transport
+        await transport._redis().zadd(transport._delayed_index_key, {stream: _ms(due)}, lt=True)
+
+    async def index_again(self, stream: str, due: float) -> None:
+        """:meth:`index` once the retry is written: shielded (a cancellation now would
+        leave it to the mover's next repair), a failure logged, not raised (the retry
+        and its ack are written; the repair indexes it)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.index(stream, due)
+            except Exception as error:
+                logger.warning(
+                    "Redis: indexing a delayed retry of %s failed (the mover finds it "
+                    "within %g s): %s",
+                    stream,
+                    _REPAIR_EVERY,
+                    error,
+                )
 
     async def move_due(self) -> None:
         """Move due delayed retries back to their streams (any process's, atomically)."""
@@ -97,14 +144,17 @@ class DelayedRetries:
                 await anyio.lowlevel.checkpoint()
             self.wake = anyio.Event()
             try:
-                reply = await transport._scripts["MOVE_DUE"](
-                    keys=[
-                        transport._delayed_key,
-                        transport._delayed_counts_key,
-                        transport._bindings_key,
-                    ],
-                    args=[int(time.time() * 1000), _DELAY_BATCH],
-                )
+                if transport.cluster:
+                    reply = await self._move_spread()
+                else:
+                    reply = await transport._scripts["MOVE_DUE"](
+                        keys=[
+                            transport._delayed_key,
+                            transport._delayed_counts_key,
+                            transport._bindings_key,
+                        ],
+                        args=[int(time.time() * 1000), _DELAY_BATCH],
+                    )
             except Exception as error:  # keep moving whatever went wrong once
                 logger.warning("Redis: moving delayed retries failed: %s", error)
                 wait = backoff.next()
@@ -117,3 +167,59 @@ class DelayedRetries:
                 wait = min(_DELAY_POLL, max(0.0, float(reply[1]) / 1000 - time.time()))
             else:
                 wait = _DELAY_POLL
+
+    async def _move_spread(self) -> list[Any]:
+        """Move the due retries of every binding the index names as due (a cluster whose
+        bindings spread over slots); ``MOVE_DUE``'s reply: {moved, next due or none}."""
+        transport = self.transport
+        client = transport._redis()
+        index = transport._delayed_index_key
+        if time.monotonic() - self._repaired_at >= _REPAIR_EVERY:
+            await self._repair_index(client)
+        now = int(time.time() * 1000)
+        moved = 0
+        for found in await client.zrangebyscore(index, "-inf", now, start=0, num=_DELAY_BATCH):
+            stream = found.decode() if isinstance(found, bytes) else str(found)
+            delayed_key = transport.delayed_key_of(stream)
+            reply = await transport._scripts["MOVE_DUE_OF_BINDING"](
+                keys=[delayed_key, stream], args=[now, _DELAY_BATCH]
+            )
+            moved = max(moved, int(reply[0]))
+            if len(reply) > 1:
+                await client.zadd(index, {stream: float(reply[1])}, xx=True)
+            else:
+                await client.zrem(index, stream)
+            # A retry written since the script ran may have had its time overwritten (or
+            # its binding taken off): the binding's first retry puts it back.
+            first = await client.zrange(delayed_key, 0, 0, withscores=True)
+            if first:
+                await client.zadd(index, {stream: float(first[0][1])}, lt=True)
+        after = await client.zrange(index, 0, 0, withscores=True)
+        return [moved, after[0][1]] if after else [moved]
+
+    async def _repair_index(self, client: Any) -> None:
+        """Lower the index to every registered binding's first retry (one pipeline, a
+        round trip per master), so none is left out of it for good."""
+        transport = self.transport
+        streams = [
+            found.decode() if isinstance(found, bytes) else str(found)
+            for found in await client.hkeys(transport._bindings_key)
+        ]
+        if streams:
+            pipe = client.pipeline(transaction=False)
+            for stream in streams:
+                pipe.zrange(transport.delayed_key_of(stream), 0, 0, withscores=True)
+            firsts = await pipe.execute()
+            lower = {
+                stream: float(first[0][1])
+                for stream, first in zip(streams, firsts, strict=True)
+                if first
+            }
+            if lower:
+                await client.zadd(transport._delayed_index_key, lower, lt=True)
+        self._repaired_at = time.monotonic()
+
+
+def _ms(due: float) -> int:
+    """``due`` (epoch seconds) in whole milliseconds, never early."""
+    return math.ceil(due * 1000)

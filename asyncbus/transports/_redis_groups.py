@@ -37,7 +37,15 @@ from ._wire_fields import group_from_wire
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
 
-__all__ = ["DELETE_GROUP", "Bound", "GroupsHost", "Reader", "RedisGroups"]
+__all__ = [
+    "DELETE_BINDING_DATA",
+    "DELETE_GROUP",
+    "DELETE_REGISTRATION",
+    "Bound",
+    "GroupsHost",
+    "Reader",
+    "RedisGroups",
+]
 
 logger = logging.getLogger("asyncbus.transport.redis")
 
@@ -70,6 +78,35 @@ return 0
 """
 
 
+#: Delete a binding's registration (on a cluster whose bindings spread over slots: its
+#: stream and retries are deleted apart, by ``DELETE_BINDING_DATA``, after it; its entry
+#: in the index of bindings with retries stays for the mover, which drops it once it
+#: finds nothing there). KEYS[1] the bindings hash, KEYS[2] their version, KEYS[3] the
+#: readers hash; ARGV the stream's name, a new version. Returns 1 if the binding
+#: existed, else 0.
+DELETE_REGISTRATION = """
+local existed = redis.call('HDEL', KEYS[1], ARGV[1])
+local head = ARGV[1] .. ' '
+for _, field in ipairs(redis.call('HKEYS', KEYS[3])) do
+  if string.sub(field, 1, #head) == head then redis.call('HDEL', KEYS[3], field) end
+end
+redis.call('SET', KEYS[2], ARGV[2])
+return existed
+"""
+
+#: Delete a binding's stream and its delayed retries (one slot on a cluster). KEYS[1]
+#: the stream, KEYS[2] its sorted set of retries. Returns 1 if anything existed, else 0.
+DELETE_BINDING_DATA = """
+local existed = redis.call('DEL', KEYS[1])
+for _, item in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  existed = existed + redis.call('DEL', item)
+end
+redis.call('DEL', KEYS[2])
+if existed > 0 then return 1 end
+return 0
+"""
+
+
 class Bound(Protocol):
     """The bindings a transport made (:class:`~._redis_bindings.RedisBindings`)."""
 
@@ -95,6 +132,10 @@ class GroupsHost(RedisHost, Protocol):
         """The key of the binding's stream."""
         ...
 
+    def delayed_key_of(self, stream: str) -> str:
+        """The sorted set of delayed retries ``stream``'s are in."""
+        ...
+
 
 class Reader(Protocol):
     """A consumer, as the readers hash names it."""
@@ -115,7 +156,7 @@ class RedisGroups:
 
     def __init__(self, transport: GroupsHost) -> None:
         self.transport = transport
-        self._script: AsyncScript | None = None
+        self._scripts: dict[str, AsyncScript] = {}
 
     @property
     def key(self) -> str:
@@ -185,7 +226,10 @@ class RedisGroups:
         pipe = client.pipeline(transaction=False)
         for stream, _pattern, _group in bindings:
             pipe.xlen(stream)
-            pipe.hget(transport._delayed_counts_key, stream)
+            if transport.cluster:  # a binding's retries are in its own set
+                pipe.zcard(transport.delayed_key_of(stream))
+            else:
+                pipe.hget(transport._delayed_counts_key, stream)
         replies = await pipe.execute(raise_on_error=False)
         listed = []
         for at, (stream, pattern, group) in enumerate(bindings):
@@ -198,14 +242,25 @@ class RedisGroups:
         return listed
 
     async def delete_group(self, pattern: str, group: str) -> bool:
-        """Delete the binding, its stream and its delayed retries (one script)."""
+        """Delete the binding, its stream and its delayed retries (one script; on a
+        cluster, the registration then the stream and retries in their slot)."""
         transport = self.transport
-        client = transport._redis()
-        if self._script is None:
-            self._script = client.register_script(DELETE_GROUP)
         stream = transport.stream_key(pattern, group)
+        if transport.cluster:
+            try:
+                deleted = await self._script(DELETE_REGISTRATION)(
+                    keys=[transport._bindings_key, transport._version_key, self.key],
+                    args=[stream, secrets.token_hex(8)],
+                )
+                deleted += await self._script(DELETE_BINDING_DATA)(
+                    keys=[stream, transport.delayed_key_of(stream)]
+                )
+            except transport._errors.RedisError as error:
+                raise transport._failed(f"deleting group {pattern}@{group}", error) from error
+            transport._bindings.bound.discard(stream)
+            return bool(deleted)
         try:
-            deleted = await self._script(
+            deleted = await self._script(DELETE_GROUP)(
                 keys=[
                     transport._bindings_key,
                     transport._version_key,
@@ -220,3 +275,11 @@ class RedisGroups:
             raise transport._failed(f"deleting group {pattern}@{group}", error) from error
         transport._bindings.bound.discard(stream)
         return bool(deleted)
+
+    def _script(self, source: str) -> AsyncScript:
+        """The script of Lua ``source`` (one of this module's), registered once."""
+        script = self._scripts.get(source)
+        if script is None:
+            script = self.transport._redis().register_script(source)
+            self._scripts[source] = script
+        return script

@@ -42,6 +42,38 @@ _WAIT_SHARE = 0.8
 _Publish = tuple[str, list[tuple[bytes, bytes]], set[str]]
 
 
+def _arguments(
+    keys: list[str], batch: list[_Publish], targets: list[list[str]], inboxes: set[str]
+) -> tuple[list[str], list[bytes | str | int]]:
+    """The keys (after ``keys``) and arguments of the ``PUBLISH`` script writing each
+    publish of ``batch`` to its ``targets`` (see the script for their layout)."""
+    index: dict[str, int] = {}
+    args: list[bytes | str | int] = []
+    # Consecutive publishes to the same streams (the usual burst: one topic) go in one
+    # group of the script's arguments: their streams named once.
+    group: list[str] | None = None
+    count_at = grouped = 0
+    for (_topic, wire, _done), streams in zip(batch, targets, strict=True):
+        if not streams:
+            continue
+        if streams != group:
+            group = streams
+            args.append(len(streams))
+            for stream in streams:
+                if stream not in index:
+                    keys.append(stream)
+                    index[stream] = len(keys)
+                # A negative index: an inbox, written only while it exists.
+                args.append(-index[stream] if stream in inboxes else index[stream])
+            count_at, grouped = len(args), 0
+            args.append(0)
+        grouped += len(wire)
+        args[count_at] = grouped
+        for meta, body in wire:
+            args += (meta, body)
+    return keys, args
+
+
 class PublishHost(RedisHost, Protocol):
     """What the publisher uses of its transport (:class:`~.redis.RedisTransport`)."""
 
@@ -51,7 +83,7 @@ class PublishHost(RedisHost, Protocol):
     wait_replicas: int
     cluster: bool
     _version_key: str
-    #: The master of the prefix's slot, on a cluster.
+    #: The masters of the slots written, on a cluster (``wait_replicas``).
     _master: PrefixMaster
     #: The registered scripts of :mod:`._redis_scripts`, by name.
     _scripts: dict[str, AsyncScript]
@@ -142,57 +174,90 @@ class RedisPublisher:
         would hold up every publish.
         """
         transport = self.transport
+        if transport.cluster:
+            await self._write_spread(batch)
+            return
         bindings = transport._bindings
         if bindings.matchers is None:
             await bindings.load()
         written = [done for _topic, _wire, done in batch]
         while True:
-            inboxes = bindings.inbox_streams
-            keys: list[str] = [transport._version_key]
-            index: dict[str, int] = {}
-            args: list[bytes | str | int] = []
-            targets: list[list[str]] = []
-            # Consecutive publishes to the same streams (the usual burst: one topic) go
-            # in one group of the script's arguments: their streams named once.
-            group: list[str] | None = None
-            count_at = grouped = 0
-            for topic, wire, done in batch:
-                route = bindings.route(topic)
-                streams = [stream for stream in route if stream not in done] if done else [*route]
-                targets.append(streams)
-                if not streams:
-                    continue
-                if streams != group:
-                    group = streams
-                    args.append(len(streams))
-                    for stream in streams:
-                        if stream not in index:
-                            keys.append(stream)
-                            index[stream] = len(keys)
-                        # A negative index: an inbox, written only while it exists.
-                        args.append(-index[stream] if stream in inboxes else index[stream])
-                    count_at, grouped = len(args), 0
-                    args.append(0)
-                grouped += len(wire)
-                args[count_at] = grouped
-                for meta, body in wire:
-                    args += (meta, body)
+            targets = [self._targets(bindings.route(topic), done) for topic, _w, done in batch]
+            keys, args = _arguments(
+                [transport._version_key], batch, targets, bindings.inbox_streams
+            )
             # Written only if the bindings are still those of the routes (a group
             # deleted since must not be written to, nor named).
             script = functools.partial(
                 transport._scripts["PUBLISH"], keys=keys, args=[bindings.version or b"", *args]
             )
-            reply = await self._replicated(script)
+            reply = await self.replicated(script)
             if int(reply[0]):
                 for done, streams in zip(written, targets, strict=True):
                     done.update(streams)
                 return
             await bindings.load()
 
-    async def _replicated(self, write: Callable[..., Awaitable[Any]]) -> Any:
+    @staticmethod
+    def _targets(route: tuple[str, ...], done: set[str]) -> list[str]:
+        """The streams of ``route`` not written yet."""
+        return [stream for stream in route if stream not in done] if done else [*route]
+
+    async def _write_spread(self, batch: list[_Publish]) -> None:
+        """:meth:`write` on a cluster whose bindings spread over slots: the version read
+        first (the routes made again when it moved), then one script call per slot of
+        the streams reached, the slots written concurrently. A binding registered before
+        the publish began is in the version read; a group deleted while the publish is
+        written may receive it (its stream made again, without a group: deleting the
+        group again removes it). A slot that fails fails the publish; the slots written
+        stay written (at-least-once, as a publish cut off by a lost connection).
+        """
+        transport = self.transport
+        bindings = transport._bindings
+        version = await transport._redis().get(transport._version_key)
+        if bindings.matchers is None or version != bindings.version:
+            await bindings.load()
+        targets = [self._targets(bindings.route(topic), done) for topic, _w, done in batch]
+        from redis.crc import key_slot
+
+        slots: dict[int, set[str]] = {}
+        for route in targets:
+            for stream in route:
+                slots.setdefault(key_slot(stream.encode()), set()).add(stream)
+
+        async def write_slot(streams: set[str]) -> None:
+            in_slot = [[stream for stream in each if stream in streams] for each in targets]
+            first = next(iter(streams))
+            keys, args = _arguments([first], batch, in_slot, bindings.inbox_streams)
+            script = functools.partial(transport._scripts["PUBLISH"], keys=keys, args=["-", *args])
+            await self.replicated(script, key=first)
+            for (_topic, _wire, done), written in zip(batch, in_slot, strict=True):
+                done.update(written)
+
+        if len(slots) == 1:
+            await write_slot(next(iter(slots.values())))
+            return
+        failures: list[Exception] = []
+
+        async def write_or_tell(streams: set[str]) -> None:
+            try:
+                await write_slot(streams)
+            except Exception as error:  # the others go on: a slot written is not undone
+                failures.append(error)
+
+        async with anyio.create_task_group() as group:
+            for in_one_slot in slots.values():
+                group.start_soon(write_or_tell, in_one_slot)
+        if failures:
+            raise failures[0]
+
+    async def replicated(
+        self, write: Callable[..., Awaitable[Any]], *, key: str | None = None
+    ) -> Any:
         """``write(client=...)``; with ``wait_replicas``, on one connection followed by
         ``WAIT``, raising when fewer replicas than that have it within the deadline (on
-        a cluster: on the master of the prefix's slot, see :mod:`._redis_master`)."""
+        a cluster: on the master of ``key``'s slot, the prefix's by default, see
+        :mod:`._redis_master`)."""
         transport = self.transport
         client = transport._redis()
         if not transport.wait_replicas:
@@ -200,7 +265,9 @@ class RedisPublisher:
         deadline = anyio.current_time() + transport.publish_timeout
         waited = functools.partial(self._waited, write, deadline=deadline)
         if transport.cluster:
-            return await transport._master.on_master(client, waited, transport.publish_timeout)
+            return await transport._master.on_master(
+                client, waited, transport.publish_timeout, key=key
+            )
         return await waited(client)
 
     async def _waited(
@@ -240,7 +307,7 @@ class RedisPublisher:
         write = functools.partial(transport._scripts["ADD"], keys=[stream], args=args)
 
         try:
-            await self._replicated(write)
+            await self.replicated(write, key=stream)
         except transport._errors.RedisError as error:
             raise transport._failed(f"publish to {pattern}@{group}", error) from error
 

@@ -14,6 +14,7 @@ __all__ = [
     "COUNT_DELAYED",
     "GIVE_BACK",
     "MOVE_DUE",
+    "MOVE_DUE_OF_BINDING",
     "PUBLISH",
     "REAP",
     "REAP_INBOXES",
@@ -60,10 +61,15 @@ return 1
 #: the array's (field, value, ...) pairs then ``body``.
 #: Nothing is written when the version is another (a binding was added or deleted
 #: since: the routes may name a stream that is gone). Returns {1 if written else 0,
-#: the version}.
+#: the version}. ARGV[1] ``-`` (no version is ever that) checks no version: on a
+#: cluster whose bindings spread over slots, KEYS[1] is then any key of the streams'
+#: slot, not read (the publisher read the version before).
 PUBLISH = """
-local version = redis.call('GET', KEYS[1])
-if (version or '') ~= ARGV[1] then return {0, version or ''} end
+local version = ''
+if ARGV[1] ~= '-' then
+  version = redis.call('GET', KEYS[1])
+  if (version or '') ~= ARGV[1] then return {0, version or ''} end
+end
 local function add(key, head, meta, body)
   if string.sub(meta, 1, 1) == '[' then
     local fields = cjson.decode(meta)
@@ -238,19 +244,41 @@ return {#due, after[2]}
 """
 )
 
+#: Move the due delayed retries of one binding back to its stream (a cluster whose
+#: bindings spread over slots keeps them with the binding). KEYS[1] the binding's sorted
+#: set of item keys by due time (ms), KEYS[2] its stream; ARGV now ms, limit. An item
+#: whose stream is gone (its group was deleted) is dropped. Returns {moved, score of
+#: the next item or nil}.
+MOVE_DUE_OF_BINDING = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+local bound = redis.call('EXISTS', KEYS[2]) == 1
+for _, item in ipairs(due) do
+  redis.call('ZREM', KEYS[1], item)
+  local fields = redis.call('HMGET', item, 'meta', 'body')
+  if bound and fields[1] then
+    redis.call('XADD', KEYS[2], '*', 'meta', fields[1], 'body', fields[2])
+  end
+  redis.call('DEL', item)
+end
+local after = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {#due, after[2]}
+"""
+
 #: Delete the request inboxes whose expiry passed (their process died): the stream,
 #: its binding and its entry in the sorted set; then change the bindings' version.
 #: KEYS[1] the sorted set of inbox streams by expiry (ms), KEYS[2] the bindings hash,
-#: KEYS[3] the version key; ARGV now ms, a new version. Returns how many.
+#: KEYS[3] the version key; ARGV now ms, a new version, and ``1`` to leave the streams
+#: to the caller (on a cluster whose bindings spread over slots they are in other
+#: slots). Returns the streams gone.
 REAP_INBOXES = """
 local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 100)
 for _, stream in ipairs(gone) do
   redis.call('ZREM', KEYS[1], stream)
   redis.call('HDEL', KEYS[2], stream)
-  redis.call('DEL', stream)
+  if ARGV[3] ~= '1' then redis.call('DEL', stream) end
 end
 if #gone > 0 then redis.call('SET', KEYS[3], ARGV[2]) end
-return #gone
+return gone
 """
 
 #: Take dead letters out of the dead-letter stream, each at most once however many

@@ -1,11 +1,15 @@
 """The Redis Streams transport: consumer groups, delayed retries and dead letters in Redis.
 
-Layout of the keys (all under ``prefix``; with ``cluster=True`` under ``{prefix}``, one
-hash tag, so that every script and transaction stays in one slot of a Redis Cluster):
+Layout of the keys (all under ``prefix``; with ``cluster=True`` the shared ones under
+``{prefix}``, one hash tag, and each binding's stream and delayed retries under a tag of
+their own, so that every script and transaction stays in one slot of a Redis Cluster and
+a deployment's groups spread over its masters: see :mod:`._redis_delayed` and
+:meth:`~._redis_publish.RedisPublisher.write` for what then takes several calls):
 
 * ``{prefix}:stage:{pattern}@{group}``: one stream per (pattern, group) binding, with
-  one consumer group (``group``) on it. Pattern and group are percent-escaped (``@``,
-  ``%``, spaces, braces...), so two bindings never share a key.
+  one consumer group (``group``) on it (on a cluster ``{{prefix}:stage:{pattern}@{group}}``).
+  Pattern and group are percent-escaped (``@``, ``%``, spaces, braces...), so two
+  bindings never share a key.
 * ``{prefix}:bindings``: hash of binding stream key to ``[pattern, group]``, written by
   ``subscribe``; ``{prefix}:bindings:version`` changes on every registration and
   deletion (listing and deleting groups: :mod:`._redis_groups`).
@@ -13,7 +17,9 @@ hash tag, so that every script and transaction stays in one slot of a Redis Clus
   which consumers read each binding (written every ``claim_interval``), for listings.
 * ``{prefix}:delayed``: sorted set of delayed retries by due time (ms), each one a hash
   ``{prefix}:delayed:{token}`` (stream, meta, body, id); ``{prefix}:delayed:counts``
-  counts them per stream (for :meth:`RedisTransport.backlog`).
+  counts them per stream (for :meth:`RedisTransport.backlog`). On a cluster each
+  binding has its own, ``{stream}:delayed`` (its ``ZCARD`` the count), and
+  ``{prefix}:delayed:due`` indexes the bindings with retries by the first one's time.
 * ``{prefix}:deadletters``: the dead-letter stream (``id``, ``entry`` fields), and
   ``{prefix}:deadletters:removed`` / ``:removals``, what was taken out of it, so every
   process's list follows (:mod:`._redis_dead_letters`).
@@ -36,7 +42,10 @@ How it works:
   bounds each batch, queued time included). The script writes only if the version is
   the one the routes were made from; when it moved (a binding was added or deleted
   anywhere), the bindings are read again and the batch routed anew, so a binding
-  registered before a publish always receives it and one deleted never does. A
+  registered before a publish always receives it and one deleted never does. On a
+  cluster the version is read first and the streams of each slot written by a call of
+  their own (see :meth:`~._redis_publish.RedisPublisher.write`): not atomic across
+  slots, and a group deleted during the publish may still get it. A
   publish through :meth:`RedisTransport.publish_routed` (the bus's) that no binding
   matched is stored as a ``no_subscribers`` dead letter instead.
 * **Reading.** A consumer reads with ``XREADGROUP COUNT <room>`` (its free prefetch),
@@ -177,16 +186,17 @@ class RedisTransport(Transport):
         also the socket timeout of every other call (at least ``block_ms`` plus a
         second), so a server that stops answering fails calls instead of hanging them.
     :param cluster: talk to a Redis Cluster through redis-py's cluster client (it
-        follows ``MOVED``/``ASK`` and a master's failover to its replica). Every key of
-        one ``prefix`` carries the hash tag ``{prefix}``, so each script and
-        transaction stays in one slot: a prefix lives on one master (and its
-        replicas), and several prefixes spread over the cluster.
+        follows ``MOVED``/``ASK`` and a master's failover to its replica). Each
+        group's stream and delayed retries carry a hash tag of their own, the
+        prefix's shared keys the tag ``{prefix}``, so each script and transaction
+        stays in one slot and the groups spread over the masters; a publish reaching
+        groups in several slots is one write per slot (no longer atomic across them).
     :param wait_replicas: a publish returns once that many replicas of the server have
         it too (Redis ``WAIT``, on the connection that wrote it), and raises
         :class:`TransportError` when fewer had it within ``publish_timeout``: a
         confirmed publish then survives the master's loss. ``0`` (the default): once
         the server has it (its replicas follow asynchronously). On a cluster the write
-        and its ``WAIT`` go to the master of the prefix's slot directly; a master that
+        and its ``WAIT`` go to the master of the slot written directly; a master that
         is gone or moved is looked up again and the write tried again within
         ``publish_timeout`` (after a failover the new master has its replicas only
         once the old one came back as one).
@@ -259,8 +269,8 @@ class RedisTransport(Transport):
         self.url = ",".join(nodes)
         self.cluster = cluster
         self.wait_replicas = wait_replicas
-        #: What every key starts with: ``prefix``, or ``{prefix}`` on a cluster (one
-        #: hash tag: one slot for everything a script or transaction touches).
+        #: What every shared key starts with: ``prefix``, or ``{prefix}`` on a cluster
+        #: (one hash tag: one slot for the scripts and transactions over them).
         self.key_base = f"{{{prefix}}}" if cluster else prefix
         self.max_message_size = checked_max_message_size(max_message_size)
         self.keep_alive = keep_alive
@@ -276,6 +286,8 @@ class RedisTransport(Transport):
         self._delayed_key = f"{base}:delayed"
         self._delayed_counts_key = f"{base}:delayed:counts"
         self._inboxes_key = f"{base}:inboxes"
+        #: On a cluster: the bindings with delayed retries, by when the first is due (ms).
+        self._delayed_index_key = f"{base}:delayed:due"
         self._shared_dead = RedisDeadLetters(self, f"{base}:deadletters")
         self._groups = RedisGroups(self)
         self._heartbeats = RedisHeartbeats(self)
@@ -289,7 +301,7 @@ class RedisTransport(Transport):
         #: The bindings made and routed by (see the module docstring: routing).
         self._bindings = RedisBindings(self)
         self._publisher = RedisPublisher(self)
-        #: The master of the prefix's slot, reached directly (``wait_replicas`` on a
+        #: The masters of the slots written, reached directly (``wait_replicas`` on a
         #: cluster).
         self._master = PrefixMaster(
             nodes, self._version_key, socket_timeouts(publish_timeout, block_ms)
@@ -307,8 +319,15 @@ class RedisTransport(Transport):
     # -- keys -----------------------------------------------------------------
 
     def stream_key(self, pattern: str, group: str) -> str:
-        """The Redis key of the stream of binding (``pattern``, ``group``)."""
-        return f"{self.key_base}:stage:{_escape(pattern)}@{_escape(group)}"
+        """The Redis key of the stream of binding (``pattern``, ``group``); on a cluster
+        a hash tag of its own, so the bindings spread over the cluster's slots."""
+        name = f"{self.prefix}:stage:{_escape(pattern)}@{_escape(group)}"
+        return f"{{{name}}}" if self.cluster else name
+
+    def delayed_key_of(self, stream: str) -> str:
+        """The sorted set of delayed retries ``stream``'s are in: the prefix's one, or
+        on a cluster the binding's own (in its slot)."""
+        return f"{stream}:delayed" if self.cluster else self._delayed_key
 
     def _shown(self) -> str:
         """The URLs given, credentials hidden."""
@@ -390,7 +409,8 @@ class RedisTransport(Transport):
         """XADD each envelope to every binding whose pattern matches ``topic``.
 
         Publishes from concurrent tasks are written together (see the module docstring);
-        this one returns once the MULTI/EXEC holding its envelopes succeeded.
+        this one returns once the script call holding its envelopes succeeded (on a
+        cluster, every slot's).
 
         :raises EncodeError: when a payload cannot be encoded (nothing is published).
         :raises TransportError: when an envelope is over ``max_message_size`` (nothing
@@ -457,7 +477,17 @@ class RedisTransport(Transport):
     async def _write_acks(
         self, batch: dict[tuple[str, str], list[tuple[bytes, str | None]]]
     ) -> tuple[()]:
-        """XACK and XDEL every ack of ``batch`` in one MULTI (all of them, or none)."""
+        """XACK and XDEL every ack of ``batch`` in one MULTI (all of them, or none); on
+        a cluster one MULTI per stream (each in its slot; a failed write is tried again
+        whole, and an ack written twice is harmless)."""
+        if self.cluster:
+            for (stream, group), items in batch.items():
+                one = self._redis().pipeline(transaction=True)
+                entries = [entry for entry, _id in items]
+                one.xack(stream, group, *entries)
+                one.xdel(stream, *entries)
+                await one.execute()
+            return ()
         pipe = self._redis().pipeline(transaction=True)
         for (stream, group), items in batch.items():
             entries = [entry for entry, _id in items]
@@ -487,7 +517,10 @@ class RedisTransport(Transport):
         stream = self.stream_key(pattern, group)
         pipe = self._redis().pipeline(transaction=True)
         pipe.xlen(stream)
-        pipe.hget(self._delayed_counts_key, stream)
+        if self.cluster:  # the binding's retries are in its own set, in its slot
+            pipe.zcard(self.delayed_key_of(stream))
+        else:
+            pipe.hget(self._delayed_counts_key, stream)
         try:
             length, delayed = await pipe.execute()
         except self._errors.RedisError as error:
