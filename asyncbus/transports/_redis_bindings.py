@@ -150,12 +150,15 @@ class RedisBindings:
     async def load(self) -> None:
         """Read the bindings and their version; forget the routes made from the last."""
         found, version = await self._read()
-        consumers = self.transport._consumers
-        if version is None and consumers:
-            # No version although this process has bindings: the server lost them (a
-            # restart without persistence, a flush). Make ours again before routing, so
-            # a publish does not miss this process's groups until their next read.
-            for consumer in list(consumers):
+        registered = {text(stream) for stream in found}
+        lost = [c for c in self.transport._consumers if c.stream not in registered]
+        if lost:
+            # Bindings of this process's subscriptions the server does not have: it lost
+            # them (a restart without persistence, a flush; another subscription may
+            # have made its own again already, so the version alone does not tell).
+            # Make them again before routing, so a publish does not miss these groups
+            # until their next read.
+            for consumer in lost:
                 await self.bind_raw(consumer.pattern, consumer.group)
             found, version = await self._read()
         matchers: list[tuple[Callable[[str], bool], str]] = []

@@ -17,7 +17,7 @@ import anyio
 import pytest
 from _private_brokers import private_nats, private_rabbit, private_redis
 
-from asyncbus import Bus, TransportError
+from asyncbus import Bus, Envelope, TransportError
 from asyncbus.transports import Transport
 from asyncbus.transports.nats import NatsTransport, consumer_name
 from asyncbus.transports.rabbit import RabbitTransport
@@ -219,6 +219,34 @@ async def test_nats_dedup_bucket_lost_with_the_servers_state_is_made_again(
                 assert await store.claim("work@g/x", "two", 30.0) is Claim.BUSY
                 await store.done("work@g/x", "one", 300.0)
                 assert await store.claim("work@g/x", "two", 30.0) is Claim.DONE
+
+
+async def test_redis_bindings_lost_are_all_made_again_when_one_came_back_first(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """After the server lost every binding (a flush, a restart without persistence), one
+    subscription that read first registers its own again, which moves the bindings'
+    version: a publish then reading the bindings must still find the others of this
+    process (made again before routing), not dead-letter them ``no_subscribers``."""
+    transport = RedisTransport(redis_url, prefix=redis_prefix)
+    client = await _redis_client(redis_url)
+    try:
+        with anyio.fail_after(30):
+            async with (
+                transport,
+                transport.subscribe("first", group="g", prefetch=1),
+                transport.subscribe("work", group="g", prefetch=1),
+            ):
+                assert await transport.publish_routed("work", [Envelope(topic="work")]) == (
+                    "work@g",
+                )
+                keys = [key async for key in client.scan_iter(match=f"{redis_prefix}:*")]
+                await client.delete(*keys)
+                await transport._bindings.bind_raw("first", "g")  # its consumer came back
+                reached = await transport.publish_routed("work", [Envelope(topic="work")])
+                assert reached == ("work@g",)
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.parametrize("loss", ["flushdb", "restart"])
