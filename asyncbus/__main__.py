@@ -24,7 +24,8 @@ From there:
     python -m asyncbus bench rabbit     (RabbitMQ end to end)
     python -m asyncbus bench postgres   (PostgreSQL end to end)
     python -m asyncbus bench cpu        (CPU-bound stages: thread and process offload)
-    python -m asyncbus bench scale      (one group shared by 1, 2 and 4 processes)"""
+    python -m asyncbus bench scale      (one group shared by 1, 2 and 4 processes)
+    python -m asyncbus bench fanout     (a publish to several groups: one Redis, a Cluster)"""
 
 #: The suite's module behind each ``bench`` subcommand; any other arguments go to ``suite``.
 _BENCH_MODULES = {
@@ -33,6 +34,7 @@ _BENCH_MODULES = {
     "postgres": "suite._postgres",
     "cpu": "cpu_stages",
     "scale": "scale",
+    "fanout": "cluster_fanout",
 }
 
 

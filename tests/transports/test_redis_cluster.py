@@ -386,3 +386,18 @@ async def test_with_wait_replicas_a_dead_letter_is_on_a_replica_before_the_settl
             stored = await transport.dead_letters()
     # The first try's dead letter is on the master all the same: the entry twice.
     assert [entry.envelope.payload for entry in stored] == [1, 1]
+
+
+@pytest.mark.timeout(120)
+def test_the_fanout_benchmark_accounts_for_every_publish(
+    cluster: RedisClusterNodes, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench fanout``, a short run: every group's stream holds each publish once, on
+    one server and on the cluster, and three groups are on three masters."""
+    import cluster_fanout  # (benchmarks/ is on pytest's pythonpath)
+
+    nodes = ",".join(cluster.urls)
+    arguments = ["--redis", redis_url, "--redis-cluster", nodes, "--messages", "300"]
+    assert cluster_fanout.main([*arguments, "--rounds", "1", "--groups", "1,3", "--check"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
+    assert len(rows) == 1 and rows[0].endswith("| 3 |")
