@@ -66,6 +66,8 @@ class TcpProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
+        #: The handlers of accepted connections still setting them up (or swallowing).
+        self._accepting: set[asyncio.Task[None]] = set()
         #: Connections accepted since the proxy started (a reconnect makes a new one).
         self.accepted = 0
 
@@ -133,10 +135,16 @@ class TcpProxy:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        # A connection still being set up (its broker side opening) is cancelled too:
+        # left pending, its handler or its pipes would outlive the loop.
+        accepting = list(self._accepting)
+        for task in accepting:
+            task.cancel()
         tasks = [task for pair in self._pairs for task in pair.tasks]
         await self._cut()
         current = asyncio.current_task()
-        await asyncio.gather(*(t for t in tasks if t is not current), return_exceptions=True)
+        waited = [*accepting, *tasks]
+        await asyncio.gather(*(t for t in waited if t is not current), return_exceptions=True)
 
     async def _cut(self) -> None:
         pairs, self._pairs = list(self._pairs), set()
@@ -164,6 +172,20 @@ class TcpProxy:
         self.accepted += 1
         pair = _Pair(writer)
         self._pairs.add(pair)
+        task = asyncio.current_task()
+        assert task is not None
+        self._accepting.add(task)
+        try:
+            await self._set_up(reader, pair)
+        except asyncio.CancelledError:
+            pair.close()
+            self._pairs.discard(pair)
+        finally:
+            self._accepting.discard(task)
+
+    async def _set_up(self, reader: asyncio.StreamReader, pair: _Pair) -> None:
+        """Open the broker's side of ``pair`` and start its pipes (or swallow, black-holed)."""
+        writer = pair.client
         if self._mode == "blackhole":
             await self._swallow(reader, pair)  # ends when the pair is closed (aborted)
             return
@@ -174,6 +196,9 @@ class TcpProxy:
             self._pairs.discard(pair)
             return
         pair.upstream = up_writer
+        if pair not in self._pairs:  # cut (or the proxy shut down) while it opened
+            pair.close()
+            return
         pair.tasks = [
             asyncio.ensure_future(self._pipe(reader, up_writer, pair)),
             asyncio.ensure_future(self._pipe(up_reader, writer, pair)),
