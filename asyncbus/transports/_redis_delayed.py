@@ -33,6 +33,7 @@ import anyio.lowlevel
 
 from . import _redis_scripts
 from ._kit import Backoff
+from ._redis_bindings import text
 from ._redis_dedup import RedisHost
 
 if TYPE_CHECKING:
@@ -178,8 +179,9 @@ class DelayedRetries:
             await self._repair_index(client)
         now = int(time.time() * 1000)
         moved = 0
-        for found in await client.zrangebyscore(index, "-inf", now, start=0, num=_DELAY_BATCH):
-            stream = found.decode() if isinstance(found, bytes) else str(found)
+        due: list[Any] = await client.zrangebyscore(index, "-inf", now, start=0, num=_DELAY_BATCH)
+        for found in due:
+            stream = text(found)
             delayed_key = transport.delayed_key_of(stream)
             reply = await transport._scripts["MOVE_DUE_OF_BINDING"](
                 keys=[delayed_key, stream], args=[now, _DELAY_BATCH]
@@ -201,10 +203,7 @@ class DelayedRetries:
         """Lower the index to every registered binding's first retry (one pipeline, a
         round trip per master), so none is left out of it for good."""
         transport = self.transport
-        streams = [
-            found.decode() if isinstance(found, bytes) else str(found)
-            for found in await client.hkeys(transport._bindings_key)
-        ]
+        streams = [text(found) for found in await client.hkeys(transport._bindings_key)]
         if streams:
             pipe = client.pipeline(transaction=False)
             for stream in streams:
